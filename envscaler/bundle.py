@@ -1,0 +1,116 @@
+"""Bundles on disk: ``<dir>/<env_id>/env.json`` and ``<dir>/<env_id>/scenarios.jsonl``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from envscaler.errors import BundleError
+from envscaler.models import Bundle, EnvSpec, Scenario
+
+ENV_FILE = "env.json"
+SCENARIOS_FILE = "scenarios.jsonl"
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def describe_validation_error(error: ValidationError) -> str:
+    """One line per problem: ``field.path: message``."""
+    parts = []
+    for item in error.errors():
+        where = ".".join(str(p) for p in item["loc"]) or "(top level)"
+        parts.append(f"{where}: {item['msg']}")
+    return "; ".join(parts)
+
+
+def parse_model(model: type[M], data: Any, where: str) -> M:
+    """Validate ``data`` as ``model``; on failure raise BundleError naming ``where`` and the fields."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise BundleError(f"{where}: {describe_validation_error(e)}") from None
+
+
+def read_json(path: Path) -> Any:
+    """Parse a JSON file; BundleError with the file, line and column when it is not JSON."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise BundleError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BundleError(f"{path}:{e.lineno}:{e.colno}: malformed JSON: {e.msg}") from None
+
+
+def read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    """Yield ``(line_number, object)`` for each non-blank line of a JSON Lines file."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise BundleError(f"{path}: cannot read: {e.strerror}") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            yield number, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise BundleError(f"{path}:{number}:{e.colno}: malformed JSON: {e.msg}") from None
+
+
+def load_bundle(directory: str | Path) -> Bundle:
+    """Load one bundle directory. Raises BundleError naming the file and field on bad input."""
+    directory = Path(directory)
+    env_path = directory / ENV_FILE
+    if not env_path.is_file():
+        raise BundleError(f"{directory}: not a bundle (no {ENV_FILE})")
+    spec = parse_model(EnvSpec, read_json(env_path), str(env_path))
+    scenarios: list[Scenario] = []
+    scenarios_path = directory / SCENARIOS_FILE
+    if scenarios_path.is_file():
+        for number, item in read_jsonl(scenarios_path):
+            scenario = parse_model(Scenario, item, f"{scenarios_path}:{number}")
+            if scenario.env_id != spec.env_id:
+                raise BundleError(
+                    f"{scenarios_path}:{number}: env_id: {scenario.env_id!r} does not match "
+                    f"{ENV_FILE}'s {spec.env_id!r}"
+                )
+            scenarios.append(scenario)
+    return Bundle(spec=spec, scenarios=scenarios)
+
+
+def save_bundle(bundle: Bundle, root: str | Path) -> Path:
+    """Write ``bundle`` under ``root/<env_id>/`` and return that directory."""
+    directory = Path(root) / bundle.spec.env_id
+    directory.mkdir(parents=True, exist_ok=True)
+    env_json = json.dumps(bundle.spec.model_dump(mode="json", exclude_none=True), indent=2, ensure_ascii=False)
+    (directory / ENV_FILE).write_text(env_json + "\n", encoding="utf-8")
+    lines = [
+        json.dumps(s.model_dump(mode="json", exclude_none=True), ensure_ascii=False) for s in bundle.scenarios
+    ]
+    (directory / SCENARIOS_FILE).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return directory
+
+
+def find_bundles(path: str | Path) -> list[Path]:
+    """Bundle directories at ``path``: the directory itself if it is one, else its bundle children."""
+    path = Path(path)
+    if (path / ENV_FILE).is_file():
+        return [path]
+    if not path.is_dir():
+        raise BundleError(f"{path}: no such directory")
+    return sorted(child for child in path.iterdir() if (child / ENV_FILE).is_file())
+
+
+def load_bundles(path: str | Path) -> list[Bundle]:
+    """Every bundle at ``path`` (see find_bundles), in env_id order."""
+    return [load_bundle(d) for d in find_bundles(path)]
+
+
+def default_catalog() -> Path:
+    """The catalog shipped inside this package."""
+    return Path(__file__).parent / "catalog"

@@ -1,0 +1,169 @@
+"""The ``envscaler`` command line.
+
+The core defines ``catalog`` and ``import``. Other packages add their commands (``serve``, ``farm``,
+``run``, ...) through the ``envscaler.commands`` entry point group, so this package imports none of
+them. Exit codes: 0 success, 1 the work ran and found failures, 2 bad usage or input, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from importlib.metadata import entry_points
+from pathlib import Path
+from subprocess import TimeoutExpired
+
+from envscaler.bundle import default_catalog, find_bundles, load_bundles
+from envscaler.errors import EnvScalerError
+from envscaler.gates import GATES, EnvReport, GateResult
+from envscaler.importer import import_envscaler
+from envscaler.runtime import EnvRuntime
+from envscaler.sandbox import run_module
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def _catalog_list(args: argparse.Namespace) -> int:
+    bundles = load_bundles(args.dir)
+    print(f"{'env_id':<28} {'tools':>5} {'scenarios':>9} {'conv.':>5}  summary")
+    totals = [0, 0, 0]
+    for bundle in bundles:
+        runtime = EnvRuntime(bundle.spec)
+        conversational = sum(s.conversational for s in bundle.scenarios)
+        totals[0] += len(runtime.tools)
+        totals[1] += len(bundle.scenarios)
+        totals[2] += conversational
+        summary = bundle.spec.environment_summary[:60]
+        print(f"{bundle.env_id:<28} {len(runtime.tools):>5} {len(bundle.scenarios):>9} {conversational:>5}  {summary}")
+    print(f"{len(bundles)} environments, {totals[1]} scenarios ({totals[2]} conversational), {totals[0]} tools")
+    return EXIT_OK
+
+
+def check_isolated(directory: Path, timeout_s: float) -> EnvReport:
+    """Run every gate on one bundle in a limited child process."""
+    try:
+        done = run_module("envscaler.gates", [str(directory)], timeout_s=timeout_s)
+    except TimeoutExpired:
+        return _broken(directory.name, f"the check did not finish within {timeout_s:g} s")
+    lines = done.stdout.strip().splitlines()
+    try:
+        payload = json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        payload = None
+    if not isinstance(payload, dict):
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return _broken(directory.name, f"the checker process failed (exit {done.returncode}): {tail}")
+    if "error" in payload:
+        return _broken(directory.name, payload["error"])
+    return EnvReport.model_validate(payload)
+
+
+def _broken(env_id: str, detail: str) -> EnvReport:
+    return EnvReport(env_id=env_id, env_gates=[GateResult(gate="class_loads", passed=False, detail=detail)])
+
+
+def _catalog_check(args: argparse.Namespace) -> int:
+    directories = find_bundles(args.dir)
+    if not directories:
+        print(f"error: no bundles under {args.dir}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"checking {len(directories)} environment(s) with gates: {', '.join(GATES)}", flush=True)
+    reports: list[EnvReport] = []
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for report in pool.map(lambda d: check_isolated(d, args.timeout), directories):
+            reports.append(report)
+            _print_report(report)
+    failed = [r for r in reports if not r.passed]
+    scenarios = sum(len(r.scenarios) for r in reports)
+    tools = sum(r.tools for r in reports)
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.model_dump() for r in reports], indent=2) + "\n")
+    verdict = "all gates pass" if not failed else f"{len(failed)} environment(s) FAIL"
+    print(f"{len(reports)} environments, {scenarios} scenarios, {tools} tools: {verdict}")
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def _print_report(report: EnvReport) -> None:
+    gates = len(report.env_gates) + sum(len(s.gates) for s in report.scenarios)
+    passed = sum(g.passed for g in report.env_gates) + sum(g.passed for s in report.scenarios for g in s.gates)
+    unscored = sum(1 for s in report.scenarios if s.skipped)
+    status = "ok  " if report.passed else "FAIL"
+    extra = f", {unscored} unscored" if unscored else ""
+    print(
+        f"{status} {report.env_id:<28} {report.tools:>3} tools {len(report.scenarios):>4} scenarios"
+        f"  {passed}/{gates} gates{extra}",
+        flush=True,
+    )
+    for line in report.failures():
+        print(f"     {line}", flush=True)
+
+
+def _import_envscaler(args: argparse.Namespace) -> int:
+    report = import_envscaler(Path(args.envs), [Path(p) for p in args.scenarios], Path(args.out))
+    print(
+        f"imported {report.environments} environments and {report.scenarios} scenarios "
+        f"({report.unscored} unscored) into {args.out}"
+    )
+    for env_id, count in sorted(report.orphans.items()):
+        print(f"warning: {count} scenario(s) name env_id {env_id!r}, which the metadata lacks: skipped", file=sys.stderr)
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser, including commands that other packages register."""
+    parser = argparse.ArgumentParser(
+        prog="envscaler",
+        description="Synthesized tool environments as isolated, resettable, scorable MCP servers.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    catalog = commands.add_parser("catalog", help="list bundles or run every quality gate on them")
+    catalog_commands = catalog.add_subparsers(dest="catalog_command", metavar="ACTION", required=True)
+    listing = catalog_commands.add_parser("list", help="show each bundle's tools and scenarios")
+    listing.add_argument("dir", nargs="?", default=str(default_catalog()), help="bundle or folder of bundles (default: the bundled catalog)")
+    listing.set_defaults(func=_catalog_list)
+    check = catalog_commands.add_parser(
+        "check",
+        help="run every quality gate on every scenario; exit 1 if any fails",
+        description="Each environment is checked in its own limited process. Gates: " + ", ".join(GATES),
+    )
+    check.add_argument("dir", nargs="?", default=str(default_catalog()), help="bundle or folder of bundles (default: the bundled catalog)")
+    check.add_argument("--jobs", type=int, default=2, help="environments checked at once (default: 2)")
+    check.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per environment (default: 300)")
+    check.add_argument("--json", metavar="FILE", help="also write the full report as JSON")
+    check.set_defaults(func=_catalog_check)
+
+    importer = commands.add_parser("import", help="convert released data sets into bundles")
+    sources = importer.add_subparsers(dest="source", metavar="SOURCE", required=True)
+    envscaler = sources.add_parser("envscaler", help="EnvScaler's env metadata and scenario files")
+    envscaler.add_argument("--envs", required=True, metavar="FILE", help="*_env_metadata.json (object keyed by env_id)")
+    envscaler.add_argument("--scenarios", required=True, nargs="+", metavar="FILE", help="scenario lists (JSON list or JSONL)")
+    envscaler.add_argument("--out", required=True, metavar="DIR", help="folder to write one bundle per environment into")
+    envscaler.set_defaults(func=_import_envscaler)
+
+    for entry in sorted(entry_points(group="envscaler.commands"), key=lambda e: e.name):
+        entry.load()(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``envscaler`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return args.func(args)
+    except EnvScalerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""Quality gates: proof that every scenario is solvable and every checklist meaningful.
+
+For each bundle: the class loads and every listed tool exists with a matching signature. For each
+scored scenario: the init_config instantiates; the reference solution runs with no tool error; every
+check passes on the reference's final state; at least one check fails on the untouched initial state;
+checks give the same answers twice; a do-nothing agent scores below 1.0.
+
+Run ``python -m envscaler.gates BUNDLE_DIR`` to check one bundle in its own process; the CLI does
+this so that untrusted code never runs in the process that drives the check.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from envscaler.bundle import load_bundle
+from envscaler.errors import EnvScalerError
+from envscaler.models import Bundle, Scenario
+from envscaler.runtime import EnvRuntime, Episode
+from envscaler.tools import signature_problems
+
+GATES = (
+    "class_loads",
+    "instantiates",
+    "reference_runs",
+    "checks_pass_on_reference",
+    "check_fails_on_initial",
+    "deterministic",
+    "do_nothing_below_one",
+)
+
+
+class GateResult(BaseModel):
+    """One gate on one scenario (or on the environment as a whole)."""
+
+    gate: str
+    passed: bool
+    detail: str = ""
+
+
+class ScenarioReport(BaseModel):
+    task_id: str
+    gates: list[GateResult] = Field(default_factory=list)
+    skipped: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return all(g.passed for g in self.gates)
+
+
+class EnvReport(BaseModel):
+    """Every gate's verdict for one environment."""
+
+    env_id: str
+    tools: int = 0
+    state_changing_tools: int | None = None
+    env_gates: list[GateResult] = Field(default_factory=list)
+    scenarios: list[ScenarioReport] = Field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(g.passed for g in self.env_gates) and all(s.passed for s in self.scenarios)
+
+    def failures(self) -> list[str]:
+        """``task_id: gate: detail`` for every failed gate."""
+        lines = [f"(env): {g.gate}: {g.detail}" for g in self.env_gates if not g.passed]
+        for scenario in self.scenarios:
+            lines += [f"{scenario.task_id}: {g.gate}: {g.detail}" for g in scenario.gates if not g.passed]
+        return lines
+
+
+def check_bundle(bundle: Bundle, *, call_timeout_s: float = 5.0, check_timeout_s: float = 2.0) -> EnvReport:
+    """Run every gate on every scenario of ``bundle``."""
+    report = EnvReport(env_id=bundle.env_id)
+    try:
+        runtime = EnvRuntime(bundle.spec, call_timeout_s=call_timeout_s, check_timeout_s=check_timeout_s)
+    except EnvScalerError as e:
+        report.env_gates.append(GateResult(gate="class_loads", passed=False, detail=str(e)))
+        return report
+    listed = bundle.spec.listed_tools()
+    problems = signature_problems(runtime.env_class, listed) if listed is not None else []
+    if not runtime.tools:
+        problems.append("the class has no tools")
+    report.tools = len(runtime.tools)
+    report.env_gates.append(GateResult(gate="class_loads", passed=not problems, detail="; ".join(problems)))
+    changing: set[str] = set()
+    for scenario in bundle.scenarios:
+        report.scenarios.append(check_scenario(runtime, scenario, changing))
+    report.state_changing_tools = len(changing)
+    return report
+
+
+def check_scenario(runtime: EnvRuntime, scenario: Scenario, changing_tools: set[str] | None = None) -> ScenarioReport:
+    """Run the per-scenario gates, stopping at the first gate the later ones depend on."""
+    report = ScenarioReport(task_id=scenario.task_id)
+    gates = report.gates
+    try:
+        start = runtime.new_episode(scenario.init_config)
+    except EnvScalerError as e:
+        gates.append(GateResult(gate="instantiates", passed=False, detail=str(e)))
+        return report
+    gates.append(GateResult(gate="instantiates", passed=True))
+    if not scenario.checklist_with_func:
+        report.skipped = "unscored scenario (no checklist): only instantiation is checked"
+        return report
+
+    first, problem = _replay(runtime, scenario, changing_tools)
+    gates.append(GateResult(gate="reference_runs", passed=problem is None, detail=problem or ""))
+    if first is None or problem is not None:
+        return report
+
+    on_reference = first.validate(scenario.checklist_with_func)
+    failed = [f"{c.check_item!r}" + (f" ({c.error})" if c.error else "") for c in on_reference.checks if not c.passed]
+    gates.append(
+        GateResult(
+            gate="checks_pass_on_reference",
+            passed=not failed,
+            detail=("failing: " + "; ".join(failed)) if failed else "",
+        )
+    )
+
+    on_initial = start.validate(scenario.checklist_with_func)
+    gates.append(
+        GateResult(
+            gate="check_fails_on_initial",
+            passed=any(not c.passed for c in on_initial.checks),
+            detail="" if any(not c.passed for c in on_initial.checks) else "every check already passes before any action",
+        )
+    )
+
+    second, _ = _replay(runtime, scenario, None)
+    answers = [
+        _verdicts(first.validate(scenario.checklist_with_func)),
+        _verdicts(on_reference),
+        _verdicts(second.validate(scenario.checklist_with_func)) if second else None,
+    ]
+    initial_again = _verdicts(start.validate(scenario.checklist_with_func))
+    same = answers[0] == answers[1] == answers[2] and initial_again == _verdicts(on_initial)
+    gates.append(
+        GateResult(
+            gate="deterministic",
+            passed=same,
+            detail="" if same else "checks or the environment gave different answers on identical runs",
+        )
+    )
+    gates.append(
+        GateResult(
+            gate="do_nothing_below_one",
+            passed=on_initial.score < 1.0,
+            detail=f"do-nothing score {on_initial.score:.2f}",
+        )
+    )
+    return report
+
+
+def _verdicts(result: Any) -> list[tuple[bool, str | None]]:
+    return [(c.passed, c.error) for c in result.checks]
+
+
+def _replay(runtime: EnvRuntime, scenario: Scenario, changing_tools: set[str] | None) -> tuple[Episode | None, str | None]:
+    """Run the reference solution on a fresh episode: (episode, first problem or None)."""
+    if not scenario.reference_solution:
+        return None, "the scenario has no reference_solution"
+    episode = runtime.new_episode(scenario.init_config)
+    for number, call in enumerate(scenario.reference_solution, start=1):
+        outcome = episode.call(call.name, call.arguments, track_diff=changing_tools is not None)
+        if outcome.error:
+            return episode, f"call {number} ({call.name}): {outcome.error}"
+        result = outcome.result
+        if isinstance(result, dict) and result.get("success") is False:
+            return episode, f"call {number} ({call.name}) returned success=false: {result.get('error', '')}"
+        if changing_tools is not None and outcome.diff:
+            changing_tools.add(call.name)
+    return episode, None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Check one bundle directory and print its EnvReport as JSON (the CLI's isolated worker)."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m envscaler.gates BUNDLE_DIR", file=sys.stderr)
+        return 2
+    try:
+        bundle = load_bundle(args[0])
+    except EnvScalerError as e:
+        print(json.dumps({"error": str(e)}))
+        return 1
+    report = check_bundle(bundle)
+    print(report.model_dump_json())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,60 @@
+"""Environment class code -> a class, in a fresh module namespace, cached by content."""
+
+from __future__ import annotations
+
+import hashlib
+import linecache
+import sys
+import types
+
+from envscaler.errors import EnvCodeError
+from envscaler.models import EnvSpec
+
+_CLASSES: dict[str, type] = {}
+
+
+def code_filename(env_id: str) -> str:
+    """The pseudo file name environment code runs under; tracebacks and errors show it."""
+    return f"<env {env_id}>"
+
+
+def load_class(spec: EnvSpec) -> type:
+    """Compile ``spec.env_class_code`` and return ``spec.env_class_name`` from it.
+
+    Each distinct code gets its own module, so two environments never share globals; the same code
+    is compiled once per process. Raises EnvCodeError naming the line of a syntax error, or the
+    exception the module raised while loading.
+    """
+    digest = hashlib.sha256(f"{spec.env_class_name}\0{spec.env_class_code}".encode()).hexdigest()[:16]
+    cached = _CLASSES.get(digest)
+    if cached is not None:
+        return cached
+    filename = code_filename(spec.env_id)
+    try:
+        code = compile(spec.env_class_code, filename, "exec")
+    except SyntaxError as e:
+        raise EnvCodeError(f"{spec.env_id}: syntax error in class code, line {e.lineno}: {e.msg}") from None
+    module_name = f"envscaler_env_{digest}"
+    module = types.ModuleType(module_name)
+    module.__file__ = filename
+    # typing resolves TypedDict and string annotations through sys.modules.
+    sys.modules[module_name] = module
+    linecache.cache[filename] = (
+        len(spec.env_class_code),
+        None,
+        spec.env_class_code.splitlines(keepends=True),
+        filename,
+    )
+    try:
+        exec(code, module.__dict__)
+    except BaseException as e:  # noqa: BLE001 - module-level code is untrusted; report anything
+        del sys.modules[module_name]
+        raise EnvCodeError(f"{spec.env_id}: class code failed to load: {type(e).__name__}: {e}") from None
+    cls = module.__dict__.get(spec.env_class_name)
+    if not isinstance(cls, type):
+        found = sorted(k for k, v in module.__dict__.items() if isinstance(v, type) and v.__module__ == module_name)
+        raise EnvCodeError(
+            f"{spec.env_id}: class code defines no class {spec.env_class_name!r} (it defines: {', '.join(found) or 'none'})"
+        )
+    _CLASSES[digest] = cls
+    return cls

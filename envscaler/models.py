@@ -1,0 +1,159 @@
+"""The data contracts: environment specs, scenarios, and what running them produces.
+
+Field names follow EnvScaler's released files so its environments and scenarios load as they are.
+Unknown fields are kept (``extra="allow"``) and written back out unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Open(BaseModel):
+    """A model that keeps fields it does not know about."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class ToolSchema(BaseModel):
+    """One tool as an OpenAI function: name, description and a JSON schema of its arguments."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+    def openai(self) -> dict[str, Any]:
+        """The tool in OpenAI's ``{"type": "function", "function": {...}}`` form."""
+        return {"type": "function", "function": self.model_dump()}
+
+    def mcp(self) -> dict[str, Any]:
+        """The tool as an MCP ``tools/list`` entry."""
+        return {"name": self.name, "description": self.description, "inputSchema": self.parameters}
+
+
+class EnvSpec(_Open):
+    """One environment: EnvScaler's env metadata item."""
+
+    env_id: str
+    env_class_name: str
+    env_class_code: str
+    environment_summary: str = ""
+    environment_introduction: str = ""
+    constraints_rules: Any = None
+    state_space_definition: Any = None
+    tools: list[dict[str, Any]] | None = None
+
+    def content_hash(self) -> str:
+        """A stable 16-hex-digit digest of the whole spec (image tags, caches)."""
+        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    def listed_tools(self) -> list[ToolSchema] | None:
+        """The spec's own tool list in one shape, or None when the spec lists none."""
+        if self.tools is None:
+            return None
+        return [ToolSchema.model_validate(t.get("function", t)) for t in self.tools]
+
+
+class CheckItem(_Open):
+    """One checklist entry: what must hold, and the Python function that decides it."""
+
+    check_item: str
+    check_func: str
+
+
+class ToolCall(_Open):
+    """One tool invocation, as in a reference solution."""
+
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class Scenario(_Open):
+    """One task on one environment: EnvScaler's task item plus our extensions.
+
+    ``checklist_with_func`` is None for unscored scenarios (EnvScaler's SFT split ships without).
+    """
+
+    task_id: str
+    env_id: str
+    env_class_name: str | None = None
+    init_config: dict[str, Any] = Field(default_factory=dict)
+    task: str = ""
+    checklist_with_func: list[CheckItem] | None = None
+    reference_solution: list[ToolCall] | None = None
+    user_profile: Any = None
+
+    @property
+    def conversational(self) -> bool:
+        """True when a simulated user holds the task (the scenario has a ``user_profile``)."""
+        return bool(self.user_profile)
+
+
+class Bundle(BaseModel):
+    """An environment with its scenarios, as stored in ``<dir>/<env_id>/``."""
+
+    spec: EnvSpec
+    scenarios: list[Scenario] = Field(default_factory=list)
+
+    @property
+    def env_id(self) -> str:
+        return self.spec.env_id
+
+    def scenario(self, task_id: str) -> Scenario:
+        """The scenario with this id; KeyError naming the known ids otherwise."""
+        for scenario in self.scenarios:
+            if scenario.task_id == task_id:
+                return scenario
+        known = ", ".join(s.task_id for s in self.scenarios[:10]) or "none"
+        raise KeyError(f"{self.env_id} has no scenario {task_id!r} (known: {known})")
+
+
+ErrorKind = Literal["agent", "env", "timeout"]
+"""Who is to blame for a failed tool call: the caller's arguments, the environment's code, or a hang."""
+
+
+class StateChange(BaseModel):
+    """One changed value in the state, addressed by a path of keys and indexes."""
+
+    path: list[str | int]
+    before: Any = None
+    after: Any = None
+    op: Literal["add", "remove", "replace"] = "replace"
+
+
+class ToolOutcome(BaseModel):
+    """What one tool call did."""
+
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    result: Any = None
+    error: str | None = None
+    error_kind: ErrorKind | None = None
+    latency_s: float = 0.0
+    diff: list[StateChange] | None = None
+
+    @property
+    def is_error(self) -> bool:
+        return self.error is not None
+
+
+class CheckResult(BaseModel):
+    """One check's verdict. ``error`` is set when the check raised or ran too long."""
+
+    check_item: str
+    passed: bool
+    error: str | None = None
+
+
+class ValidationResult(BaseModel):
+    """The checklist run on a state: reward and its parts."""
+
+    score: float
+    checks: list[CheckResult]
+    state_hash: str
+    check_errors: int = 0
