@@ -12,6 +12,7 @@ back as values (``ToolOutcome.error``), never as exceptions, so the caller keeps
 from __future__ import annotations
 
 import json
+import sys
 import time
 import traceback
 from typing import Any
@@ -96,7 +97,10 @@ class Episode:
     def reset(self, init_config: dict[str, Any]) -> None:
         """Replace the instance with a fresh one built from ``init_config``."""
         self.instance = self.runtime.instantiate(init_config)
-        self.initial_text, self.conversions = self._state_text()
+        text, self.conversions = self._state_text()
+        # Episodes of one scenario share one copy of the initial state text.
+        self.initial_text = sys.intern(text)
+        self._last_text: str | None = self.initial_text
 
     def _state_text(self) -> tuple[str, list[str]]:
         return to_json_text(public_attributes(self.instance))
@@ -122,27 +126,32 @@ class Episode:
         problems = validate(arguments, tool.parameters)
         if problems:
             return _failed(name, arguments, "agent", f"Invalid arguments for {name!r}: " + "; ".join(problems))
-        before = json.loads(self._state_text()[0]) if track_diff else None
+        before = (self._last_text or self._state_text()[0]) if track_diff else None
+        self._last_text = None
         method = getattr(self.instance, name)
         started = time.perf_counter()
         try:
             raw = call_with_limit(method, runtime.call_timeout_s, **arguments)
         except TimeLimitExceeded:
             message = f"Tool {name!r} ran longer than {runtime.call_timeout_s:g} s and was stopped"
-            return _failed(name, arguments, "timeout", message, time.perf_counter() - started)
+            outcome = _failed(name, arguments, "timeout", message, time.perf_counter() - started)
         except Exception as e:  # noqa: BLE001 - environment code is untrusted; report, keep the episode
             message = f"Environment error in {name!r}: {runtime.describe_exception(e)}"
-            return _failed(name, arguments, "env", message, time.perf_counter() - started)
-        latency = time.perf_counter() - started
-        result = json.loads(to_json_text(raw)[0])
-        outcome = ToolOutcome(name=name, arguments=arguments, result=result, latency_s=latency)
+            outcome = _failed(name, arguments, "env", message, time.perf_counter() - started)
+        else:
+            latency = time.perf_counter() - started
+            result = json.loads(to_json_text(raw)[0])
+            outcome = ToolOutcome(name=name, arguments=arguments, result=result, latency_s=latency)
         if before is not None:
-            outcome.diff = diff(before, json.loads(self._state_text()[0]))
+            # A failed call may still have changed the state: its diff is recorded too.
+            after = self._state_text()[0]
+            outcome.diff = [] if after == before else diff(json.loads(before), json.loads(after))
+            self._last_text = after
         return outcome
 
     def validate(self, checklist: list[CheckItem] | None) -> ValidationResult:
         """Run the checklist on the current state. Raises ChecklistError when it is empty."""
-        final_text, _ = self._state_text()
+        final_text = self._last_text or self._state_text()[0]
         results = run_checks(checklist, final_text, self.initial_text, self.runtime.check_timeout_s)
         return ValidationResult(
             score=score(results),

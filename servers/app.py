@@ -1,0 +1,315 @@
+"""One environment as an HTTP service: control API for the harness, MCP endpoint for the agent.
+
+A plain ASGI application (no framework) because every microsecond on the tool-call path is paid
+once per agent step. Routes are the table in DESIGN.md ("One environment server").
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from typing import Any
+from urllib.parse import unquote
+
+import anyio
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from envscaler import Bundle, EnvRuntime, EnvScalerError
+from envscaler.bundle import describe_validation_error
+from envscaler.errors import ChecklistError
+from envscaler.models import CheckItem
+from servers.episodes import EpisodeStore, LimitReached, LiveEpisode, UnknownEpisode, UnknownScenario
+from servers.mcp_endpoint import McpEndpoint
+
+log = logging.getLogger("envscaler.server")
+
+Scope = dict[str, Any]
+
+
+class ServerConfig(BaseModel):
+    """Limits and addresses of one environment server; all of them are reported by ``GET /info``."""
+
+    token: str
+    public_url: str | None = None
+    max_episodes: int = Field(default=20_000, ge=1)
+    idle_ttl_s: float = Field(default=3600.0, gt=0)
+    call_timeout_s: float = Field(default=10.0, gt=0)
+    check_timeout_s: float = Field(default=5.0, gt=0)
+    max_body_bytes: int = Field(default=1_048_576, ge=1024)
+    worker_threads: int = Field(default=32, ge=1)
+    allowed_origins: list[str] = Field(default_factory=list)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EpisodeRequest(_Body):
+    """Body of ``POST /episodes`` and ``POST /episodes/{id}/reset``: a scenario or a raw state."""
+
+    scenario_id: str | None = None
+    init_config: dict[str, Any] | None = None
+
+
+class ValidateRequest(_Body):
+    """Body of ``POST /episodes/{id}/validate``: a checklist overrides the scenario's."""
+
+    checklist: list[CheckItem] | None = None
+
+
+class HttpError(Exception):
+    """Ends a request with this status and a JSON ``{"error": message}`` body."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _json_bytes(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+async def _send(send: Any, status: int, body: bytes | None, extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    headers = [(b"content-type", b"application/json")]
+    if extra_headers:
+        headers.extend(extra_headers)
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body or b""})
+
+
+class EnvServerApp:
+    """The ASGI application serving one bundle."""
+
+    def __init__(self, bundle: Bundle, config: ServerConfig) -> None:
+        self.bundle = bundle
+        self.config = config
+        self.runtime = EnvRuntime(bundle.spec, call_timeout_s=config.call_timeout_s, check_timeout_s=config.check_timeout_s)
+        self.store = EpisodeStore(
+            bundle,
+            self.runtime,
+            max_episodes=config.max_episodes,
+            idle_ttl_s=config.idle_ttl_s,
+            worker_threads=config.worker_threads,
+        )
+        self.mcp = McpEndpoint(self.store, f"envscaler-{bundle.env_id}", bundle.spec.environment_introduction)
+        self._token = f"Bearer {config.token}".encode()
+        self._tools_openai = [tool.openai() for tool in self.runtime.tool_list()]
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        try:
+            await self._route(scope, receive, send)
+        except HttpError as e:
+            await _send(send, e.status, _json_bytes({"error": e.message}))
+
+    async def _lifespan(self, receive: Any, send: Any) -> None:
+        async with anyio.create_task_group() as tasks:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                tasks.start_soon(self._expire_idle_forever)
+                log.info("server ready", extra={"env": self.bundle.env_id, "tools": len(self.runtime.tools)})
+                await send({"type": "lifespan.startup.complete"})
+            message = await receive()
+            tasks.cancel_scope.cancel()
+        log.info("server stopping", extra={"env": self.bundle.env_id, "episodes": len(self.store.episodes)})
+        await send({"type": "lifespan.shutdown.complete"})
+
+    async def _expire_idle_forever(self) -> None:
+        interval = min(max(self.config.idle_ttl_s / 4, 0.5), 60.0)
+        while True:
+            await anyio.sleep(interval)
+            self.store.expire_idle()
+
+    # -- routing ---------------------------------------------------------------------------------
+
+    async def _route(self, scope: Scope, receive: Any, send: Any) -> None:
+        path: str = scope["path"]
+        method: str = scope["method"]
+        parts = [unquote(p) for p in path.strip("/").split("/")]
+        if len(parts) == 3 and parts[0] == "episodes" and parts[2] == "mcp":
+            await self._mcp(scope, receive, send, parts[1])
+            return
+        if path == "/healthz":
+            await _send(send, 200, _json_bytes({"status": "ok", "env_id": self.bundle.env_id, "episodes": len(self.store.episodes)}))
+            return
+        self._authorize(scope)
+        if parts == ["info"] and method == "GET":
+            result, status = self._info(), 200
+        elif parts == ["scenarios"] and method == "GET":
+            result, status = self._scenarios(), 200
+        elif len(parts) == 2 and parts[0] == "scenarios" and method == "GET":
+            result, status = self._scenario(parts[1]), 200
+        elif parts == ["episodes"] and method == "POST":
+            result, status = self._create(scope, await self._body(receive, EpisodeRequest)), 201
+        elif parts == ["episodes"] and method == "GET":
+            result, status = {"episodes": list(self.store.episodes)}, 200
+        elif len(parts) in (2, 3) and parts[0] == "episodes":
+            result, status = await self._episode_route(parts, method, receive), 200
+        else:
+            raise HttpError(404, f"no route {method} {path}")
+        await _send(send, status, _json_bytes(result))
+
+    async def _episode_route(self, parts: list[str], method: str, receive: Any) -> Any:
+        action = parts[2] if len(parts) == 3 else None
+        live = self._live(parts[1])
+        if action is None and method == "DELETE":
+            self.store.end(live.episode_id)
+            return {"episode_id": live.episode_id, "ended": True, "calls": len(live.calls), **live.counts()}
+        if action == "state" and method == "GET":
+            return {"episode_id": live.episode_id, "state": live.episode.state()}
+        if action == "trajectory" and method == "GET":
+            return live.trajectory().model_dump(mode="json")
+        if action == "reset" and method == "POST":
+            request = await self._body(receive, EpisodeRequest)
+            self._check_episode_request(request)
+            self._guard(lambda: self.store.reset(live, request.scenario_id, request.init_config))
+            return {"episode_id": live.episode_id, "scenario_id": request.scenario_id, "task": live.scenario.task if live.scenario else ""}
+        if action == "validate" and method == "POST":
+            request = await self._body(receive, ValidateRequest)
+            try:
+                result = await self.store.validate(live, request.checklist)
+            except ChecklistError as e:
+                raise HttpError(409, f"{e}; pass a checklist in the body or create the episode from a scenario") from None
+            return {**result.model_dump(mode="json"), **live.counts()}
+        raise HttpError(404 if action not in (None, "state", "trajectory", "reset", "validate") else 405, f"no route {method} /episodes/{{id}}/{action or ''}")
+
+    # -- control handlers ------------------------------------------------------------------------
+
+    def _authorize(self, scope: Scope) -> None:
+        for name, value in scope["headers"]:
+            if name == b"authorization" and hmac.compare_digest(value, self._token):
+                return
+        raise HttpError(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'")
+
+    async def _body(self, receive: Any, model: type[BaseModel]) -> Any:
+        raw = await self._read_body(receive)
+        try:
+            data = json.loads(raw) if raw.strip() else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise HttpError(400, f"malformed JSON body: {e}") from None
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            raise HttpError(422, f"invalid body: {describe_validation_error(e)}") from None
+
+    async def _read_body(self, receive: Any) -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.config.max_body_bytes:
+                raise HttpError(413, f"request body is larger than the limit of {self.config.max_body_bytes} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                return b"".join(chunks)
+
+    def _live(self, episode_id: str) -> LiveEpisode:
+        try:
+            return self.store.get(episode_id)
+        except UnknownEpisode as e:
+            raise HttpError(404, str(e)) from None
+
+    @staticmethod
+    def _check_episode_request(request: EpisodeRequest) -> None:
+        if request.scenario_id is None and request.init_config is None:
+            raise HttpError(422, "give either scenario_id or init_config")
+        if request.scenario_id is not None and request.init_config is not None:
+            raise HttpError(422, "give scenario_id or init_config, not both")
+
+    def _guard(self, action: Any) -> Any:
+        """Run a store action, turning its errors into HTTP statuses."""
+        try:
+            return action()
+        except (UnknownScenario, UnknownEpisode) as e:
+            raise HttpError(404, str(e)) from None
+        except LimitReached as e:
+            raise HttpError(429, str(e)) from None
+        except EnvScalerError as e:
+            raise HttpError(500, f"environment error: {e}") from None
+
+    def _create(self, scope: Scope, request: EpisodeRequest) -> dict[str, Any]:
+        self._check_episode_request(request)
+        live: LiveEpisode = self._guard(lambda: self.store.create(request.scenario_id, request.init_config))
+        path = f"/episodes/{live.episode_id}/mcp"
+        return {
+            "episode_id": live.episode_id,
+            "mcp_url": self._public_base(scope) + path,
+            "mcp_path": path,
+            "env_id": self.bundle.env_id,
+            "scenario_id": request.scenario_id,
+            "task": live.scenario.task if live.scenario else "",
+            "user_profile": live.scenario.user_profile if live.scenario else None,
+            "env_introduction": self.bundle.spec.environment_introduction,
+            "tools": self._tools_openai,
+        }
+
+    def _public_base(self, scope: Scope) -> str:
+        for name, value in scope["headers"]:
+            if name == b"x-envscaler-base-url":
+                return value.decode().rstrip("/")
+        return (self.config.public_url or "").rstrip("/")
+
+    def _info(self) -> dict[str, Any]:
+        config = self.config.model_dump(exclude={"token"})
+        return {
+            "env_id": self.bundle.env_id,
+            "spec_hash": self.bundle.spec.content_hash(),
+            "environment_summary": self.bundle.spec.environment_summary,
+            "tools": [t.name for t in self.runtime.tool_list()],
+            "scenarios": len(self.bundle.scenarios),
+            "limits": config,
+            "live_episodes": len(self.store.episodes),
+            "stuck_calls": self.store.stuck_calls,
+            "expired_episodes": self.store.expired,
+        }
+
+    def _scenarios(self) -> dict[str, Any]:
+        return {
+            "env_id": self.bundle.env_id,
+            "scenarios": [
+                {
+                    "task_id": s.task_id,
+                    "task": s.task,
+                    "conversational": s.conversational,
+                    "checks": len(s.checklist_with_func or []),
+                    "has_reference": bool(s.reference_solution),
+                }
+                for s in self.bundle.scenarios
+            ],
+        }
+
+    def _scenario(self, task_id: str) -> dict[str, Any]:
+        scenario = self.store.scenarios.get(task_id)
+        if scenario is None:
+            raise HttpError(404, f"{self.bundle.env_id} has no scenario {task_id!r}; GET /scenarios lists them")
+        return scenario.model_dump(mode="json", exclude_none=True)
+
+    # -- MCP -----------------------------------------------------------------------------------
+
+    async def _mcp(self, scope: Scope, receive: Any, send: Any, episode_id: str) -> None:
+        version = None
+        for name, value in scope["headers"]:
+            if name == b"origin" and value.decode() not in self.config.allowed_origins and "*" not in self.config.allowed_origins:
+                raise HttpError(403, f"origin {value.decode()!r} is not allowed (see --allowed-origin)")
+            if name == b"mcp-protocol-version":
+                version = value.decode()
+        if scope["method"] != "POST":
+            await _send(send, 405, _json_bytes({"error": "this MCP endpoint answers POST only (no SSE stream, no sessions)"}), [(b"allow", b"POST")])
+            return
+        live = self._live(episode_id)
+        raw = await self._read_body(receive)
+        try:
+            message = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            await _send(send, 400, _json_bytes({"jsonrpc": "2.0", "id": None, "error": {"code": -32700, "message": f"parse error: {e}"}}))
+            return
+        status, body = await self.mcp.handle(live, message, version)
+        await _send(send, status, _json_bytes(body) if body is not None else None)

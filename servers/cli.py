@@ -1,0 +1,59 @@
+"""``envscaler serve``: the command-line face of one environment server."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+from typing import Any
+
+from envscaler import logs
+from servers.app import ServerConfig
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from servers.serve import serve
+
+    token = args.token or os.environ.get("ENVSCALER_TOKEN")
+    generated = token is None
+    config = ServerConfig(
+        token=token or secrets.token_urlsafe(24),
+        public_url=args.public_url,
+        max_episodes=args.max_episodes,
+        idle_ttl_s=args.idle_ttl,
+        call_timeout_s=args.call_timeout,
+        check_timeout_s=args.check_timeout,
+        max_body_bytes=args.max_body,
+        worker_threads=args.workers,
+        allowed_origins=args.allowed_origin or [],
+    )
+    logs.configure(args.log_level)
+    serve(args.env_dir, args.host, args.port, config, announce_token=generated)
+    return 0
+
+
+def register_serve(commands: Any) -> None:
+    """Add ``serve`` to the ``envscaler`` command line."""
+    parser = commands.add_parser(
+        "serve",
+        help="serve one environment: control API + one MCP endpoint per episode",
+        description=(
+            "Serve one environment bundle over HTTP. Control routes (/episodes, /info, ...) need the bearer "
+            "token; each episode's agent endpoint is /episodes/{id}/mcp. Prints one JSON line with the URL "
+            "(and the token, when it was generated) once listening."
+        ),
+    )
+    parser.add_argument("env_dir", help="bundle directory (env.json + scenarios.jsonl)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (default: 8000)")
+    parser.add_argument("--token", help="control token (default: $ENVSCALER_TOKEN, else generated and printed)")
+    parser.add_argument("--public-url", help="base URL agents reach this server at; makes mcp_url absolute")
+    parser.add_argument("--max-episodes", type=int, default=20_000, help="live episodes at most (default: 20000)")
+    parser.add_argument("--idle-ttl", type=float, default=3600.0, help="seconds before an unused episode is ended (default: 3600)")
+    parser.add_argument("--call-timeout", type=float, default=10.0, help="seconds a tool call may run (default: 10)")
+    parser.add_argument("--check-timeout", type=float, default=5.0, help="seconds one check may run (default: 5)")
+    parser.add_argument("--max-body", type=int, default=1_048_576, help="largest request body in bytes (default: 1 MiB)")
+    parser.add_argument("--workers", type=int, default=32, help="worker threads for tool calls (default: 32)")
+    parser.add_argument("--allowed-origin", action="append", help="browser Origin allowed on MCP routes (repeatable; '*' for any)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.set_defaults(func=_serve)
