@@ -144,7 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
     envscaler.set_defaults(func=_import_envscaler)
 
     for entry in sorted(entry_points(group="envscaler.commands"), key=lambda e: e.name):
-        entry.load()(commands)
+        try:
+            register = entry.load()
+        except (ImportError, AttributeError) as e:
+            # A broken or missing add-on must not take the core commands down with it.
+            print(f"warning: command {entry.name!r} is unavailable ({entry.value}: {e})", file=sys.stderr)
+            continue
+        register(commands)
     return parser
 
 

@@ -139,14 +139,14 @@ def check_scenario(runtime: EnvRuntime, scenario: Scenario, changing_tools: set[
         _verdicts(second.validate(scenario.checklist_with_func)) if second else None,
     ]
     initial_again = _verdicts(start.validate(scenario.checklist_with_func))
-    same = answers[0] == answers[1] == answers[2] and initial_again == _verdicts(on_initial)
-    gates.append(
-        GateResult(
-            gate="deterministic",
-            passed=same,
-            detail="" if same else "checks or the environment gave different answers on identical runs",
-        )
-    )
+    same_checks = answers[0] == answers[1] == answers[2] and initial_again == _verdicts(on_initial)
+    same_state = second is not None and second.validate(scenario.checklist_with_func).state_hash == on_reference.state_hash
+    detail = ""
+    if not same_state:
+        detail = "two runs of the reference solution ended in different states (randomness, clock or ids?)"
+    elif not same_checks:
+        detail = "checks gave different answers on identical states"
+    gates.append(GateResult(gate="deterministic", passed=same_checks and same_state, detail=detail))
     gates.append(
         GateResult(
             gate="do_nothing_below_one",

@@ -62,10 +62,12 @@ def annotation_schema(annotation: Any) -> dict[str, Any]:
     if origin is typing.Literal:
         return {"enum": list(args)}
     if origin is typing.Union or origin is types.UnionType:
-        options = [annotation_schema(a) for a in args if a is not type(None)]
-        if len(options) == 1:
-            return options[0]
-        return {"anyOf": options} if all(options) else {}
+        options = [annotation_schema(a) for a in args]
+        if not all(options):
+            return {}
+        if all(set(o) == {"type"} and isinstance(o["type"], str) for o in options):
+            return {"type": [o["type"] for o in options]}
+        return {"anyOf": options}
     return {}
 
 

@@ -1,0 +1,200 @@
+"""The guarded runtime: EnvScaler semantics, the tool allowlist, argument checks, limits, checks."""
+
+import threading
+import time
+
+import pytest
+
+from envscaler import ChecklistError, EnvCodeError, EnvRuntime, EnvSpec, derive_tools
+from envscaler.models import CheckItem
+from tests.support.bundles import CHECK_A_IS_3, COUNTER_CODE, counter_spec
+
+INIT = {"items": {"a": {"name": "A", "count": 0}}}
+
+
+@pytest.fixture
+def runtime():
+    return EnvRuntime(EnvSpec.model_validate(counter_spec()), call_timeout_s=0.5, check_timeout_s=0.5)
+
+
+def test_instance_follows_envscaler_semantics():
+    code = '''
+class WithArg:
+    def __init__(self, init_config):
+        self.seen = sorted(init_config)
+        self.items = {}
+class NoArg:
+    def __init__(self):
+        self.items = {}
+        self._hidden = 1
+'''
+    with_arg = EnvRuntime(EnvSpec(env_id="e", env_class_name="WithArg", env_class_code=code))
+    episode = with_arg.new_episode({"items": {"x": 1}, "extra": [1]})
+    assert episode.state() == {"seen": ["extra", "items"], "items": {"x": 1}, "extra": [1]}
+    no_arg = EnvRuntime(EnvSpec(env_id="e", env_class_name="NoArg", env_class_code=code))
+    assert no_arg.new_episode({"items": {"y": 2}}).state() == {"items": {"y": 2}}
+
+
+def test_init_config_is_copied(runtime):
+    config = {"items": {"a": {"name": "A", "count": 0}}}
+    episode = runtime.new_episode(config)
+    episode.call("add", {"item_id": "a"})
+    assert config["items"]["a"]["count"] == 0
+
+
+def test_tools_are_derived_from_signatures_and_docstrings(runtime):
+    tools = {t.name: t for t in derive_tools(runtime.env_class)}
+    assert "_secret" not in tools and "__init__" not in tools
+    add = tools["add"]
+    assert add.description == "Add to an item's count."
+    assert add.parameters == {
+        "type": "object",
+        "properties": {
+            "item_id": {"type": "string", "description": "Id of the item."},
+            "amount": {"type": "integer", "description": "How much to add."},
+        },
+        "required": ["item_id"],
+    }
+
+
+def test_only_listed_public_methods_are_tools():
+    listed = [{"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": {}}}} for n in ("spin", "_secret", "__init__", "missing")]
+    runtime = EnvRuntime(EnvSpec.model_validate(counter_spec(tools=listed)))
+    assert list(runtime.tools) == ["spin"]
+    episode = runtime.new_episode(INIT)
+    for name in ("_secret", "__init__", "__class__", "get_item", "missing"):
+        outcome = episode.call(name, {})
+        assert outcome.error_kind == "agent" and "Unknown tool" in outcome.error
+
+
+def test_bad_arguments_are_agent_errors_the_model_can_act_on(runtime):
+    episode = runtime.new_episode(INIT)
+    unknown = episode.call("nope", {})
+    assert unknown.error_kind == "agent" and "Available tools: get_item, add" in unknown.error
+    wrong_type = episode.call("add", {"item_id": "a", "amount": "three"})
+    assert wrong_type.error == "Invalid arguments for 'add': argument 'amount': expected integer, got string 'three'"
+    missing = episode.call("add", {})
+    assert missing.error == "Invalid arguments for 'add': missing required argument 'item_id'"
+    not_object = episode.call("add", ["a"])
+    assert "must be a JSON object" in not_object.error
+    boolean = episode.call("add", {"item_id": "a", "amount": True})
+    assert "expected integer, got boolean" in boolean.error
+    assert episode.state()["items"]["a"]["count"] == 0
+
+
+def test_business_failure_is_a_result_not_an_error(runtime):
+    outcome = runtime.new_episode(INIT).call("get_item", {"item_id": "zz"})
+    assert outcome.error is None and outcome.result == {"success": False, "error": "no item zz"}
+
+
+def test_exception_is_an_env_error_and_the_episode_keeps_its_state(runtime):
+    episode = runtime.new_episode(INIT)
+    episode.call("add", {"item_id": "a", "amount": 2})
+    outcome = episode.call("divide", {"a": 1, "b": 0})
+    assert outcome.error_kind == "env"
+    assert "ZeroDivisionError: division by zero (env code line" in outcome.error and "in divide" in outcome.error
+    changed = episode.call("half_then_fail", {"item_id": "a"}, track_diff=True)
+    assert changed.error_kind == "env" and [c.path for c in changed.diff] == [["items", "a", "count"]]
+    assert episode.call("get_item", {"item_id": "a"}).result["data"]["count"] == -1
+
+
+@pytest.mark.parametrize("tool", ["spin", "stubborn_spin", "nap"])
+def test_hanging_call_is_cut_off_on_the_main_thread(runtime, tool):
+    episode = runtime.new_episode(INIT)
+    started = time.monotonic()
+    outcome = episode.call(tool, {})
+    assert outcome.error_kind == "timeout" and "ran longer than 0.5 s" in outcome.error
+    assert time.monotonic() - started < 1.5
+    assert episode.call("add", {"item_id": "a"}).result["success"] is True
+
+
+@pytest.mark.parametrize("tool", ["spin", "stubborn_spin"])
+def test_hanging_loop_is_cut_off_on_a_worker_thread(runtime, tool):
+    episode = runtime.new_episode(INIT)
+    results = {}
+
+    def work():
+        started = time.monotonic()
+        results["outcome"] = episode.call(tool, {})
+        results["elapsed"] = time.monotonic() - started
+        results["after"] = episode.call("add", {"item_id": "a"})
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join(5)
+    assert not thread.is_alive()
+    assert results["outcome"].error_kind == "timeout" and results["elapsed"] < 1.5
+    assert results["after"].error is None
+
+
+def test_state_that_json_cannot_hold_is_converted_and_reported(runtime):
+    episode = runtime.new_episode(INIT)
+    outcome = episode.call("tag_set", {"tag": "x"}, track_diff=True)
+    assert outcome.error is None
+    assert episode.state()["tags"] == ["fixed", "x"]
+    code = "import datetime\nclass Odd:\n    def __init__(self):\n        self.when = datetime.date(2024, 1, 2)\n        self.obj = Thing()\nclass Thing:\n    def __init__(self):\n        self.v = 1\n        self._p = 2\n"
+    odd = EnvRuntime(EnvSpec(env_id="odd", env_class_name="Odd", env_class_code=code)).new_episode({})
+    assert odd.state() == {"when": "2024-01-02", "obj": {"v": 1}}
+    assert odd.conversions == ["date -> ISO string", "Thing -> dict of public attributes"]
+
+
+def test_syntax_error_names_the_line():
+    code = "class Broken:\n    def f(self):\n        return (\n"
+    with pytest.raises(EnvCodeError, match=r"syntax error in class code, line 3"):
+        EnvRuntime(EnvSpec(env_id="broken", env_class_name="Broken", env_class_code=code))
+
+
+def test_missing_class_and_failing_module_are_reported():
+    with pytest.raises(EnvCodeError, match=r"defines no class 'Nope' \(it defines: Counter"):
+        EnvRuntime(EnvSpec.model_validate(counter_spec(env_class_name="Nope")))
+    with pytest.raises(EnvCodeError, match="class code failed to load: ZeroDivisionError"):
+        EnvRuntime(EnvSpec(env_id="x", env_class_name="X", env_class_code="1/0\n"))
+
+
+def test_constructor_failure_is_reported():
+    code = "class Bad:\n    def __init__(self, init_config):\n        raise ValueError('no')\n"
+    runtime = EnvRuntime(EnvSpec(env_id="bad", env_class_name="Bad", env_class_code=code))
+    with pytest.raises(EnvCodeError, match=r"bad: cannot instantiate: ValueError: no \(env code line 3"):
+        runtime.new_episode({})
+
+
+def test_checks_see_initial_state_and_report_errors(runtime):
+    episode = runtime.new_episode(INIT)
+    episode.call("add", {"item_id": "a", "amount": 3})
+    checklist = [
+        CheckItem.model_validate(CHECK_A_IS_3),
+        CheckItem(check_item="grew", check_func="def check_func(final_state):\n    return final_state['items']['a']['count'] > initial_state['items']['a']['count']"),
+        CheckItem(check_item="raises", check_func="def check_func(final_state):\n    return final_state['nope']"),
+        CheckItem(check_item="loops", check_func="def check_func(final_state):\n    while True:\n        pass"),
+        CheckItem(check_item="bad syntax", check_func="def check_func(final_state)\n    return True"),
+        CheckItem(check_item="mutates", check_func="def check_func(final_state):\n    final_state['items'].clear()\n    return True"),
+        CheckItem.model_validate(CHECK_A_IS_3),
+    ]
+    result = episode.validate(checklist)
+    verdicts = [(c.passed, c.error) for c in result.checks]
+    assert verdicts[0] == (True, None) and verdicts[1] == (True, None)
+    assert verdicts[2][0] is False and verdicts[2][1].startswith("KeyError: 'nope' (check line 2)")
+    assert verdicts[3] == (False, "check ran longer than 0.5 s")
+    assert verdicts[4][0] is False and verdicts[4][1].startswith("syntax error, line 1")
+    assert verdicts[6] == (True, None)  # the mutating check did not affect the next one
+    assert result.score == pytest.approx(4 / 7)
+    assert result.check_errors == 3
+
+
+def test_empty_checklist_is_an_error_the_caller_sees(runtime):
+    with pytest.raises(ChecklistError, match="no checklist"):
+        runtime.new_episode(INIT).validate([])
+
+
+def test_state_hash_ignores_key_order(runtime):
+    one = runtime.new_episode({"items": {"a": {"name": "A", "count": 0}, "b": {"name": "B", "count": 1}}})
+    two = runtime.new_episode({"items": {"b": {"count": 1, "name": "B"}, "a": {"count": 0, "name": "A"}}})
+    check = [CheckItem.model_validate(CHECK_A_IS_3)]
+    assert one.validate(check).state_hash == two.validate(check).state_hash
+
+
+def test_class_code_is_compiled_once_per_content():
+    spec = EnvSpec.model_validate(counter_spec())
+    assert EnvRuntime(spec).env_class is EnvRuntime(spec).env_class
+    other = EnvSpec.model_validate(counter_spec(env_class_code=COUNTER_CODE + "\n# changed\n"))
+    assert EnvRuntime(other).env_class is not EnvRuntime(spec).env_class
