@@ -91,8 +91,9 @@ def _print_report(report: EnvReport) -> None:
     unscored = sum(1 for s in report.scenarios if s.skipped)
     status = "ok  " if report.passed else "FAIL"
     extra = f", {unscored} unscored" if unscored else ""
+    changing = f" ({report.state_changing_tools} change state)" if report.state_changing_tools is not None else ""
     print(
-        f"{status} {report.env_id:<28} {report.tools:>3} tools {len(report.scenarios):>4} scenarios"
+        f"{status} {report.env_id:<28} {report.tools:>3} tools{changing} {len(report.scenarios):>4} scenarios"
         f"  {passed}/{gates} gates{extra}",
         flush=True,
     )

@@ -2,8 +2,9 @@
 
 For each bundle: the class loads and every listed tool exists with a matching signature. For each
 scored scenario: the init_config instantiates; the reference solution runs with no tool error; every
-check passes on the reference's final state; at least one check fails on the untouched initial state;
-checks give the same answers twice; a do-nothing agent scores below 1.0.
+check passes on the reference's final state; at least one check cleanly fails (returns False, no
+error) on the untouched initial state; checks give the same answers twice; a do-nothing agent
+scores below 1.0.
 
 Run ``python -m envscaler.gates BUNDLE_DIR`` to check one bundle in its own process; the CLI does
 this so that untrusted code never runs in the process that drives the check.
@@ -124,13 +125,14 @@ def check_scenario(runtime: EnvRuntime, scenario: Scenario, changing_tools: set[
     )
 
     on_initial = start.validate(scenario.checklist_with_func)
-    gates.append(
-        GateResult(
-            gate="check_fails_on_initial",
-            passed=any(not c.passed for c in on_initial.checks),
-            detail="" if any(not c.passed for c in on_initial.checks) else "every check already passes before any action",
-        )
-    )
+    # A check that crashes on the initial state proves nothing about the task: require a clean False.
+    clean_failures = [c for c in on_initial.checks if not c.passed and not c.error]
+    errored = [f"{c.check_item!r} ({c.error})" for c in on_initial.checks if c.error]
+    detail = ""
+    if not clean_failures:
+        detail = "no check fails cleanly before any action"
+        detail += ("; errored instead: " + "; ".join(errored)) if errored else ": every check already passes"
+    gates.append(GateResult(gate="check_fails_on_initial", passed=bool(clean_failures), detail=detail))
 
     second, _ = _replay(runtime, scenario, None)
     answers = [

@@ -1,0 +1,185 @@
+"""Every quality gate passes on a good scenario and fails on a scenario broken for that gate."""
+
+import subprocess
+import sys
+
+import pytest
+
+from envscaler import load_bundle
+from envscaler.gates import GATES, check_bundle
+from tests.support.bundles import (
+    CHECK_A_IS_3,
+    CHECK_NAME_KEPT,
+    CHECK_ONE_ITEM,
+    COUNTER_CODE,
+    counter_bundle,
+    counter_scenario,
+    counter_spec,
+    second_scenario,
+    write_bundle,
+)
+
+CHECK_LOG_STARTS = {
+    "check_item": "the log has an entry",
+    "check_func": "def check_func(final_state):\n    return final_state['log'][0].startswith('add')",
+}
+
+
+def gate_verdicts(tmp_path, spec=None, scenarios=None):
+    """{gate: passed} for the first scenario (env gates included) of a bundle written from the parts."""
+    directory = write_bundle(tmp_path, spec or counter_spec(), scenarios or [counter_scenario()])
+    report = check_bundle(load_bundle(directory), call_timeout_s=1.0, check_timeout_s=1.0)
+    verdicts = {g.gate: g for g in report.env_gates}
+    if report.scenarios:
+        verdicts.update({g.gate: g for g in report.scenarios[0].gates})
+    return report, verdicts
+
+
+def test_good_bundle_passes_every_gate(tmp_path):
+    report = check_bundle(load_bundle(counter_bundle(tmp_path)))
+    assert report.passed, report.failures()
+    assert [g.gate for g in report.env_gates + report.scenarios[0].gates] == list(GATES)
+    assert report.tools == 9
+    assert report.state_changing_tools == 2  # add and rename are the only tools the references see change state
+
+
+def test_class_loads_fails_on_syntax_error_and_names_the_line(tmp_path):
+    code = COUNTER_CODE.replace("def rename(self, item_id: str, name: str) -> dict:", "def rename(self, item_id: str name: str) -> dict:")
+    report, verdicts = gate_verdicts(tmp_path, counter_spec(env_class_code=code))
+    assert not verdicts["class_loads"].passed
+    assert "line" in verdicts["class_loads"].detail and "syntax" in verdicts["class_loads"].detail.lower()
+    assert not report.passed
+
+
+def test_class_loads_fails_when_a_listed_tool_is_missing_or_mismatched(tmp_path):
+    tools = [
+        {"name": "get_item", "description": "Read one item.", "parameters": {"type": "object", "properties": {"item_id": {"type": "string"}}, "required": ["item_id"]}},
+        {"name": "teleport", "description": "Not a method.", "parameters": {"type": "object", "properties": {}}},
+        {"name": "add", "description": "Add.", "parameters": {"type": "object", "properties": {"item": {"type": "string"}}, "required": ["item"]}},
+    ]
+    _, verdicts = gate_verdicts(tmp_path, counter_spec(tools=tools))
+    detail = verdicts["class_loads"].detail
+    assert not verdicts["class_loads"].passed
+    assert "teleport" in detail and "add" in detail
+
+
+def test_instantiates_fails_when_init_config_breaks_the_constructor(tmp_path):
+    code = COUNTER_CODE.replace("self.items: Dict[str, Item] = {}", "self.items: Dict[str, Item] = dict(init_config['items'])")
+    _, verdicts = gate_verdicts(tmp_path, counter_spec(env_class_code=code), [counter_scenario(init_config={"log": []})])
+    assert not verdicts["instantiates"].passed
+    assert "items" in verdicts["instantiates"].detail
+
+
+@pytest.mark.parametrize(
+    ("reference", "expected"),
+    [
+        ([{"name": "add", "arguments": {"item_id": "a"}}, {"name": "fly", "arguments": {}}], "fly"),
+        ([{"name": "add", "arguments": {"item_id": "zzz"}}], "success=false"),
+        ([{"name": "divide", "arguments": {"a": 1, "b": 0}}], "ZeroDivisionError"),
+        ([{"name": "add", "arguments": {"item_id": 5}}], "item_id"),
+    ],
+)
+def test_reference_runs_fails_on_tool_errors(tmp_path, reference, expected):
+    _, verdicts = gate_verdicts(tmp_path, scenarios=[counter_scenario(reference_solution=reference)])
+    assert not verdicts["reference_runs"].passed
+    assert expected in verdicts["reference_runs"].detail
+
+
+def test_reference_runs_fails_without_a_reference(tmp_path):
+    _, verdicts = gate_verdicts(tmp_path, scenarios=[counter_scenario(reference_solution=[])])
+    assert not verdicts["reference_runs"].passed
+
+
+def test_checks_pass_on_reference_fails_when_the_reference_misses_a_check(tmp_path):
+    wrong = {"check_item": "a counts 4", "check_func": "def check_func(final_state):\n    return final_state['items']['a']['count'] == 4"}
+    _, verdicts = gate_verdicts(tmp_path, scenarios=[counter_scenario(checklist_with_func=[wrong, CHECK_NAME_KEPT, CHECK_ONE_ITEM])])
+    assert not verdicts["checks_pass_on_reference"].passed
+    assert "a counts 4" in verdicts["checks_pass_on_reference"].detail
+
+
+def test_checks_pass_on_reference_reports_a_crashing_check(tmp_path):
+    crash = {"check_item": "crashes", "check_func": "def check_func(final_state):\n    return final_state['nothing']"}
+    _, verdicts = gate_verdicts(tmp_path, scenarios=[counter_scenario(checklist_with_func=[CHECK_A_IS_3, crash])])
+    assert not verdicts["checks_pass_on_reference"].passed
+    assert "KeyError" in verdicts["checks_pass_on_reference"].detail
+
+
+def test_check_fails_on_initial_and_do_nothing_fail_when_every_check_already_passes(tmp_path):
+    report, verdicts = gate_verdicts(tmp_path, scenarios=[counter_scenario(checklist_with_func=[CHECK_NAME_KEPT, CHECK_ONE_ITEM])])
+    assert verdicts["checks_pass_on_reference"].passed
+    assert not verdicts["check_fails_on_initial"].passed
+    assert not verdicts["do_nothing_below_one"].passed
+    assert "1.00" in verdicts["do_nothing_below_one"].detail
+    assert not report.passed
+
+
+def test_a_check_that_only_errors_on_the_initial_state_is_not_a_clean_failure(tmp_path):
+    _, verdicts = gate_verdicts(tmp_path, scenarios=[counter_scenario(checklist_with_func=[CHECK_NAME_KEPT, CHECK_ONE_ITEM, CHECK_LOG_STARTS])])
+    assert verdicts["checks_pass_on_reference"].passed
+    assert not verdicts["check_fails_on_initial"].passed
+    assert "IndexError" in verdicts["check_fails_on_initial"].detail
+    assert verdicts["do_nothing_below_one"].passed
+
+
+def test_deterministic_fails_when_the_reference_leaves_different_states(tmp_path):
+    # Class-level state survives between episodes: the second replay numbers its stamp differently.
+    code = COUNTER_CODE.replace(
+        "    def _secret(self) -> dict:",
+        "    calls = [0]\n\n"
+        "    def stamp(self) -> dict:\n"
+        '        """Stamp the state with a number that never repeats."""\n'
+        "        Counter.calls[0] += 1\n"
+        "        self.stamp_no = Counter.calls[0]\n"
+        '        return {"success": True, "data": self.stamp_no}\n\n'
+        "    def _secret(self) -> dict:",
+    )
+    reference = counter_scenario()["reference_solution"] + [{"name": "stamp", "arguments": {}}]
+    _, verdicts = gate_verdicts(tmp_path, counter_spec(env_class_code=code), [counter_scenario(reference_solution=reference)])
+    assert verdicts["checks_pass_on_reference"].passed
+    assert not verdicts["deterministic"].passed
+    assert "different states" in verdicts["deterministic"].detail
+
+
+def test_deterministic_fails_when_a_check_answers_differently_on_the_same_state(tmp_path):
+    # The check keeps a tally in the env class (reachable from the state's module), so it flips between runs.
+    flip = {
+        "check_item": "flips",
+        "check_func": (
+            "def check_func(final_state):\n"
+            "    import sys\n"
+            "    tally = sys.modules.setdefault('envscaler_test_tally', type(sys)('envscaler_test_tally'))\n"
+            "    tally.n = getattr(tally, 'n', 0) + 1\n"
+            "    return tally.n % 2 == 1 or final_state['items']['a']['count'] == 0"
+        ),
+    }
+    _, verdicts = gate_verdicts(tmp_path, scenarios=[counter_scenario(checklist_with_func=[CHECK_A_IS_3, CHECK_NAME_KEPT, flip])])
+    assert not verdicts["deterministic"].passed
+    assert "different answers" in verdicts["deterministic"].detail
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "envscaler.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_catalog_check_cli_exit_codes(tmp_path):
+    good = run_cli("catalog", "check", str(counter_bundle(tmp_path / "good")))
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "all gates pass" in good.stdout
+
+    write_bundle(tmp_path / "bad", counter_spec(), [counter_scenario(checklist_with_func=[CHECK_NAME_KEPT, CHECK_ONE_ITEM]), second_scenario()])
+    bad = run_cli("catalog", "check", str(tmp_path / "bad"))
+    assert bad.returncode == 1
+    assert "FAIL" in bad.stdout and "counter_001: check_fails_on_initial" in bad.stdout
+    assert "counter_002" not in bad.stdout.split("FAIL", 1)[1].split("environments")[0]
+
+    missing = run_cli("catalog", "check", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2
+    assert "nowhere" in missing.stderr
+
+
+def test_catalog_check_cli_survives_a_bundle_that_kills_its_checker(tmp_path):
+    code = COUNTER_CODE.replace("import time", "import time\nimport os\nos._exit(3)")
+    write_bundle(tmp_path, counter_spec(env_class_code=code), [counter_scenario()])
+    result = run_cli("catalog", "check", str(tmp_path))
+    assert result.returncode == 1
+    assert "checker process failed (exit 3)" in result.stdout
