@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import sys
 
 import uvicorn
+from uvicorn._compat import asyncio_run
 
 from envscaler import load_bundle
 from servers.app import EnvServerApp, ServerConfig
@@ -26,14 +28,16 @@ def bind(host: str, port: int) -> socket.socket:
 def serve(bundle_dir: str, host: str, port: int, config: ServerConfig, *, announce_token: bool) -> None:
     """Serve ``bundle_dir`` until stopped. Prints one JSON line with the URL once listening."""
     bundle = load_bundle(bundle_dir)
-    app = EnvServerApp(bundle, config)
     sock = bind(host, port)
     actual_port = sock.getsockname()[1]
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{actual_port}"
+    if config.public_url is None:
+        # Without a gateway (which sends X-Envscaler-Base-Url), agents reach us where we listen.
+        config = config.model_copy(update={"public_url": url})
+    app = EnvServerApp(bundle, config)
     ready: dict[str, object] = {"event": "listening", "env_id": bundle.env_id, "url": url, "port": actual_port}
     if announce_token:
         ready["token"] = config.token
-    print(json.dumps(ready), flush=True)
     try:
         import uvloop  # noqa: F401 - optional speed-up
 
@@ -54,5 +58,16 @@ def serve(bundle_dir: str, host: str, port: int, config: ServerConfig, *, announ
             date_header=False,
         )
     )
-    server.run(sockets=[sock])
+
+    async def serve_and_announce() -> None:
+        # Announce only once uvicorn has started: its SIGTERM handler is in place by then, so a
+        # supervisor that stops us right after the line still gets a graceful shutdown.
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.005)
+        if server.started:
+            print(json.dumps(ready), flush=True)
+        await task
+
+    asyncio_run(serve_and_announce(), loop_factory=server.config.get_loop_factory())
     sys.stdout.flush()

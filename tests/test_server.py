@@ -1,0 +1,293 @@
+"""One environment server, as a real process over real HTTP and MCP."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import anyio
+import httpx
+import httpx2
+import pytest
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+
+from envscaler import EnvRuntime, default_catalog, load_bundle
+from tests.support.bundles import counter_bundle, counter_scenario, second_scenario
+from tests.support.server import serve
+
+pytestmark = pytest.mark.anyio
+
+CATALOG_ENV = default_catalog() / "library_circulation"
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def counter_dir(tmp_path_factory):
+    return counter_bundle(tmp_path_factory.mktemp("counter"))
+
+
+@pytest.fixture(scope="module")
+def counter_server(counter_dir):
+    with serve(counter_dir, "--call-timeout", "0.5", "--check-timeout", "0.5", "--max-body", "4096") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def catalog_server():
+    with serve(CATALOG_ENV) as server:
+        yield server
+
+
+def create(server, **body):
+    with server.client() as http:
+        response = http.post("/episodes", json=body)
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+async def mcp_session(url, mode="auto"):
+    """An official SDK client over a shared HTTP client (the caller enters both)."""
+    http = httpx2.AsyncClient(timeout=30)
+    return http, Client(streamable_http_client(url, http_client=http), mode=mode)
+
+
+@pytest.mark.parametrize("mode", ["auto", "legacy"])
+async def test_official_client_lists_exactly_the_env_tools(catalog_server, mode):
+    episode = create(catalog_server, scenario_id=load_bundle(CATALOG_ENV).scenarios[0].task_id)
+    expected = {t.name for t in EnvRuntime(load_bundle(CATALOG_ENV).spec).tool_list()}
+    http, client = await mcp_session(episode["mcp_url"], mode)
+    async with http, client:
+        listed = await client.list_tools()
+    names = {t.name for t in listed.tools}
+    assert names == expected
+    assert not names & {"reset", "validate", "state", "get_state"}
+    assert all(t.input_schema["type"] == "object" for t in listed.tools)
+
+
+@pytest.mark.parametrize("mode", ["auto", "legacy"])
+async def test_reference_replay_through_mcp_scores_one(catalog_server, mode):
+    bundle = load_bundle(CATALOG_ENV)
+    scenario = bundle.scenarios[1]
+    episode = create(catalog_server, scenario_id=scenario.task_id)
+    with catalog_server.client() as control:
+        before = control.post(f"/episodes/{episode['episode_id']}/validate").json()
+        assert before["score"] < 1.0
+        http, client = await mcp_session(episode["mcp_url"], mode)
+        async with http, client:
+            for call in scenario.reference_solution:
+                result = await client.call_tool(call.name, call.arguments)
+                assert not result.is_error, result.content[0].text
+        after = control.post(f"/episodes/{episode['episode_id']}/validate").json()
+        trajectory = control.get(f"/episodes/{episode['episode_id']}/trajectory").json()
+    assert after["score"] == 1.0
+    assert all(c["passed"] for c in after["checks"]) and len(after["checks"]) == len(scenario.checklist_with_func)
+    assert [c["name"] for c in trajectory["calls"]] == [c.name for c in scenario.reference_solution]
+    assert any(c["diff"] for c in trajectory["calls"])
+    assert all(c["latency_s"] >= 0 for c in trajectory["calls"])
+
+
+async def test_reset_restores_the_other_scenario_exactly(counter_server, counter_dir):
+    episode = create(counter_server, scenario_id="counter_001")
+    expected = EnvRuntime(load_bundle(counter_dir).spec).new_episode(second_scenario()["init_config"]).state()
+    http, client = await mcp_session(episode["mcp_url"])
+    async with http, client:
+        await client.call_tool("add", {"item_id": "a", "amount": 5})
+    with counter_server.client() as control:
+        path = f"/episodes/{episode['episode_id']}"
+        reset = control.post(f"{path}/reset", json={"scenario_id": "counter_002"})
+        assert reset.status_code == 200 and reset.json()["task"] == second_scenario()["task"]
+        assert control.get(f"{path}/state").json()["state"] == expected
+        assert control.get(f"{path}/trajectory").json()["calls"] == []
+        score = control.post(f"{path}/validate").json()
+        assert score["score"] < 1.0 and len(score["checks"]) == 3
+
+
+async def test_two_hundred_concurrent_episodes_do_not_bleed(counter_server):
+    async with httpx.AsyncClient(base_url=counter_server.url, headers=counter_server.headers, timeout=60) as http:
+        episodes = []
+        for _ in range(200):
+            response = await http.post("/episodes", json={"init_config": {"items": {"a": {"name": "A", "count": 0}}}})
+            episodes.append(response.json())
+
+        async def play(index: int, episode: dict) -> None:
+            # Interleaved: every episode adds its own index, one unit at a time across three rounds.
+            for round_number in range(3):
+                body = {"jsonrpc": "2.0", "id": round_number, "method": "tools/call",
+                        "params": {"name": "add", "arguments": {"item_id": "a", "amount": index}}}
+                response = await http.post(episode["mcp_path"], json=body, headers={"MCP-Protocol-Version": "2026-07-28"})
+                assert response.status_code == 200
+                assert response.json()["result"]["isError"] is False
+                await anyio.sleep(0)
+
+        async with anyio.create_task_group() as tasks:
+            for index, episode in enumerate(episodes):
+                tasks.start_soon(play, index, episode)
+        for index, episode in enumerate(episodes):
+            state = (await http.get(f"/episodes/{episode['episode_id']}/state")).json()["state"]
+            assert state["items"]["a"]["count"] == 3 * index
+            assert len(state["log"]) == 3
+
+
+@pytest.mark.parametrize("tool", ["nap", "spin"])
+async def test_a_hanging_tool_errors_within_the_limit_while_others_answer(counter_server, tool):
+    stuck = create(counter_server, scenario_id="counter_001")
+    other = create(counter_server, scenario_id="counter_001")
+    answers: list[float] = []
+    started = time.monotonic()
+
+    async def hang() -> None:
+        http, client = await mcp_session(stuck["mcp_url"])
+        async with http, client:
+            result = await client.call_tool(tool, {})
+        assert result.is_error
+        assert "0.5 s" in result.content[0].text
+        answers.append(time.monotonic() - started)
+
+    async def keep_answering() -> None:
+        http, client = await mcp_session(other["mcp_url"])
+        async with http, client:
+            for _ in range(5):
+                result = await client.call_tool("get_item", {"item_id": "a"})
+                assert not result.is_error
+                answers.append(-(time.monotonic() - started))
+                await anyio.sleep(0.05)
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(hang)
+        tasks.start_soon(keep_answering)
+    hang_time = max(answers)
+    other_times = [-a for a in answers if a <= 0]
+    assert hang_time < 2.0
+    assert len(other_times) == 5 and min(other_times) < hang_time
+    with counter_server.client() as control:
+        trajectory = control.get(f"/episodes/{stuck['episode_id']}/trajectory").json()
+    assert trajectory["timeouts"] == 1 and trajectory["calls"][0]["error_kind"] == "timeout"
+
+
+async def test_errors_come_back_as_tool_results(counter_server):
+    episode = create(counter_server, scenario_id="counter_001")
+    http, client = await mcp_session(episode["mcp_url"])
+    async with http, client:
+        wrong_type = await client.call_tool("add", {"item_id": 5})
+        missing = await client.call_tool("add", {})
+        unknown = await client.call_tool("teleport", {})
+        private = await client.call_tool("_secret", {})
+        crash = await client.call_tool("divide", {"a": 1, "b": 0})
+        business = await client.call_tool("add", {"item_id": "zzz"})
+        fine = await client.call_tool("add", {"item_id": "a"})
+    assert wrong_type.is_error and "item_id" in wrong_type.content[0].text
+    assert missing.is_error and "item_id" in missing.content[0].text
+    assert unknown.is_error and "teleport" in unknown.content[0].text and "get_item" in unknown.content[0].text
+    assert private.is_error
+    assert crash.is_error and "ZeroDivisionError" in crash.content[0].text
+    assert not business.is_error and json.loads(business.content[0].text)["success"] is False
+    assert not fine.is_error
+    with counter_server.client() as control:
+        path = f"/episodes/{episode['episode_id']}"
+        trajectory = control.get(f"{path}/trajectory").json()
+        validated = control.post(f"{path}/validate").json()
+    assert trajectory["agent_errors"] == 4 and trajectory["env_errors"] == 1
+    assert validated["agent_errors"] == 4 and validated["env_errors"] == 1
+
+
+def test_control_api_bad_input(counter_server):
+    with counter_server.client(headers={}) as anonymous:
+        assert anonymous.get("/healthz").status_code == 200
+        assert anonymous.get("/info").status_code == 401
+        assert anonymous.post("/episodes", json={"scenario_id": "counter_001"}).status_code == 401
+        wrong = anonymous.get("/info", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and "Bearer" in wrong.json()["error"]
+    with counter_server.client() as http:
+        info = http.get("/info").json()
+        assert info["limits"]["call_timeout_s"] == 0.5 and info["limits"]["max_body_bytes"] == 4096
+        assert {"max_episodes", "idle_ttl_s", "check_timeout_s"} <= set(info["limits"])
+        assert "token" not in json.dumps(info)
+
+        malformed = http.post("/episodes", content=b"{not json")
+        assert malformed.status_code == 400 and "malformed JSON" in malformed.json()["error"]
+        too_big = http.post("/episodes", content=b"{" + b" " * 5000 + b"}")
+        assert too_big.status_code == 413
+        assert http.post("/episodes", json={"scenario_id": "nope"}).status_code == 404
+        assert http.post("/episodes", json={}).status_code == 422
+        assert http.post("/episodes", json={"scenario": "counter_001"}).status_code == 422
+        assert http.get("/episodes/0123456789abcdef0123456789abcdef/state").status_code == 404
+        assert http.get("/scenarios/nope").status_code == 404
+        assert http.get("/scenarios/counter_001").json()["reference_solution"]
+
+        episode = http.post("/episodes", json={"init_config": {"items": {}}}).json()
+        assert len(episode["episode_id"]) >= 32  # 128 bits or more
+        refused = http.post(f"/episodes/{episode['episode_id']}/validate")
+        assert refused.status_code == 409
+        custom = http.post(f"/episodes/{episode['episode_id']}/validate",
+                           json={"checklist": [{"check_item": "empty", "check_func": "def check_func(final_state):\n    return final_state['items'] == {}"}]})
+        assert custom.json()["score"] == 1.0
+        assert http.delete(f"/episodes/{episode['episode_id']}").status_code == 200
+        assert http.get(f"/episodes/{episode['episode_id']}/state").status_code == 404
+
+
+def test_mcp_route_bad_input(counter_server):
+    episode = create(counter_server, scenario_id="counter_001")
+    with httpx.Client(base_url=counter_server.url, timeout=30) as http:
+        headers = {"MCP-Protocol-Version": "2026-07-28"}
+        assert http.post("/episodes/0123456789abcdef0123456789abcdef/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"}).status_code == 404
+        parse = http.post(episode["mcp_path"], content=b"{oops", headers=headers)
+        assert parse.status_code == 400 and parse.json()["error"]["code"] == -32700
+        assert http.post(episode["mcp_path"], content=b"[" + b" " * 5000 + b"]").status_code == 413
+        unknown = http.post(episode["mcp_path"], json={"jsonrpc": "2.0", "id": 1, "method": "resources/list"}, headers=headers)
+        assert unknown.json()["error"]["code"] == -32601
+        assert http.get(episode["mcp_path"]).status_code == 405
+        foreign = http.post(episode["mcp_path"], json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"}, headers={**headers, "Origin": "https://evil.example"})
+        assert foreign.status_code == 403
+        # Behind a gateway or in a container the Host header is not localhost: still served.
+        behind = http.post(episode["mcp_path"], json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"}, headers={**headers, "Host": "envs.internal:9000"})
+        assert behind.status_code == 200 and len(behind.json()["result"]["tools"]) == 9
+
+
+def test_episode_limit_gives_429(counter_dir):
+    with serve(counter_dir, "--max-episodes", "2") as server, server.client() as http:
+        for _ in range(2):
+            assert http.post("/episodes", json={"scenario_id": "counter_001"}).status_code == 201
+        refused = http.post("/episodes", json={"scenario_id": "counter_001"})
+        assert refused.status_code == 429 and "2" in refused.json()["error"]
+
+
+def test_idle_episodes_expire(counter_dir):
+    with serve(counter_dir, "--idle-ttl", "0.5") as server, server.client() as http:
+        episode = http.post("/episodes", json={"scenario_id": "counter_001"}).json()
+        deadline = time.monotonic() + 5
+        while http.get("/info").json()["expired_episodes"] == 0:
+            assert time.monotonic() < deadline, "the idle episode never expired"
+            time.sleep(0.1)
+        assert http.get(f"/episodes/{episode['episode_id']}/state").status_code == 404
+
+
+def test_mcp_url_is_absolute_and_follows_the_gateway_header(counter_server):
+    with counter_server.client() as http:
+        direct = http.post("/episodes", json={"scenario_id": "counter_001"}).json()
+        proxied = http.post("/episodes", json={"scenario_id": "counter_001"},
+                            headers={"X-Envscaler-Base-Url": "http://gateway:8080/envs/counter"}).json()
+    assert direct["mcp_url"] == counter_server.url + direct["mcp_path"]
+    assert proxied["mcp_url"] == "http://gateway:8080/envs/counter" + proxied["mcp_path"]
+
+
+def test_graceful_shutdown_on_sigterm(counter_dir, tmp_path):
+    with open(tmp_path / "server.log", "w") as log, serve(counter_dir, log=log) as server:
+        with server.client() as http:
+            http.post("/episodes", json={"scenario_id": "counter_001"})
+        server.process.terminate()
+        server.process.wait(10)
+    lines = [json.loads(line) for line in (tmp_path / "server.log").read_text().splitlines() if line.startswith("{")]
+    stopping = [line for line in lines if line["event"] == "server stopping"]
+    assert stopping and stopping[0]["env"] == "counter" and stopping[0]["episodes"] == 1
+
+
+def test_scenarios_listing(counter_server):
+    with counter_server.client() as http:
+        listing = http.get("/scenarios").json()
+    assert [s["task_id"] for s in listing["scenarios"]] == ["counter_001", "counter_002"]
+    assert listing["scenarios"][0]["task"] == counter_scenario()["task"]
