@@ -7,7 +7,9 @@
   default settings (``server.run("streamable-http")``), under the same uvicorn (httptools + uvloop).
 
 Both get the same modern (2026-07-28) ``tools/call`` requests from a minimal keep-alive HTTP/1.1
-client, so client overhead is small and equal. Each server runs alone while it is measured.
+client, so client overhead is small and equal; the baseline is measured a second time inside an
+initialize-handshake session (2025-06-18), as older clients use it. Each server runs alone while it
+is measured.
 
     python benchmarks/server.py [--env DIR] [--seconds 5] [--episodes 10000]
 
@@ -33,6 +35,7 @@ from envscaler import EnvRuntime, default_catalog, load_bundle
 
 TOKEN = "bench-token"
 CONCURRENCY = 16
+LEGACY_VERSION = "2025-06-18"
 META = {"io.modelcontextprotocol/protocolVersion": "2026-07-28", "io.modelcontextprotocol/clientCapabilities": {}}
 
 
@@ -41,6 +44,8 @@ class RawHttp:
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str) -> None:
         self.reader, self.writer, self.host = reader, writer, host
+        self.last_head = b""
+        self.session: str | None = None
 
     @classmethod
     async def connect(cls, url: str) -> RawHttp:
@@ -53,12 +58,15 @@ class RawHttp:
         lines = [f"{method} {path} HTTP/1.1", f"Host: {self.host}", f"Content-Length: {len(payload)}", "Content-Type: application/json"]
         lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
         self.writer.write(("\r\n".join(lines) + "\r\n\r\n").encode() + payload)
-        head = await self.reader.readuntil(b"\r\n\r\n")
+        head = self.last_head = await self.reader.readuntil(b"\r\n\r\n")
         status = int(head[9:12])
-        for line in head.split(b"\r\n"):
-            if line.lower().startswith(b"content-length:"):
+        lowered = head.lower()
+        for line in lowered.split(b"\r\n"):
+            if line.startswith(b"content-length:"):
                 return status, await self.reader.readexactly(int(line.split(b":", 1)[1]))
-        return status, await self._read_chunked()
+        if b"transfer-encoding: chunked" in lowered:
+            return status, await self._read_chunked()
+        return status, b""  # 202 Accepted for a notification: no body
 
     async def _read_chunked(self) -> bytes:
         """A chunked body, as the SDK's SSE responses come (one event, then the stream ends)."""
@@ -75,10 +83,33 @@ class RawHttp:
 
 
 class Target:
-    """A server under test: where its MCP endpoint is and how to call a tool there."""
+    """A server under test: where its MCP endpoint is and how to call a tool there.
 
-    def __init__(self, name: str, process: subprocess.Popen, url: str, mcp_path: str) -> None:
-        self.name, self.process, self.url, self.mcp_path = name, process, url, mcp_path
+    With ``legacy`` set, every connection first runs the initialize handshake (2025-06-18) and
+    calls inside its own MCP session, as clients that predate the sessionless protocol do.
+    """
+
+    def __init__(self, name: str, process: subprocess.Popen, url: str, mcp_path: str, legacy: bool = False) -> None:
+        self.name, self.process, self.url, self.mcp_path, self.legacy = name, process, url, mcp_path, legacy
+
+    async def connect(self) -> RawHttp:
+        http = await RawHttp.connect(self.url)
+        if self.legacy:
+            await self._open_session(http)
+        return http
+
+    async def _open_session(self, http: RawHttp) -> None:
+        headers = {"Accept": "application/json, text/event-stream"}
+        body = {"jsonrpc": "2.0", "id": 0, "method": "initialize",
+                "params": {"protocolVersion": LEGACY_VERSION, "capabilities": {}, "clientInfo": {"name": "bench", "version": "1"}}}
+        status, raw = await http.request("POST", self.mcp_path, body, headers)
+        for line in http.last_head.split(b"\r\n"):
+            if line.lower().startswith(b"mcp-session-id:"):
+                http.session = line.split(b":", 1)[1].strip().decode()
+        if status != 200 or not http.session:
+            raise RuntimeError(f"{self.name}: initialize failed ({status}): {raw[:300]!r}")
+        headers.update({"Mcp-Session-Id": http.session, "MCP-Protocol-Version": LEGACY_VERSION})
+        await http.request("POST", self.mcp_path, {"jsonrpc": "2.0", "method": "notifications/initialized"}, headers)
 
     def rss_mb(self) -> float:
         for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
@@ -87,9 +118,14 @@ class Target:
         raise RuntimeError("no VmRSS")
 
     async def call(self, http: RawHttp, name: str, arguments: dict, number: int) -> None:
-        body = {"jsonrpc": "2.0", "id": number, "method": "tools/call", "params": {"name": name, "arguments": arguments, "_meta": META}}
-        headers = {"MCP-Protocol-Version": "2026-07-28", "Mcp-Method": "tools/call", "Mcp-Name": name,
-                   "Accept": "application/json, text/event-stream"}
+        if http.session:
+            body = {"jsonrpc": "2.0", "id": number, "method": "tools/call", "params": {"name": name, "arguments": arguments}}
+            headers = {"MCP-Protocol-Version": LEGACY_VERSION, "Mcp-Session-Id": http.session,
+                       "Accept": "application/json, text/event-stream"}
+        else:
+            body = {"jsonrpc": "2.0", "id": number, "method": "tools/call", "params": {"name": name, "arguments": arguments, "_meta": META}}
+            headers = {"MCP-Protocol-Version": "2026-07-28", "Mcp-Method": "tools/call", "Mcp-Name": name,
+                       "Accept": "application/json, text/event-stream"}
         status, raw = await http.request("POST", self.mcp_path, body, headers)
         if status != 200 or b'"isError":false' not in raw:
             raise RuntimeError(f"{self.name}: tool call failed ({status}): {raw[:300]!r}")
@@ -111,7 +147,7 @@ def start(command: list[str], env: dict[str, str] | None = None) -> tuple[subpro
 
 
 async def sequential(target: Target, tool: str, arguments: dict, calls: int) -> list[float]:
-    http = await RawHttp.connect(target.url)
+    http = await target.connect()
     latencies = []
     for number in range(calls):
         started = time.perf_counter()
@@ -122,7 +158,7 @@ async def sequential(target: Target, tool: str, arguments: dict, calls: int) -> 
 
 
 async def throughput(target: Target, tool: str, arguments: dict, seconds: float) -> float:
-    connections = [await RawHttp.connect(target.url) for _ in range(CONCURRENCY)]
+    connections = [await target.connect() for _ in range(CONCURRENCY)]
     done = 0
     deadline = time.perf_counter() + seconds
 
@@ -224,6 +260,8 @@ async def run(args: argparse.Namespace) -> int:
     baseline = Target("baseline", process, _["url"], "/mcp")
     try:
         base = await measure(baseline, tool, arguments, args.seconds)
+        baseline.legacy = True
+        legacy = await measure(baseline, tool, arguments, args.seconds)
     finally:
         baseline.stop()
 
@@ -244,24 +282,27 @@ async def run(args: argparse.Namespace) -> int:
 
     rows = [("tool calls/s, 16 concurrent", "calls_per_s", "{:.0f}"), ("sequential p50 (ms)", "p50_ms", "{:.3f}"),
             ("sequential p99 (ms)", "p99_ms", "{:.3f}"), ("idle RSS (MB)", "idle_rss_mb", "{:.1f}")]
-    print(f"\n{'':<34} {'ours':>10} {'baseline':>10}")
+    print(f"\n{'':<34} {'ours':>10} {'baseline':>10} {'baseline':>10}")
+    print(f"{'':<34} {'2026-07-28':>10} {'2026-07-28':>10} {LEGACY_VERSION:>10}")
     for label, key, fmt in rows:
-        print(f"{label:<34} {fmt.format(mine[key]):>10} {fmt.format(base[key]):>10}")
-    print(f"{f'RSS with {args.episodes} live episodes (MB)':<34} {mine['rss_loaded_mb']:>10.1f} {'n/a':>10}  (+{mine['rss_delta_mb']:.1f} MB)")
-    print(f"{'episode create p50 (ms)':<34} {mine['create_p50_ms']:>10.3f} {'n/a':>10}")
-    print(f"{'validate p50 (ms)':<34} {mine['validate_p50_ms']:>10.3f} {'n/a':>10}")
+        print(f"{label:<34} {fmt.format(mine[key]):>10} {fmt.format(base[key]):>10} {fmt.format(legacy[key]):>10}")
+    print(f"{f'RSS with {args.episodes} live episodes (MB)':<34} {mine['rss_loaded_mb']:>10.1f} {'n/a':>10} {'n/a':>10}  (+{mine['rss_delta_mb']:.1f} MB)")
+    print(f"{'episode create p50 (ms)':<34} {mine['create_p50_ms']:>10.3f} {'n/a':>10} {'n/a':>10}")
+    print(f"{'validate p50 (ms)':<34} {mine['validate_p50_ms']:>10.3f} {'n/a':>10} {'n/a':>10}")
     print("(the baseline has one shared state: no episodes to create, reset or validate)")
 
     ratio = mine["calls_per_s"] / base["calls_per_s"]
+    legacy_ratio = mine["calls_per_s"] / legacy["calls_per_s"]
     verdicts = [
         (f"throughput {ratio:.1f}x the baseline", ratio >= 4.0, ">= 4x"),
+        (f"throughput {legacy_ratio:.1f}x the baseline, handshake era", legacy_ratio >= 4.0, ">= 4x"),
         (f"sequential p50 {mine['p50_ms']:.3f} ms", mine["p50_ms"] <= 1.0, "<= 1 ms"),
         (f"idle RSS {mine['idle_rss_mb']:.1f} MB", mine["idle_rss_mb"] <= 45.0, "<= 45 MB"),
         (f"{args.episodes} episodes +{mine['rss_delta_mb']:.1f} MB", mine["rss_delta_mb"] <= 300.0, "<= +300 MB"),
     ]
     print()
     for text, ok, target in verdicts:
-        print(f"{text:<40} target {target:<10} {'ok' if ok else 'MISSED'}")
+        print(f"{text:<48} target {target:<10} {'ok' if ok else 'MISSED'}")
     return 0 if all(ok for _, ok, _ in verdicts) else 1
 
 
