@@ -44,7 +44,7 @@ def _catalog_list(args: argparse.Namespace) -> int:
 def check_isolated(directory: Path, timeout_s: float) -> EnvReport:
     """Run every gate on one bundle in a limited child process."""
     try:
-        done = run_module("envscaler.gates", [str(directory)], timeout_s=timeout_s)
+        done = run_module("envscaler.check_worker", [str(directory)], timeout_s=timeout_s)
     except TimeoutExpired:
         return _broken(directory.name, f"the check did not finish within {timeout_s:g} s")
     lines = done.stdout.strip().splitlines()

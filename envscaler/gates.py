@@ -6,19 +6,16 @@ check passes on the reference's final state; at least one check cleanly fails (r
 error) on the untouched initial state; checks give the same answers twice; a do-nothing agent
 scores below 1.0.
 
-Run ``python -m envscaler.gates BUNDLE_DIR`` to check one bundle in its own process; the CLI does
+``python -m envscaler.check_worker BUNDLE_DIR`` checks one bundle in its own process; the CLI does
 this so that untrusted code never runs in the process that drives the check.
 """
 
 from __future__ import annotations
 
-import json
-import sys
 from typing import Any
 
 from pydantic import BaseModel, Field
 
-from envscaler.bundle import load_bundle
 from envscaler.errors import EnvScalerError
 from envscaler.models import Bundle, Scenario
 from envscaler.runtime import EnvRuntime, Episode
@@ -178,23 +175,3 @@ def _replay(runtime: EnvRuntime, scenario: Scenario, changing_tools: set[str] | 
         if changing_tools is not None and outcome.diff:
             changing_tools.add(call.name)
     return episode, None
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Check one bundle directory and print its EnvReport as JSON (the CLI's isolated worker)."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m envscaler.gates BUNDLE_DIR", file=sys.stderr)
-        return 2
-    try:
-        bundle = load_bundle(args[0])
-    except EnvScalerError as e:
-        print(json.dumps({"error": str(e)}))
-        return 1
-    report = check_bundle(bundle)
-    print(report.model_dump_json())
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

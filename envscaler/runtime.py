@@ -11,6 +11,8 @@ back as values (``ToolOutcome.error``), never as exceptions, so the caller keeps
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import sys
 import time
@@ -77,11 +79,21 @@ class EnvRuntime:
         return f"{type(error).__name__}: {error}{where}"
 
 
-def _construct(cls: type, config: dict[str, Any]) -> Any:
+@functools.lru_cache(maxsize=256)
+def _takes_config(cls: type) -> bool:
     try:
-        instance = cls(config)
+        inspect.signature(cls).bind({})
     except TypeError:
-        instance = cls()
+        return False
+    except ValueError:  # no signature to inspect: let the call decide
+        return True
+    return True
+
+
+def _construct(cls: type, config: dict[str, Any]) -> Any:
+    # EnvScaler falls back to cls() when cls(init_config) fails; falling back only when the
+    # constructor cannot take the argument keeps a TypeError inside __init__ visible.
+    instance = cls(config) if _takes_config(cls) else cls()
     for key, value in config.items():
         setattr(instance, key, value)
     return instance

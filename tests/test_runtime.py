@@ -198,3 +198,17 @@ def test_class_code_is_compiled_once_per_content():
     assert EnvRuntime(spec).env_class is EnvRuntime(spec).env_class
     other = EnvSpec.model_validate(counter_spec(env_class_code=COUNTER_CODE + "\n# changed\n"))
     assert EnvRuntime(other).env_class is not EnvRuntime(spec).env_class
+
+
+def test_a_type_error_inside_init_is_reported_not_hidden_by_the_fallback():
+    code = COUNTER_CODE.replace("self.log: List[str] = []", "self.log: List[str] = list(1)")
+    runtime = EnvRuntime(EnvSpec.model_validate(counter_spec(env_class_code=code)))
+    with pytest.raises(EnvCodeError) as caught:
+        runtime.new_episode(INIT)
+    assert "TypeError: 'int' object is not iterable" in str(caught.value) and "line" in str(caught.value)
+
+
+def test_a_constructor_without_init_config_falls_back_to_no_arguments():
+    code = COUNTER_CODE.replace("def __init__(self, init_config: dict):", "def __init__(self):")
+    episode = EnvRuntime(EnvSpec.model_validate(counter_spec(env_class_code=code))).new_episode(INIT)
+    assert episode.state()["items"] == INIT["items"]
