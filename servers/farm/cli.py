@@ -1,0 +1,285 @@
+"""``envscaler farm up / status / down``: many environment servers behind one gateway.
+
+``up`` plans the farm (ports, tokens, a farm id), hands the plan to a detached daemon
+(``servers.farm.daemon``) and returns once every server is healthy, leaving the farm running. The
+catalog file it names is the contract with users and ``envscaler run``; the daemon's plan, state and
+logs live next to it in ``<catalog>.farm/``, so ``status`` and ``down`` work from the file alone,
+also after the process that ran ``up`` was killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from envscaler.bundle import default_catalog, find_bundles, load_bundle
+from servers.farm.models import (
+    Backend,
+    EnvPlan,
+    FarmError,
+    FarmPaths,
+    FarmPlan,
+    FarmState,
+    Limits,
+    read_json,
+    write_json,
+)
+from servers.farm.process import FARM_ID_VARIABLE, describe_exit, farm_processes
+
+DEFAULT_CATALOG = ".envscaler/farm.json"
+EXIT_OK, EXIT_FAILED = 0, 1
+
+
+def docker_answers() -> bool:
+    """Whether a Docker engine answers on this machine (quietly, within a few seconds)."""
+    try:
+        import docker
+
+        client = docker.from_env(timeout=3)
+        client.ping()
+        client.close()
+        return True
+    except Exception:  # noqa: BLE001 - any failure means "no usable engine"
+        return False
+
+
+def _free_ports(count: int) -> list[int]:
+    """Ports that are free now; held open together so that no two are the same."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def plan_farm(env_dirs: list[str], backend: Backend, catalog: Path, limits: Limits, gateway_port: int) -> FarmPlan:
+    """One EnvPlan per bundle found under ``env_dirs``; FarmError on duplicates or nothing found."""
+    bundle_dirs = [d for root in env_dirs for d in find_bundles(root)]
+    if not bundle_dirs:
+        raise FarmError(f"no bundles (env.json + scenarios.jsonl) under {', '.join(env_dirs)}")
+    envs: list[EnvPlan] = []
+    seen: dict[str, Path] = {}
+    ports = _free_ports(len(bundle_dirs))
+    for directory, port in zip(bundle_dirs, ports):
+        bundle = load_bundle(directory)
+        if bundle.env_id in seen:
+            raise FarmError(f"env_id {bundle.env_id!r} appears twice: {seen[bundle.env_id]} and {directory}")
+        seen[bundle.env_id] = directory
+        envs.append(
+            EnvPlan(
+                env_id=bundle.env_id,
+                bundle_dir=str(Path(directory).absolute()),
+                token=secrets.token_urlsafe(24),
+                port=port,
+                spec_hash=bundle.spec.content_hash(),
+            )
+        )
+    return FarmPlan(
+        farm_id=secrets.token_hex(6), backend=backend, catalog=str(catalog), gateway_port=gateway_port, limits=limits, envs=envs
+    )
+
+
+def _pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _state(paths: FarmPaths) -> FarmState | None:
+    return read_json(paths.state, FarmState)
+
+
+def _spawn_daemon(plan: FarmPlan, paths: FarmPaths) -> subprocess.Popen[bytes]:
+    paths.dir.mkdir(parents=True, exist_ok=True)
+    write_json(paths.plan, plan)
+    with open(paths.daemon_log, "ab") as log:
+        # A new session: the farm outlives this command and is not hit by its terminal's Ctrl-C.
+        return subprocess.Popen(
+            [sys.executable, "-m", "servers.farm.daemon", str(paths.dir)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, FARM_ID_VARIABLE: plan.farm_id},
+        )
+
+
+def _progress(state: FarmState | None, total: int, started: float) -> str:
+    counts: dict[str, int] = {}
+    for record in (state.envs.values() if state else []):
+        counts[record.status] = counts.get(record.status, 0) + 1
+    healthy = counts.pop("healthy", 0)
+    rest = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+    return f"farm: {healthy}/{total} healthy{' (' + rest + ')' if rest else ''} after {time.monotonic() - started:.1f} s"
+
+
+def _wait_ready(daemon: subprocess.Popen[bytes], paths: FarmPaths, total: int, timeout_s: float) -> tuple[FarmState | None, str | None]:
+    """Poll the daemon's state file until ready; (state, problem)."""
+    started = time.monotonic()
+    interactive = sys.stderr.isatty()
+    last_healthy, last_print = -1, 0.0
+    state = None
+    while True:
+        state = _state(paths)
+        healthy = sum(r.status == "healthy" for r in state.envs.values()) if state else 0
+        # A terminal gets a live line; a log gets a line per change in health, or every 5 s.
+        if interactive or healthy != last_healthy or time.monotonic() - last_print > 5:
+            line = _progress(state, total, started)
+            print(("\r" + line) if interactive else line, end="" if interactive else "\n", file=sys.stderr, flush=True)
+            last_healthy, last_print = healthy, time.monotonic()
+        if state and state.ready:
+            problem = None
+            break
+        if state and state.error:
+            problem = state.error
+            break
+        if (code := daemon.poll()) is not None:
+            problem = f"the farm daemon stopped ({describe_exit(code)}); see {paths.daemon_log}"
+            break
+        if time.monotonic() - started > timeout_s:
+            problem = f"not every environment was healthy within {timeout_s:g} s"
+            break
+        time.sleep(0.1)
+    if interactive:
+        print(file=sys.stderr)
+    return state, problem
+
+
+def farm_up(args: argparse.Namespace) -> int:
+    paths = FarmPaths(args.catalog)
+    existing = _state(paths)
+    if existing and _pid_alive(existing.daemon_pid):
+        raise FarmError(f"a farm is already running for {paths.catalog} (daemon pid {existing.daemon_pid}); run 'envscaler farm down --catalog {args.catalog}' first")
+    if paths.dir.exists():
+        # Leftovers of a farm whose daemon was killed: remove them before starting over.
+        _tear_down(paths, quiet=True)
+    backend: Backend = args.backend or ("docker" if docker_answers() else "process")
+    limits = Limits(memory_mb=args.memory_mb, cpus=args.cpus, pids=args.pids)
+    plan = plan_farm(args.env_dirs or [str(default_catalog())], backend, paths.catalog, limits, args.gateway_port)
+    print(f"farm: starting {len(plan.envs)} environment(s) with the {backend} backend (farm {plan.farm_id})", file=sys.stderr)
+    daemon = _spawn_daemon(plan, paths)
+    state, problem = _wait_ready(daemon, paths, len(plan.envs), args.timeout)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        for record in (state.envs.values() if state else []):
+            if record.status != "healthy":
+                print(f"  {record.env_id}: {record.status}{' (' + record.last_exit + ')' if record.last_exit else ''}", file=sys.stderr)
+        _tear_down(paths, quiet=True)
+        return EXIT_FAILED
+    print(f"farm: ready; catalog {paths.catalog}, gateway {state.gateway if state else ''}", file=sys.stderr)
+    print(paths.catalog)
+    return EXIT_OK
+
+
+def farm_status(args: argparse.Namespace) -> int:
+    paths = FarmPaths(args.catalog)
+    state = _state(paths)
+    if state is None:
+        print(f"no farm at {paths.catalog}", file=sys.stderr)
+        return EXIT_FAILED
+    alive = _pid_alive(state.daemon_pid)
+    if args.json:
+        print(state.model_dump_json(indent=2))
+    else:
+        print(f"farm {state.farm_id}: {state.backend} backend, daemon pid {state.daemon_pid} "
+              f"{'running' if alive else 'NOT RUNNING'}, gateway {state.gateway}, {'ready' if state.ready else 'not ready'}")
+        print(f"{'env_id':<28} {'status':<11} {'restarts':>8}  {'url':<24} last exit")
+        for record in state.envs.values():
+            oom = " (out of memory)" if record.oom_killed else ""
+            print(f"{record.env_id:<28} {record.status:<11} {record.restarts:>8}  {record.url:<24} {record.last_exit or ''}{oom}")
+    healthy = alive and all(r.status == "healthy" for r in state.envs.values())
+    return EXIT_OK if healthy else EXIT_FAILED
+
+
+def _tear_down(paths: FarmPaths, *, quiet: bool = False) -> int:
+    """Stop the daemon, then remove whatever of the farm is left; the number of things removed."""
+    plan = read_json(paths.plan, FarmPlan) if paths.plan.exists() else None
+    state = _state(paths)
+    removed = 0
+    if state and _pid_alive(state.daemon_pid):
+        os.kill(state.daemon_pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while _pid_alive(state.daemon_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        removed += 1
+    farm_id = (plan.farm_id if plan else None) or (state.farm_id if state else None)
+    if farm_id:
+        for pid in farm_processes(farm_id):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                removed += 1
+            except ProcessLookupError:
+                continue
+        backend = (plan.backend if plan else None) or (state.backend if state else None)
+        if backend == "docker":
+            from servers.farm.docker_backend import remove_farm_resources
+
+            removed += remove_farm_resources(farm_id)
+    paths.catalog.unlink(missing_ok=True)
+    shutil.rmtree(paths.dir, ignore_errors=True)
+    if not quiet:
+        print(f"farm: down ({removed} process(es), container(s) or network(s) stopped)", file=sys.stderr)
+    return removed
+
+
+def farm_down(args: argparse.Namespace) -> int:
+    paths = FarmPaths(args.catalog)
+    if not paths.dir.exists() and not paths.catalog.exists():
+        print(f"no farm at {paths.catalog}: nothing to do", file=sys.stderr)
+        return EXIT_OK
+    _tear_down(paths)
+    return EXIT_OK
+
+
+def register_farm(commands: argparse._SubParsersAction) -> None:
+    """Add ``envscaler farm up / status / down``."""
+    farm = commands.add_parser("farm", help="run many environment servers behind one gateway")
+    actions = farm.add_subparsers(dest="farm_command", metavar="ACTION", required=True)
+
+    def catalog_flag(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--catalog", default=DEFAULT_CATALOG, metavar="FILE",
+                            help=f"the farm's catalog file: env_id -> url + token, and the gateway (default: {DEFAULT_CATALOG})")
+
+    up = actions.add_parser(
+        "up", help="start one server per environment, wait until all are healthy, write the catalog",
+        description="Starts a detached farm daemon and returns once every server answers /healthz.",
+    )
+    up.add_argument("env_dirs", nargs="*", metavar="ENV_DIR", help="bundles or folders of bundles (default: the bundled catalog)")
+    up.add_argument("--backend", choices=["docker", "process"],
+                    help="docker (hardened containers) or process (local subprocesses); default: docker when an engine answers, else process")
+    catalog_flag(up)
+    up.add_argument("--gateway-port", type=int, default=0, help="port of the gateway on 127.0.0.1 (default: a free one)")
+    up.add_argument("--memory-mb", type=int, default=256, help="memory limit per server in MB (default: 256)")
+    up.add_argument("--cpus", type=float, default=1.0, help="CPU limit per server, docker backend (default: 1.0)")
+    up.add_argument("--pids", type=int, default=128, help="process/thread limit per server, docker backend (default: 128)")
+    up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for every server to be healthy (default: 120)")
+    up.set_defaults(func=farm_up)
+
+    status = actions.add_parser("status", help="show each environment's health and restarts; exit 1 unless all are healthy")
+    catalog_flag(status)
+    status.add_argument("--json", action="store_true", help="print the daemon's full state as JSON")
+    status.set_defaults(func=farm_status)
+
+    down = actions.add_parser("down", help="stop the farm and remove every process, container and network it started")
+    catalog_flag(down)
+    down.set_defaults(func=farm_down)

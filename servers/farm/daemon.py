@@ -1,0 +1,150 @@
+"""The farm daemon: runs detached from ``farm up``, owns the servers and serves the gateway.
+
+``python -m servers.farm.daemon FARM_DIR`` reads ``FARM_DIR/plan.json``, starts the backend, watches
+health, writes ``FARM_DIR/state.json`` as things change and the catalog file once every server is
+healthy, and on SIGTERM or SIGINT stops its servers and exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol
+
+import anyio
+import httpx
+import uvicorn
+
+from envscaler import logs
+from servers.farm.board import Board
+from servers.farm.gateway import Gateway
+from servers.farm.models import EnvEndpoint, FarmCatalog, FarmError, FarmPaths, FarmPlan, read_json, write_json
+from servers.serve import bind
+
+_STARTUP_POLL_S = 0.1
+_STEADY_POLL_S = 2.0
+
+
+class FarmBackend(Protocol):
+    """What the daemon needs from a backend."""
+
+    async def run(self) -> None:
+        """Start every environment and keep them running until cancelled."""
+
+    async def stop(self) -> None:
+        """Stop what ``run`` started that must not outlive the daemon."""
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the daemon stops its servers first, then the gateway."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _backend(plan: FarmPlan, paths: FarmPaths, board: Board) -> FarmBackend:
+    if plan.backend == "docker":
+        from servers.farm.docker_backend import DockerBackend
+
+        return DockerBackend(plan, paths, board)
+    from servers.farm.process import ProcessBackend
+
+    return ProcessBackend(plan, paths, board)
+
+
+async def watch_health(plan: FarmPlan, paths: FarmPaths, board: Board) -> None:
+    """Poll every server's ``/healthz``; write the catalog the first time all of them answer."""
+    async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
+        while True:
+            async with anyio.create_task_group() as tasks:
+                for env in plan.envs:
+                    tasks.start_soon(_check, client, board, env.env_id)
+            statuses = [record.status for record in board.state.envs.values()]
+            if not board.state.ready and all(s == "healthy" for s in statuses):
+                _write_catalog(plan, paths, board)
+                board.set(ready=True)
+            if "failed" in statuses and not board.state.ready and board.state.error is None:
+                failed = [e for e, r in board.state.envs.items() if r.status == "failed"]
+                board.set(error=f"{len(failed)} environment(s) failed to start: {', '.join(failed)}")
+            await anyio.sleep(_STEADY_POLL_S if board.state.ready else _STARTUP_POLL_S)
+
+
+async def _check(client: httpx.AsyncClient, board: Board, env_id: str) -> None:
+    record = board.env(env_id)
+    if record.status == "failed":
+        return
+    try:
+        healthy = (await client.get(record.url + "/healthz")).status_code == 200
+    except httpx.HTTPError:
+        healthy = False
+    if healthy and record.status != "healthy":
+        board.update(env_id, status="healthy", healthy_at=record.healthy_at or time.time())
+    elif not healthy and record.status == "healthy":
+        board.update(env_id, status="unhealthy")
+
+
+def _write_catalog(plan: FarmPlan, paths: FarmPaths, board: Board) -> None:
+    catalog = FarmCatalog(
+        envs={env.env_id: EnvEndpoint(url=env.url, token=env.token) for env in plan.envs},
+        gateway=board.state.gateway or "",
+        backend=plan.backend,
+        farm_id=plan.farm_id,
+    )
+    write_json(paths.catalog, catalog)
+
+
+async def _stop_on_signal(server: uvicorn.Server) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            server.should_exit = True
+            return
+
+
+async def run_daemon(paths: FarmPaths) -> None:
+    """Run the farm described by ``paths.plan`` until SIGTERM or SIGINT."""
+    plan = read_json(paths.plan, FarmPlan)
+    if plan is None:
+        raise FarmError(f"{paths.plan}: no plan")
+    board = Board(plan, paths)
+    backend = _backend(plan, paths, board)
+    sock = bind(plan.gateway_host, plan.gateway_port)
+    board.set(gateway=f"http://{plan.gateway_host}:{sock.getsockname()[1]}")
+    board.flush()
+    gateway = Gateway({env.env_id: env.url for env in plan.envs})
+    server = _Server(
+        uvicorn.Config(
+            gateway, http="httptools", lifespan="on", access_log=False, log_config=None, log_level="warning",
+            server_header=False, date_header=False, timeout_graceful_shutdown=3,
+        )
+    )
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(_stop_on_signal, server)
+        tasks.start_soon(board.flush_forever)
+        tasks.start_soon(backend.run)
+        tasks.start_soon(watch_health, plan, paths, board)
+        await server.serve(sockets=[sock])
+        await backend.stop()
+        tasks.cancel_scope.cancel()
+    board.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: ``python -m servers.farm.daemon FARM_DIR``."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m servers.farm.daemon FARM_DIR", file=sys.stderr)
+        return 2
+    logs.configure("info")
+    farm_dir = Path(args[0])
+    paths = FarmPaths(farm_dir.with_name(farm_dir.name.removesuffix(".farm")))
+    anyio.run(run_daemon, paths, backend_options={"use_uvloop": True})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

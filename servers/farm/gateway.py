@@ -1,0 +1,130 @@
+"""The farm's one base URL: ``/envs/{env_id}/...`` is proxied to that environment's server.
+
+A raw ASGI application over one pooled httpx client, because it sits on every tool call. It sets
+``X-Envscaler-Base-Url`` so the servers hand out MCP URLs that go through the gateway too.
+
+Routes of its own: ``GET /healthz`` (open) and ``GET /envs`` (the environment ids, no tokens).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+Scope = dict[str, Any]
+
+# Headers that describe one hop, not the message (RFC 9110 section 7.6.1), and the ones we set.
+_HOP_BY_HOP = {
+    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
+    b"transfer-encoding", b"upgrade", b"host", b"x-envscaler-base-url",
+}
+_MAX_BODY = 16 * 1024 * 1024
+
+
+async def _reply(send: Any, status: int, payload: Any) -> None:
+    body = json.dumps(payload).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class Gateway:
+    """ASGI proxy from ``/envs/{env_id}/rest`` to ``routes[env_id] + /rest``."""
+
+    def __init__(self, routes: dict[str, str], *, read_timeout_s: float = 300.0) -> None:
+        self.routes = {env_id: url.rstrip("/") for env_id, url in routes.items()}
+        # Tool calls are short; validation and long tool calls are bounded by the servers themselves.
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(read_timeout_s, connect=5.0),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=30.0),
+            trust_env=False,
+        )
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+        elif scope["type"] == "http":
+            await self._http(scope, receive, send)
+
+    async def _lifespan(self, receive: Any, send: Any) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.client.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _http(self, scope: Scope, receive: Any, send: Any) -> None:
+        raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
+        path = raw_path.split(b"?", 1)[0]
+        if path == b"/healthz":
+            await _reply(send, 200, {"status": "ok", "envs": len(self.routes)})
+            return
+        if path in (b"/envs", b"/envs/") and scope["method"] == "GET":
+            await _reply(send, 200, {"envs": sorted(self.routes)})
+            return
+        parts = path.split(b"/", 3)  # b"", b"envs", env_id, rest
+        if len(parts) < 3 or parts[1] != b"envs":
+            await _reply(send, 404, {"error": f"no route {scope['method']} {scope['path']}: use /envs/{{env_id}}/..."})
+            return
+        env_id = parts[2].decode(errors="replace")
+        upstream = self.routes.get(env_id)
+        if upstream is None:
+            await _reply(send, 404, {"error": f"no environment {env_id!r} in this farm; GET /envs lists them"})
+            return
+        await self._proxy(scope, receive, send, env_id, upstream, b"/" + (parts[3] if len(parts) == 4 else b""))
+
+    async def _proxy(self, scope: Scope, receive: Any, send: Any, env_id: str, upstream: str, rest: bytes) -> None:
+        body = await _read_body(receive)
+        if body is None:
+            await _reply(send, 413, {"error": f"request body is larger than {_MAX_BODY} bytes"})
+            return
+        headers = [(k, v) for k, v in scope["headers"] if k not in _HOP_BY_HOP]
+        headers.append((b"x-envscaler-base-url", f"{_origin(scope)}/envs/{env_id}".encode()))
+        query = scope.get("query_string") or b""
+        url = upstream + rest.decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
+        request = self.client.build_request(scope["method"], url, headers=headers, content=body)
+        try:
+            response = await self.client.send(request, stream=True)
+        except httpx.TimeoutException:
+            await _reply(send, 504, {"error": f"environment {env_id!r} did not answer in time at {upstream}"})
+            return
+        except httpx.HTTPError as e:
+            await _reply(send, 502, {"error": f"environment {env_id!r} is not answering at {upstream}: {e!r}"})
+            return
+        try:
+            out_headers = [(k, v) for k, v in response.headers.raw if k.lower() not in _HOP_BY_HOP]
+            await send({"type": "http.response.start", "status": response.status_code, "headers": out_headers})
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            await response.aclose()
+
+
+async def _read_body(receive: Any) -> bytes | None:
+    """The whole request body, or None when it is larger than the gateway accepts."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > _MAX_BODY:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def _origin(scope: Scope) -> str:
+    """The scheme and host the client used to reach the gateway."""
+    for name, value in scope["headers"]:
+        if name == b"host":
+            return f"{scope.get('scheme', 'http')}://{value.decode('latin-1')}"
+    host, port = scope.get("server") or ("127.0.0.1", 80)
+    return f"{scope.get('scheme', 'http')}://{host}:{port}"

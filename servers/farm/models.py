@@ -1,0 +1,153 @@
+"""What the farm writes to disk: the catalog (public contract), the plan, and the live state.
+
+The catalog file is what users and ``envscaler run --farm`` read:
+``{"envs": {env_id: {"url", "token"}}, "gateway": url}`` (more fields may be added, none renamed).
+Next to it, ``<catalog>.farm/`` holds the farm daemon's plan (what to run), its state (what runs,
+health, restarts, pids or containers) and logs, so ``status`` and ``down`` work from the file alone,
+even after the process that ran ``up`` was killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from envscaler.bundle import describe_validation_error
+from envscaler.errors import EnvScalerError
+
+Backend = Literal["docker", "process"]
+EnvStatusName = Literal["starting", "healthy", "unhealthy", "restarting", "failed"]
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class FarmError(EnvScalerError):
+    """The farm cannot do what was asked (bad input, missing engine, unreadable farm files)."""
+
+
+class EnvEndpoint(BaseModel):
+    """Where one environment server answers, and its control token."""
+
+    model_config = ConfigDict(extra="allow")
+
+    url: str
+    token: str
+
+
+class FarmCatalog(BaseModel):
+    """The catalog file: one base URL and control token per environment, and the gateway."""
+
+    model_config = ConfigDict(extra="allow")
+
+    envs: dict[str, EnvEndpoint]
+    gateway: str
+    backend: Backend | None = None
+    farm_id: str | None = None
+
+
+class Limits(BaseModel):
+    """Resources of one environment server."""
+
+    memory_mb: int = Field(default=256, ge=64)
+    cpus: float = Field(default=1.0, gt=0)
+    pids: int = Field(default=128, ge=16)
+
+
+class EnvPlan(BaseModel):
+    """One environment the daemon must run."""
+
+    env_id: str
+    bundle_dir: str
+    token: str
+    port: int
+    image: str | None = None
+    spec_hash: str
+
+    @property
+    def url(self) -> str:
+        """The environment's own base URL (loopback; docker publishes on 127.0.0.1 only)."""
+        return f"http://127.0.0.1:{self.port}"
+
+
+class FarmPlan(BaseModel):
+    """Everything the farm daemon needs to start and supervise a farm."""
+
+    farm_id: str
+    backend: Backend
+    catalog: str
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = 0
+    limits: Limits = Field(default_factory=Limits)
+    envs: list[EnvPlan]
+
+
+class EnvStatus(BaseModel):
+    """One environment as the daemon last saw it."""
+
+    env_id: str
+    url: str
+    status: EnvStatusName = "starting"
+    restarts: int = 0
+    pid: int | None = None
+    container: str | None = None
+    last_exit: str | None = None
+    oom_killed: bool = False
+    healthy_at: float | None = None
+
+
+class FarmState(BaseModel):
+    """The daemon's live view of the farm, rewritten whenever something changes."""
+
+    farm_id: str
+    backend: Backend
+    daemon_pid: int
+    gateway: str | None = None
+    ready: bool = False
+    error: str | None = None
+    started_at: float
+    updated_at: float
+    envs: dict[str, EnvStatus]
+
+
+class FarmPaths:
+    """The files of the farm that a catalog path names."""
+
+    def __init__(self, catalog: str | Path) -> None:
+        self.catalog = Path(catalog).absolute()
+        self.dir = self.catalog.with_name(self.catalog.name + ".farm")
+        self.plan = self.dir / "plan.json"
+        self.state = self.dir / "state.json"
+        self.daemon_log = self.dir / "daemon.log"
+        self.logs = self.dir / "logs"
+
+    def env_log(self, env_id: str) -> Path:
+        """The log file of one environment server (process backend)."""
+        return self.logs / f"{env_id}.log"
+
+
+def write_json(path: Path, model: BaseModel) -> None:
+    """Write ``model`` atomically (readers never see half a file), readable by the owner only: it holds tokens."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(model.model_dump_json(indent=2, exclude_none=True) + "\n")
+    os.replace(temporary, path)
+
+
+def read_json(path: Path, model: type[M]) -> M | None:
+    """Parse ``path`` as ``model``; None when it does not exist, FarmError naming the file when it is bad."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError) as e:
+        raise FarmError(f"{path}: unreadable: {e}") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise FarmError(f"{path}: {describe_validation_error(e)}") from None

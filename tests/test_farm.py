@@ -1,0 +1,124 @@
+"""The process farm: up, gateway, status, restarts, down (also after kill -9 of the daemon)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import anyio
+import httpx
+import httpx2
+import pytest
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+
+from envscaler import default_catalog, load_bundle
+from servers.farm.process import farm_processes
+
+ENVS = ["library_circulation", "online_retail", "it_helpdesk"]
+
+
+def envscaler(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "envscaler.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def read_state(catalog):
+    return json.loads((catalog.parent / (catalog.name + ".farm") / "state.json").read_text())
+
+
+@pytest.fixture
+def farm(tmp_path):
+    catalog = tmp_path / "farm.json"
+    up = envscaler("farm", "up", *(str(default_catalog() / e) for e in ENVS), "--backend", "process", "--catalog", str(catalog))
+    assert up.returncode == 0, up.stderr
+    yield catalog
+    envscaler("farm", "down", "--catalog", str(catalog))
+
+
+def wait_until(predicate, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.1)
+
+
+def test_up_writes_the_catalog_and_status_reports_health(farm):
+    catalog = json.loads(farm.read_text())
+    assert sorted(catalog["envs"]) == sorted(ENVS)
+    assert catalog["gateway"].startswith("http://127.0.0.1:")
+    for env_id, endpoint in catalog["envs"].items():
+        health = httpx.get(endpoint["url"] + "/healthz").json()
+        assert health["env_id"] == env_id
+        assert httpx.get(endpoint["url"] + "/info").status_code == 401
+    status = envscaler("farm", "status", "--catalog", str(farm))
+    assert status.returncode == 0
+    assert all(e in status.stdout for e in ENVS) and "healthy" in status.stdout
+
+
+def test_reference_replay_through_the_gateway_scores_one(farm):
+    catalog = json.loads(farm.read_text())
+    gateway = catalog["gateway"]
+    scenario = load_bundle(default_catalog() / "online_retail").scenarios[0]
+    headers = {"Authorization": f"Bearer {catalog['envs']['online_retail']['token']}"}
+    with httpx.Client(base_url=f"{gateway}/envs/online_retail", headers=headers) as control:
+        episode = control.post("/episodes", json={"scenario_id": scenario.task_id}).json()
+        assert episode["mcp_url"].startswith(f"{gateway}/envs/online_retail/episodes/")
+
+        async def replay() -> None:
+            async with httpx2.AsyncClient() as http, Client(streamable_http_client(episode["mcp_url"], http_client=http)) as client:
+                assert {t.name for t in (await client.list_tools()).tools} >= {c.name for c in scenario.reference_solution}
+                for call in scenario.reference_solution:
+                    result = await client.call_tool(call.name, call.arguments)
+                    assert not result.is_error, result.content[0].text
+
+        anyio.run(replay)
+        assert control.post(f"/episodes/{episode['episode_id']}/validate").json()["score"] == 1.0
+    with httpx.Client(base_url=gateway) as http:
+        assert http.get("/envs").json() == {"envs": sorted(ENVS)}
+        assert http.get("/envs/nope/healthz").status_code == 404
+
+
+def test_a_killed_server_is_restarted_and_reported(farm):
+    state = read_state(farm)
+    victim = state["envs"]["it_helpdesk"]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    wait_until(lambda: read_state(farm)["envs"]["it_helpdesk"]["restarts"] == 1
+               and read_state(farm)["envs"]["it_helpdesk"]["status"] == "healthy")
+    record = read_state(farm)["envs"]["it_helpdesk"]
+    assert record["pid"] != victim and record["last_exit"] == "killed by SIGKILL"
+    status = envscaler("farm", "status", "--catalog", str(farm))
+    assert "killed by SIGKILL" in status.stdout
+    others = json.loads(farm.read_text())["envs"]
+    assert httpx.get(others["online_retail"]["url"] + "/healthz").status_code == 200
+
+
+def test_down_leaves_nothing_also_after_kill_9_of_the_daemon(tmp_path):
+    catalog = tmp_path / "farm.json"
+    up = envscaler("farm", "up", str(default_catalog() / "library_circulation"), "--backend", "process", "--catalog", str(catalog))
+    assert up.returncode == 0, up.stderr
+    state = read_state(catalog)
+    assert len(farm_processes(state["farm_id"])) == 2  # the daemon and one server
+    os.kill(state["daemon_pid"], signal.SIGKILL)
+    down = envscaler("farm", "down", "--catalog", str(catalog))
+    assert down.returncode == 0
+    wait_until(lambda: not farm_processes(state["farm_id"]), 10)
+    assert not catalog.exists() and not (tmp_path / "farm.json.farm").exists()
+
+
+def test_a_second_up_on_a_running_farm_is_refused(farm):
+    again = envscaler("farm", "up", "--backend", "process", "--catalog", str(farm))
+    assert again.returncode == 2 and "already running" in again.stderr
+
+
+def test_up_with_a_broken_bundle_fails_and_cleans_up(tmp_path):
+    broken = tmp_path / "bundles" / "broken"
+    broken.mkdir(parents=True)
+    (broken / "env.json").write_text("{not json")
+    (broken / "scenarios.jsonl").write_text("")
+    result = envscaler("farm", "up", str(tmp_path / "bundles"), "--backend", "process", "--catalog", str(tmp_path / "farm.json"))
+    assert result.returncode == 2 and "env.json" in result.stderr
+    assert not (tmp_path / "farm.json").exists()
