@@ -1,0 +1,237 @@
+"""Agents the harness can run: each drives one episode through its MCP tools and returns its messages.
+
+- ``replay``: the scenario's reference solution (offline, the default);
+- ``random``: random tools with schema-valid random arguments (a floor to compare against);
+- ``openai``: any OpenAI-compatible chat model with native tool calls;
+- ``command``: any external MCP-capable program, given the MCP URL and the task.
+
+Every agent writes OpenAI chat ``messages`` (system, user, assistant with ``tool_calls``, tool), so
+records are ready for SFT whoever produced them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shlex
+import subprocess
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import anyio
+
+from agent_client.llm import LlmEndpoint, complete
+from agent_client.models import AgentResult, EpisodeInfo
+from agent_client.remote import EnvControl, McpTools
+from agent_client.user import SimulatedUser
+
+SYSTEM_PROMPT = (
+    "You are an agent operating the following system through its tools.\n\n{introduction}\n\n"
+    "Use the tools to do what the user asks. Follow the system's rules. When you are done, answer without a tool call."
+)
+
+
+@dataclass
+class EpisodeContext:
+    """Everything an agent may use for one episode."""
+
+    env_id: str
+    task_id: str
+    info: EpisodeInfo
+    tools: McpTools
+    control: EnvControl
+    max_steps: int
+    user: SimulatedUser | None = None
+    seed: int = 0
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+    def opening(self, first_user_message: str) -> list[dict[str, Any]]:
+        self.messages = [
+            {"role": "system", "content": SYSTEM_PROMPT.format(introduction=self.info.env_introduction)},
+            {"role": "user", "content": first_user_message},
+        ]
+        return self.messages
+
+
+class Agent(Protocol):
+    name: str
+
+    async def run(self, ctx: EpisodeContext) -> AgentResult:
+        """Drive the episode until done; tool calls go through ``ctx.tools``."""
+
+
+def _tool_call(number: int, name: str, arguments: dict[str, Any] | str) -> dict[str, Any]:
+    raw = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    return {"id": f"call_{number}", "type": "function", "function": {"name": name, "arguments": raw}}
+
+
+async def _run_call(ctx: EpisodeContext, call_id: str, name: str, arguments: dict[str, Any]) -> None:
+    text, _ = await ctx.tools.call(name, arguments)
+    ctx.messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
+
+
+class ReplayAgent:
+    """Runs the scenario's reference solution, one tool call per assistant turn."""
+
+    name = "replay"
+
+    async def run(self, ctx: EpisodeContext) -> AgentResult:
+        scenario = await ctx.control.scenario(ctx.task_id)
+        ctx.opening(ctx.info.task)
+        steps = 0
+        for number, call in enumerate(scenario.reference_solution or [], start=1):
+            if steps >= ctx.max_steps:
+                return AgentResult(messages=ctx.messages, termination="max_steps", steps=steps)
+            tool_call = _tool_call(number, call.name, call.arguments)
+            ctx.messages.append({"role": "assistant", "content": None, "tool_calls": [tool_call]})
+            await _run_call(ctx, tool_call["id"], call.name, call.arguments)
+            steps += 1
+        ctx.messages.append({"role": "assistant", "content": "Done: the request has been carried out."})
+        return AgentResult(messages=ctx.messages, termination="finished", steps=steps)
+
+
+def random_value(schema: dict[str, Any], rng: random.Random) -> Any:
+    """A value that satisfies a (simple) JSON schema."""
+    if "enum" in schema:
+        return rng.choice(schema["enum"])
+    kind = schema.get("type", "string")
+    if isinstance(kind, list):
+        kind = rng.choice([k for k in kind if k != "null"] or ["null"])
+    if "anyOf" in schema:
+        return random_value(rng.choice(schema["anyOf"]), rng)
+    if kind == "integer":
+        return rng.randint(0, 5)
+    if kind == "number":
+        return round(rng.uniform(0, 100), 2)
+    if kind == "boolean":
+        return rng.random() < 0.5
+    if kind == "array":
+        return [random_value(schema.get("items", {}), rng) for _ in range(rng.randint(0, 2))]
+    if kind == "object":
+        properties = schema.get("properties", {})
+        return {key: random_value(sub, rng) for key, sub in properties.items()}
+    if kind == "null":
+        return None
+    return rng.choice(["A001", "1", "test", "X-100", ""])
+
+
+class RandomAgent:
+    """Calls random tools with random, schema-valid arguments for a few steps."""
+
+    name = "random"
+
+    def __init__(self, steps: int = 5) -> None:
+        self.steps = steps
+
+    async def run(self, ctx: EpisodeContext) -> AgentResult:
+        rng = random.Random(f"{ctx.env_id}/{ctx.task_id}/{ctx.seed}")
+        tools = await ctx.tools.list_tools()
+        ctx.opening(ctx.info.task)
+        steps = min(self.steps, ctx.max_steps)
+        for number in range(1, steps + 1):
+            tool = rng.choice(tools)
+            schema = tool.get("inputSchema", {})
+            arguments = {key: random_value(sub, rng) for key, sub in schema.get("properties", {}).items()
+                         if key in schema.get("required", []) or rng.random() < 0.5}
+            tool_call = _tool_call(number, tool["name"], arguments)
+            ctx.messages.append({"role": "assistant", "content": None, "tool_calls": [tool_call]})
+            await _run_call(ctx, tool_call["id"], tool["name"], arguments)
+        ctx.messages.append({"role": "assistant", "content": "Done."})
+        return AgentResult(messages=ctx.messages, termination="finished" if steps == self.steps else "max_steps", steps=steps)
+
+
+class OpenAIAgent:
+    """A chat model with native tool calls; several calls per turn are run in order."""
+
+    name = "openai"
+
+    def __init__(self, endpoint: LlmEndpoint) -> None:
+        self.endpoint = endpoint
+        self.client = endpoint.client()
+
+    async def run(self, ctx: EpisodeContext) -> AgentResult:
+        result = AgentResult()
+        tools = ctx.info.tools
+        if ctx.user is not None:
+            first = await ctx.user.start(result.user_usage)
+        else:
+            first = ctx.info.task
+        ctx.opening(first)
+        result.messages = ctx.messages
+        while True:
+            if result.steps >= ctx.max_steps:
+                result.termination = "max_steps"
+                return result
+            response = await complete(self.endpoint, self.client, result.usage, messages=ctx.messages, tools=tools)
+            message = response.choices[0].message
+            calls = message.tool_calls or []
+            entry: dict[str, Any] = {"role": "assistant", "content": message.content}
+            if calls:
+                entry["tool_calls"] = [_tool_call_dict(c) for c in calls]
+            ctx.messages.append(entry)
+            if not calls:
+                if ctx.user is None:
+                    return result
+                reply, stop = await ctx.user.reply(message.content or "", result.user_usage)
+                if stop:
+                    result.termination = "user_stop"
+                    return result
+                ctx.messages.append({"role": "user", "content": reply})
+                continue
+            for call in calls:
+                result.steps += 1
+                await self._answer(ctx, call)
+
+    async def _answer(self, ctx: EpisodeContext, call: Any) -> None:
+        try:
+            arguments = json.loads(call.function.arguments or "{}")
+        except json.JSONDecodeError as e:
+            text = f"Error: the arguments of {call.function.name!r} are not valid JSON ({e.msg} at position {e.pos}). Send a JSON object."
+            ctx.messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
+            return
+        if not isinstance(arguments, dict):
+            ctx.messages.append({"role": "tool", "tool_call_id": call.id, "content": "Error: arguments must be a JSON object."})
+            return
+        await _run_call(ctx, call.id, call.function.name, arguments)
+
+
+def _tool_call_dict(call: Any) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}
+
+
+class CommandAgent:
+    """Runs an external program per episode; it reaches the tools over MCP on its own.
+
+    The template is split like a shell command and each part formatted with ``{mcp_url}``, ``{task}``,
+    ``{env_id}`` and ``{task_id}``; the same values are in ``ENVSCALER_MCP_URL``, ``ENVSCALER_TASK``,
+    ``ENVSCALER_ENV_ID`` and ``ENVSCALER_TASK_ID``. Exit 0 means the agent finished.
+    """
+
+    name = "command"
+
+    def __init__(self, template: str, timeout_s: float = 600.0) -> None:
+        self.template = shlex.split(template)
+        self.timeout_s = timeout_s
+
+    async def run(self, ctx: EpisodeContext) -> AgentResult:
+        values = {"mcp_url": ctx.info.mcp_url, "task": ctx.info.task, "env_id": ctx.env_id, "task_id": ctx.task_id}
+        command = [part.format(**values) for part in self.template]
+        env = {**os.environ, "ENVSCALER_MCP_URL": ctx.info.mcp_url, "ENVSCALER_TASK": ctx.info.task,
+               "ENVSCALER_ENV_ID": ctx.env_id, "ENVSCALER_TASK_ID": ctx.task_id}
+        ctx.opening(ctx.info.task)
+        try:
+            with anyio.fail_after(self.timeout_s):
+                done = await anyio.run_process(command, env=env, check=False, stdin=subprocess.DEVNULL)
+        except FileNotFoundError as e:
+            return AgentResult(messages=ctx.messages, termination="agent_error", error=f"cannot run {command[0]!r}: {e}")
+        except TimeoutError:
+            return AgentResult(messages=ctx.messages, termination="time_limit", error=f"command ran past {self.timeout_s:g} s")
+        output = done.stdout.decode(errors="replace").strip()
+        if output:
+            ctx.messages.append({"role": "assistant", "content": output[-4000:]})
+        if done.returncode != 0:
+            tail = done.stderr.decode(errors="replace").strip()[-500:]
+            return AgentResult(messages=ctx.messages, termination="agent_error", error=f"exit {done.returncode}: {tail}")
+        return AgentResult(messages=ctx.messages, termination="finished")
+

@@ -1,0 +1,229 @@
+"""``envscaler run / export / episode / demo``: the harness on the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+
+from agent_client.agents import Agent, CommandAgent, OpenAIAgent, RandomAgent, ReplayAgent
+from agent_client.export import export, read_records
+from agent_client.llm import LlmEndpoint
+from agent_client.models import FarmCatalog, HarnessError
+from agent_client.remote import EnvControl, new_http_client, parse_validation
+from agent_client.runner import RunOptions, read_done, run
+from agent_client.summary import render, summarize
+
+EXIT_OK, EXIT_FAILED = 0, 1
+
+
+def _agent_factory(args: argparse.Namespace):
+    if args.agent == "replay":
+        return ReplayAgent
+    if args.agent == "random":
+        return lambda: RandomAgent(steps=args.random_steps)
+    if args.agent == "openai":
+        if not args.model:
+            raise HarnessError("--agent openai needs --model (and --base-url for endpoints other than OpenAI's)")
+        endpoint = LlmEndpoint(base_url=args.base_url, model=args.model, temperature=args.temperature,
+                               retries=args.retries, backoff_s=args.backoff)
+        return lambda: OpenAIAgent(endpoint)
+    if not args.command:
+        raise HarnessError("--agent command needs --command 'PROGRAM ARGS...' (with {mcp_url} and {task} placeholders)")
+    return lambda: CommandAgent(args.command, timeout_s=args.time_limit)
+
+
+def _user_endpoint(args: argparse.Namespace) -> LlmEndpoint | None:
+    model = args.user_model or (args.model if args.agent == "openai" else None)
+    if model is None:
+        return None
+    return LlmEndpoint(base_url=args.user_base_url or args.base_url, model=model, retries=args.retries, backoff_s=args.backoff)
+
+
+def _run(args: argparse.Namespace) -> int:
+    catalog = FarmCatalog.load(args.farm)
+    options = RunOptions(repeats=args.repeats, concurrency=args.concurrency, max_steps=args.max_steps,
+                         time_limit_s=args.time_limit, user=_user_endpoint(args), progress=not args.quiet)
+    make_agent = _agent_factory(args)
+    out = Path(args.out)
+    anyio.run(lambda: run(catalog, make_agent, out, patterns=args.scenario, options=options))
+    records = read_records(out)
+    print(render(summarize(records, args.repeats), f"agent {args.agent}, {len(records)} episode(s) in {out}"))
+    return EXIT_FAILED if any(r.infra_failed for r in records) else EXIT_OK
+
+
+def _export(args: argparse.Namespace) -> int:
+    target = Path(args.out or Path(args.input).with_suffix(f".{args.format}.jsonl"))
+    written, read = export(Path(args.input), target, min_reward=args.min_reward, fmt=args.format)
+    print(f"wrote {written} of {read} record(s) with reward >= {args.min_reward:g} to {target} ({args.format} format)")
+    return EXIT_OK
+
+
+def _control(args: argparse.Namespace, env_id: str, http) -> EnvControl:
+    catalog = FarmCatalog.load(args.farm)
+    if env_id not in catalog.envs:
+        raise HarnessError(f"environment {env_id!r} is not in {args.farm}; it has: {', '.join(sorted(catalog.envs))}")
+    return EnvControl(http, env_id, catalog.envs[env_id])
+
+
+def _split(value: str, what: str) -> tuple[str, str]:
+    env_id, _, rest = value.partition("/")
+    if not env_id or not rest:
+        raise HarnessError(f"expected ENV/{what}, got {value!r}")
+    return env_id, rest
+
+
+def _episode_new(args: argparse.Namespace) -> int:
+    env_id, task_id = _split(args.scenario, "TASK")
+
+    async def go():
+        async with new_http_client(1) as http:
+            return await _control(args, env_id, http).create(task_id)
+
+    info = anyio.run(go)
+    config = {"mcpServers": {f"envscaler-{env_id}": {"type": "http", "url": info.mcp_url}}}
+    print(f"episode:  {env_id}/{info.episode_id}")
+    print(f"MCP URL:  {info.mcp_url}")
+    print(f"task:     {info.task}")
+    if info.user_profile:
+        print(f"user:     {info.user_profile}")
+    print("MCP client config (Claude Desktop, Cursor, mcp CLI, ...):")
+    print(json.dumps(config, indent=2))
+    print(f"then: envscaler episode validate --farm {args.farm} {env_id}/{info.episode_id}")
+    return EXIT_OK
+
+
+def _episode_validate(args: argparse.Namespace) -> int:
+    env_id, episode_id = _split(args.episode, "EPISODE_ID")
+
+    async def go():
+        async with new_http_client(1) as http:
+            return parse_validation(await _control(args, env_id, http).validate(episode_id))
+
+    result = anyio.run(go)
+    for check in result.checks:
+        mark = "pass" if check.passed else "FAIL"
+        print(f"{mark}  {check.check_item}" + (f"  ({check.error})" if check.error else ""))
+    print(f"score {result.score:.3f}  state {result.state_hash}")
+    return EXIT_OK if result.score == 1.0 else EXIT_FAILED
+
+
+def _episode_end(args: argparse.Namespace) -> int:
+    env_id, episode_id = _split(args.episode, "EPISODE_ID")
+
+    async def go():
+        async with new_http_client(1) as http:
+            await _control(args, env_id, http).end(episode_id)
+
+    anyio.run(go)
+    print(f"ended {env_id}/{episode_id}")
+    return EXIT_OK
+
+
+def _envscaler(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "envscaler.cli", *args], text=True, stdout=subprocess.PIPE)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    out_dir = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="envscaler-demo-") as scratch:
+        catalog = os.path.join(scratch, "farm.json")
+        print("demo: starting a process farm of the bundled catalog", file=sys.stderr)
+        up = _envscaler("farm", "up", *args.env_dirs, "--backend", "process", "--catalog", catalog)
+        if up.returncode != 0:
+            print("error: the farm did not start (see the lines above)", file=sys.stderr)
+            return EXIT_FAILED
+        try:
+            farm = FarmCatalog.load(catalog)
+            results = {}
+            for name, make_agent in (("replay", ReplayAgent), ("random", RandomAgent)):
+                path = out_dir / f"{name}.jsonl"
+                path.unlink(missing_ok=True)
+                print(f"demo: running the {name} agent over MCP on every scenario", file=sys.stderr)
+                options = RunOptions(concurrency=args.concurrency)
+                anyio.run(lambda: run(farm, make_agent, path, options=options))
+                results[name] = read_records(path)
+                print()
+                print(render(summarize(results[name], 1), f"{name} agent ({path})"))
+        finally:
+            _envscaler("farm", "down", "--catalog", catalog)
+    replay = results["replay"]
+    perfect = sum(r.reward == 1.0 for r in replay)
+    print(f"\ndemo: {perfect}/{len(replay)} replays scored 1.0; trajectories in {out_dir}/; {time.monotonic() - started:.1f} s")
+    return EXIT_OK if perfect == len(replay) and replay else EXIT_FAILED
+
+
+def register_run(commands: argparse._SubParsersAction) -> None:
+    """Add ``envscaler run``."""
+    parser = commands.add_parser(
+        "run", help="run an agent over MCP on a farm's scenarios; score and record every episode",
+        description="Each episode: create, hand the MCP URL to the agent, validate, fetch the server trajectory, "
+                    "append one JSONL record, end. Records already in --out are skipped (resume).",
+    )
+    parser.add_argument("--farm", required=True, metavar="CATALOG", help="catalog file written by 'envscaler farm up'")
+    parser.add_argument("--agent", choices=["replay", "random", "openai", "command"], default="replay",
+                        help="replay: reference solutions (default); random: random tools; openai: a chat model; command: an external MCP program")
+    parser.add_argument("--out", required=True, metavar="FILE.jsonl", help="where records go (appended; resumable)")
+    parser.add_argument("--scenario", action="append", metavar="ENV[/TASK]", help="only these environments or scenarios (repeatable)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per scenario, for pass^k (default: 1)")
+    parser.add_argument("--concurrency", type=int, default=8, help="episodes at once (default: 8)")
+    parser.add_argument("--max-steps", type=int, default=30, help="tool calls per episode at most (default: 30)")
+    parser.add_argument("--time-limit", type=float, default=300.0, help="seconds per episode (default: 300)")
+    parser.add_argument("--base-url", help="OpenAI-compatible endpoint of the agent model (key: $OPENAI_API_KEY)")
+    parser.add_argument("--model", help="the agent model (--agent openai)")
+    parser.add_argument("--temperature", type=float, help="sampling temperature of the agent model")
+    parser.add_argument("--user-base-url", help="endpoint of the simulated user (default: --base-url)")
+    parser.add_argument("--user-model", help="model of the simulated user in conversational scenarios (default: --model)")
+    parser.add_argument("--retries", type=int, default=4, help="retries on 429/5xx/connection errors (default: 4)")
+    parser.add_argument("--backoff", type=float, default=1.0, help="first retry delay in seconds, doubled each time (default: 1)")
+    parser.add_argument("--command", help="--agent command: program template, e.g. \"python my_agent.py --url {mcp_url} --task {task}\"")
+    parser.add_argument("--random-steps", type=int, default=5, help="tool calls of the random agent (default: 5)")
+    parser.add_argument("--quiet", action="store_true", help="no progress line")
+    parser.set_defaults(func=_run)
+
+
+def register_export(commands: argparse._SubParsersAction) -> None:
+    """Add ``envscaler export``."""
+    parser = commands.add_parser("export", help="turn run records into SFT files")
+    parser.add_argument("--in", dest="input", required=True, metavar="FILE", help="records written by 'envscaler run'")
+    parser.add_argument("--out", metavar="FILE", help="output JSONL (default: next to the input)")
+    parser.add_argument("--min-reward", type=float, default=1.0, help="keep records with at least this reward (default: 1.0)")
+    parser.add_argument("--format", choices=["openai", "sharegpt"], default="openai", help="openai chat messages + tools, or ShareGPT")
+    parser.set_defaults(func=_export)
+
+
+def register_episode(commands: argparse._SubParsersAction) -> None:
+    """Add ``envscaler episode new / validate / end``."""
+    parser = commands.add_parser("episode", help="a hand-driven episode for any MCP-capable agent")
+    actions = parser.add_subparsers(dest="episode_command", metavar="ACTION", required=True)
+    new = actions.add_parser("new", help="create an episode; print its MCP URL, task and a client config snippet")
+    new.add_argument("--farm", required=True, metavar="CATALOG")
+    new.add_argument("--scenario", required=True, metavar="ENV/TASK")
+    new.set_defaults(func=_episode_new)
+    for name, func, text in (("validate", _episode_validate, "score the episode's current state; exit 1 below 1.0"),
+                             ("end", _episode_end, "end the episode")):
+        action = actions.add_parser(name, help=text)
+        action.add_argument("--farm", required=True, metavar="CATALOG")
+        action.add_argument("episode", metavar="ENV/EPISODE_ID", help="as printed by 'episode new'")
+        action.set_defaults(func=func)
+
+
+def register_demo(commands: argparse._SubParsersAction) -> None:
+    """Add ``envscaler demo``."""
+    parser = commands.add_parser(
+        "demo", help="the main job: a process farm of the bundled catalog, replay and random agents over MCP, scores",
+        description="Needs no Docker and no API key. Exit 1 unless every replay scores 1.0.",
+    )
+    parser.add_argument("env_dirs", nargs="*", metavar="ENV_DIR", help="bundles to use (default: the bundled catalog)")
+    parser.add_argument("--out", metavar="DIR", help="where trajectories go (default: runs/demo-TIMESTAMP)")
+    parser.add_argument("--concurrency", type=int, default=16, help="episodes at once (default: 16)")
+    parser.set_defaults(func=_demo)

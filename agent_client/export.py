@@ -1,0 +1,62 @@
+"""Turn run records into SFT files: OpenAI chat format or ShareGPT."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from agent_client.models import HarnessError, Record
+
+ExportFormat = Literal["openai", "sharegpt"]
+
+_SHAREGPT_ROLE = {"system": "system", "user": "human", "assistant": "gpt", "tool": "observation"}
+
+
+def read_records(path: Path) -> list[Record]:
+    """Every record in a run file; a malformed line is an error naming the line."""
+    if not path.exists():
+        raise HarnessError(f"{path}: no such run file")
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(Record.model_validate_json(line))
+        except ValueError as e:
+            raise HarnessError(f"{path}:{number}: not a run record: {str(e).splitlines()[0]}") from None
+    return records
+
+
+def to_sharegpt(record: Record) -> dict[str, Any]:
+    conversations = []
+    for message in record.messages:
+        value = message.get("content") or ""
+        if message.get("tool_calls"):
+            calls = [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"] or "{}")
+                      if _is_json(c["function"]["arguments"]) else c["function"]["arguments"]} for c in message["tool_calls"]]
+            conversations.append({"from": "function_call", "value": json.dumps(calls if len(calls) > 1 else calls[0])})
+            if not value:
+                continue
+        conversations.append({"from": _SHAREGPT_ROLE[message["role"]], "value": value})
+    return {"conversations": conversations, "tools": json.dumps(record.tools)}
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text or "{}")
+        return True
+    except json.JSONDecodeError:
+        return False
+
+
+def export(source: Path, target: Path, *, min_reward: float, fmt: ExportFormat) -> tuple[int, int]:
+    """Write records with reward >= ``min_reward`` to ``target``; (written, read)."""
+    records = read_records(source)
+    kept = [r for r in records if r.reward is not None and r.reward >= min_reward and not r.infra_failed]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with target.open("w", encoding="utf-8") as sink:
+        for record in kept:
+            item = {"messages": record.messages, "tools": record.tools} if fmt == "openai" else to_sharegpt(record)
+            sink.write(json.dumps(item, ensure_ascii=False) + "\n")
+    return len(kept), len(records)

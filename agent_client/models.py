@@ -1,0 +1,123 @@
+"""The harness's contracts: the farm catalog it reads, the episodes it drives, the records it writes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from envscaler.bundle import describe_validation_error
+from envscaler.errors import EnvScalerError
+from envscaler.models import CheckResult, ToolOutcome
+
+Termination = Literal["finished", "max_steps", "time_limit", "user_stop", "agent_error", "infra_error"]
+
+
+class HarnessError(EnvScalerError):
+    """The harness cannot start (bad catalog, unknown scenario, bad flags)."""
+
+
+class EnvEndpoint(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    url: str
+    token: str
+
+
+class FarmCatalog(BaseModel):
+    """The file ``envscaler farm up`` writes: where each environment answers, and its control token."""
+
+    model_config = ConfigDict(extra="allow")
+
+    envs: dict[str, EnvEndpoint]
+    gateway: str | None = None
+
+    @classmethod
+    def load(cls, path: str | Path) -> FarmCatalog:
+        try:
+            return cls.model_validate(json.loads(Path(path).read_text(encoding="utf-8")))
+        except FileNotFoundError:
+            raise HarnessError(f"{path}: no such farm catalog; start a farm with 'envscaler farm up --catalog {path}'") from None
+        except json.JSONDecodeError as e:
+            raise HarnessError(f"{path}: malformed JSON at line {e.lineno}: {e.msg}") from None
+        except ValidationError as e:
+            raise HarnessError(f"{path}: {describe_validation_error(e)}") from None
+
+
+class ScenarioRef(BaseModel):
+    """One scenario as the environment server lists it."""
+
+    env_id: str
+    task_id: str
+    task: str = ""
+    conversational: bool = False
+
+
+class EpisodeInfo(BaseModel):
+    """What ``POST /episodes`` returned."""
+
+    model_config = ConfigDict(extra="allow")
+
+    episode_id: str
+    mcp_url: str
+    task: str = ""
+    env_introduction: str = ""
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    user_profile: str | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    requests: int = 0
+
+    def add(self, prompt: int, completion: int) -> None:
+        self.prompt_tokens += prompt
+        self.completion_tokens += completion
+        self.requests += 1
+
+
+class AgentResult(BaseModel):
+    """What an agent hands back when its episode is over."""
+
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    termination: Termination = "finished"
+    steps: int = 0
+    usage: Usage = Field(default_factory=Usage)
+    user_usage: Usage = Field(default_factory=Usage)
+    error: str | None = None
+
+
+class Record(BaseModel):
+    """One line of ``envscaler run``'s output: a whole episode, ready for training and analysis."""
+
+    env_id: str
+    task_id: str
+    repeat: int
+    agent: str
+    episode_id: str | None = None
+    reward: float | None = None
+    checks: list[CheckResult] = Field(default_factory=list)
+    termination: Termination
+    error: str | None = None
+    steps: int = 0
+    env_errors: int = 0
+    agent_errors: int = 0
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    trajectory: list[ToolOutcome] = Field(default_factory=list)
+    usage: Usage = Field(default_factory=Usage)
+    user_usage: Usage = Field(default_factory=Usage)
+    started_at: float
+    duration_s: float
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return (self.env_id, self.task_id, self.repeat)
+
+    @property
+    def infra_failed(self) -> bool:
+        """The episode could not be judged: nothing here says anything about the agent."""
+        return self.termination == "infra_error"

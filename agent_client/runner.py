@@ -1,0 +1,170 @@
+"""``envscaler run``'s engine: episodes in parallel, each validated, recorded and ended.
+
+For every selected scenario (times ``repeats``): create an episode through the control API, hand its
+MCP URL to the agent, stop at the agent's end, ``max_steps`` or the time limit, validate, fetch the
+server-side trajectory, append one Record to the output JSONL, end the episode. Records already in
+the output are skipped, so an interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import anyio
+import httpx
+
+from agent_client.agents import Agent, EpisodeContext
+from agent_client.llm import LlmEndpoint
+from agent_client.models import AgentResult, FarmCatalog, HarnessError, Record, ScenarioRef
+from agent_client.remote import EnvControl, InfraError, McpTools, new_http_client, parse_trajectory, parse_validation
+from agent_client.user import SimulatedUser
+
+
+@dataclass
+class RunOptions:
+    repeats: int = 1
+    concurrency: int = 8
+    max_steps: int = 30
+    time_limit_s: float = 300.0
+    user: LlmEndpoint | None = None
+    progress: bool = True
+
+
+def read_done(path: Path) -> set[tuple[str, str, int]]:
+    """Keys of the records already in ``path``; a torn last line (from a kill) is dropped."""
+    done: set[tuple[str, str, int]] = set()
+    if not path.exists():
+        return done
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    good = []
+    for line in lines:
+        try:
+            item = json.loads(line)
+            done.add((item["env_id"], item["task_id"], item["repeat"]))
+            good.append(line if line.endswith("\n") else line + "\n")
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+    if len(good) != len(lines) or (lines and not lines[-1].endswith("\n")):
+        path.write_text("".join(good), encoding="utf-8")
+    return done
+
+
+def select(scenarios: list[ScenarioRef], patterns: list[str] | None) -> list[ScenarioRef]:
+    """Scenarios matching ``ENV``, ``ENV/TASK`` or ``TASK`` patterns (all when none are given)."""
+    if not patterns:
+        return scenarios
+    chosen = [s for s in scenarios if any(p in (s.env_id, s.task_id, f"{s.env_id}/{s.task_id}") for p in patterns)]
+    if not chosen:
+        raise HarnessError(f"no scenario matches {', '.join(patterns)}")
+    return chosen
+
+
+class Progress:
+    """One status line on stderr: done / total, mean reward, errors."""
+
+    def __init__(self, total: int, stream: TextIO, enabled: bool) -> None:
+        self.total, self.stream, self.enabled = total, stream, enabled
+        self.done = 0
+        self.rewards: list[float] = []
+        self.infra = 0
+        self.started = time.monotonic()
+        self.interactive = stream.isatty()
+
+    def add(self, record: Record) -> None:
+        self.done += 1
+        if record.infra_failed:
+            self.infra += 1
+        elif record.reward is not None:
+            self.rewards.append(record.reward)
+        if not self.enabled or (not self.interactive and self.done % 25 and self.done != self.total):
+            return
+        mean = sum(self.rewards) / len(self.rewards) if self.rewards else 0.0
+        line = (f"[{self.done}/{self.total}] mean reward {mean:.3f}, infra errors {self.infra}, "
+                f"{time.monotonic() - self.started:.1f} s")
+        print(("\r" + line) if self.interactive else line, end="" if self.interactive else "\n", file=self.stream, flush=True)
+        if self.interactive and self.done == self.total:
+            print(file=self.stream)
+
+
+async def run_episode(http: httpx.AsyncClient, control: EnvControl, scenario: ScenarioRef, repeat: int,
+                      agent: Agent, options: RunOptions) -> Record:
+    """One episode from creation to end; never raises for agent or infrastructure trouble."""
+    started_wall, started = time.time(), time.monotonic()
+    record = Record(env_id=scenario.env_id, task_id=scenario.task_id, repeat=repeat, agent=agent.name,
+                    termination="infra_error", started_at=started_wall, duration_s=0.0)
+    try:
+        info = await control.create(scenario.task_id)
+    except InfraError as e:
+        record.error = str(e)
+        record.duration_s = time.monotonic() - started
+        return record
+    record.episode_id, record.tools = info.episode_id, info.tools
+    user = None
+    if info.user_profile and options.user is not None and agent.name == "openai":
+        user = SimulatedUser(options.user, info.task, info.user_profile)
+    ctx = EpisodeContext(env_id=scenario.env_id, task_id=scenario.task_id, info=info, tools=McpTools(http, info.mcp_url),
+                         control=control, max_steps=options.max_steps, user=user, seed=repeat)
+    try:
+        with anyio.fail_after(options.time_limit_s):
+            result = await agent.run(ctx)
+    except TimeoutError:
+        result = AgentResult(messages=ctx.messages, termination="time_limit", error=f"ran past {options.time_limit_s:g} s")
+    except InfraError as e:
+        result = AgentResult(messages=ctx.messages, termination="infra_error", error=str(e))
+    record.messages, record.termination, record.error = result.messages, result.termination, result.error
+    record.steps, record.usage, record.user_usage = result.steps, result.usage, result.user_usage
+    try:
+        if result.termination != "infra_error":
+            validation = parse_validation(await control.validate(info.episode_id))
+            record.reward, record.checks = validation.score, validation.checks
+        record.trajectory = parse_trajectory(await control.trajectory(info.episode_id))
+        record.steps = record.steps or len(record.trajectory)
+        record.env_errors = sum(c.error_kind == "env" for c in record.trajectory)
+        record.agent_errors = sum(c.error_kind == "agent" for c in record.trajectory)
+    except InfraError as e:
+        record.termination, record.error, record.reward = "infra_error", str(e), None
+    finally:
+        await control.end(info.episode_id)
+    record.duration_s = time.monotonic() - started
+    return record
+
+
+async def run(catalog: FarmCatalog, make_agent: Callable[[], Agent], out: Path, *, patterns: list[str] | None = None,
+              options: RunOptions | None = None) -> list[Record]:
+    """Run every selected scenario ``repeats`` times; append records to ``out``; return this run's records."""
+    options = options or RunOptions()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = read_done(out)
+    records: list[Record] = []
+    async with new_http_client(options.concurrency) as http:
+        controls = {env_id: EnvControl(http, env_id, endpoint) for env_id, endpoint in catalog.envs.items()}
+        listed: list[ScenarioRef] = []
+        for control in controls.values():
+            listed += await control.scenarios()
+        jobs = [(s, r) for s in select(listed, patterns) for r in range(options.repeats) if (s.env_id, s.task_id, r) not in done]
+        progress = Progress(len(jobs), sys.stderr, options.progress)
+        if len(done):
+            print(f"resuming: {len(done)} record(s) already in {out}, {len(jobs)} to run", file=sys.stderr)
+        limiter = anyio.Semaphore(options.concurrency)
+        agent = make_agent()
+        with out.open("a", encoding="utf-8") as sink:
+
+            async def one(scenario: ScenarioRef, repeat: int) -> None:
+                async with limiter:
+                    record = await run_episode(http, controls[scenario.env_id], scenario, repeat, agent, options)
+                # Written and flushed per episode: a killed run loses at most the episodes in flight.
+                sink.write(record.model_dump_json() + "\n")
+                sink.flush()
+                records.append(record)
+                progress.add(record)
+
+            async with anyio.create_task_group() as tasks:
+                for scenario, repeat in jobs:
+                    tasks.start_soon(one, scenario, repeat)
+    return records

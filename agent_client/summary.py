@@ -1,0 +1,72 @@
+"""The score table printed at the end of a run: per environment and overall."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from math import comb
+
+from pydantic import BaseModel
+
+from agent_client.models import Record
+
+
+class Row(BaseModel):
+    name: str
+    episodes: int
+    mean_reward: float
+    success_rate: float
+    pass_k: float
+    k: int
+    mean_steps: float
+    tokens: int
+    env_errors: int
+    infra_errors: int
+
+
+def pass_hat_k(records: list[Record], k: int) -> float:
+    """tau-bench's pass^k: the chance that k repeats of a task all fully succeed, averaged over tasks."""
+    by_task: dict[tuple[str, str], list[Record]] = defaultdict(list)
+    for record in records:
+        by_task[(record.env_id, record.task_id)].append(record)
+    values = []
+    for runs in by_task.values():
+        n = len(runs)
+        successes = sum(r.reward == 1.0 for r in runs)
+        if n >= k:
+            values.append(comb(successes, k) / comb(n, k))
+    return sum(values) / len(values) if values else 0.0
+
+
+def row(name: str, records: list[Record], k: int) -> Row:
+    judged = [r for r in records if not r.infra_failed and r.reward is not None]
+    return Row(
+        name=name,
+        episodes=len(records),
+        mean_reward=sum(r.reward or 0.0 for r in judged) / len(judged) if judged else 0.0,
+        success_rate=sum(r.reward == 1.0 for r in judged) / len(judged) if judged else 0.0,
+        pass_k=pass_hat_k(judged, k),
+        k=k,
+        mean_steps=sum(r.steps for r in judged) / len(judged) if judged else 0.0,
+        tokens=sum(r.usage.prompt_tokens + r.usage.completion_tokens + r.user_usage.prompt_tokens + r.user_usage.completion_tokens for r in records),
+        env_errors=sum(r.env_errors for r in records),
+        infra_errors=sum(r.infra_failed for r in records),
+    )
+
+
+def summarize(records: list[Record], k: int) -> list[Row]:
+    """One row per environment, then ``overall``."""
+    by_env: dict[str, list[Record]] = defaultdict(list)
+    for record in records:
+        by_env[record.env_id].append(record)
+    return [row(env_id, by_env[env_id], k) for env_id in sorted(by_env)] + [row("overall", records, k)]
+
+
+def render(rows: list[Row], title: str = "") -> str:
+    """The table as text."""
+    k = rows[-1].k if rows else 1
+    lines = [title] if title else []
+    lines.append(f"{'environment':<24} {'episodes':>8} {'reward':>7} {'success':>8} {f'pass^{k}':>7} {'steps':>6} {'tokens':>8} {'env err':>7} {'infra':>6}")
+    for r in rows:
+        lines.append(f"{r.name:<24} {r.episodes:>8} {r.mean_reward:>7.3f} {r.success_rate:>8.1%} {r.pass_k:>7.3f} "
+                     f"{r.mean_steps:>6.1f} {r.tokens:>8} {r.env_errors:>7} {r.infra_errors:>6}")
+    return "\n".join(lines)
