@@ -12,14 +12,14 @@ from typing import Any
 
 import httpx
 
-from agent_client.models import EnvEndpoint, EpisodeInfo, ScenarioRef
+from agent_client.models import EnvEndpoint, EpisodeInfo, HarnessError, ScenarioRef
 from envscaler.models import Scenario, ToolOutcome, ValidationResult
 
 MCP_VERSION = "2026-07-28"
 _META = {"io.modelcontextprotocol/protocolVersion": MCP_VERSION, "io.modelcontextprotocol/clientCapabilities": {}}
 
 
-class InfraError(Exception):
+class InfraError(HarnessError):
     """An environment server, the network or an LLM endpoint failed: the episode cannot be judged."""
 
 
