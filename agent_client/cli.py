@@ -84,7 +84,7 @@ def _episode_new(args: argparse.Namespace) -> int:
     env_id, task_id = _split(args.scenario, "TASK")
 
     async def go():
-        async with new_http_client(1) as http:
+        async with new_http_client() as http:
             return await _control(args, env_id, http).create(task_id)
 
     info = anyio.run(go)
@@ -104,7 +104,7 @@ def _episode_validate(args: argparse.Namespace) -> int:
     env_id, episode_id = _split(args.episode, "EPISODE_ID")
 
     async def go():
-        async with new_http_client(1) as http:
+        async with new_http_client() as http:
             return parse_validation(await _control(args, env_id, http).validate(episode_id))
 
     result = anyio.run(go)
@@ -119,7 +119,7 @@ def _episode_end(args: argparse.Namespace) -> int:
     env_id, episode_id = _split(args.episode, "EPISODE_ID")
 
     async def go():
-        async with new_http_client(1) as http:
+        async with new_http_client() as http:
             await _control(args, env_id, http).end(episode_id)
 
     anyio.run(go)

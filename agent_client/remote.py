@@ -1,8 +1,8 @@
 """The harness's only ways into an environment: its control API and its MCP endpoint, over HTTP.
 
-One pooled ``httpx.AsyncClient`` serves every episode. The MCP side speaks the sessionless
-2026-07-28 protocol as plain JSON-RPC POSTs: the official SDK client builds a transport, task group
-and session per connection, which costs more CPU than the tool call itself at harness scale.
+One pooled LeanHttp client serves every episode. The MCP side speaks the sessionless 2026-07-28
+protocol as plain JSON-RPC POSTs: the official SDK client builds a transport, task group and session
+per connection, which costs more CPU than the tool call itself at harness scale.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-import httpx
 
+from agent_client.http import HttpError, LeanHttp
 from agent_client.models import EnvEndpoint, EpisodeInfo, HarnessError, ScenarioRef
 from envscaler.models import Scenario, ToolOutcome, ValidationResult
 
@@ -23,16 +23,15 @@ class InfraError(HarnessError):
     """An environment server, the network or an LLM endpoint failed: the episode cannot be judged."""
 
 
-def new_http_client(concurrency: int = 64) -> httpx.AsyncClient:
-    """The one HTTP client a run shares (CA loading and pools are paid once)."""
-    limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
-    return httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=10.0), limits=limits, trust_env=False)
+def new_http_client() -> LeanHttp:
+    """The one HTTP client a run shares: its connection pool serves every episode."""
+    return LeanHttp()
 
 
 class EnvControl:
     """The control API of one environment server (or of it through the gateway)."""
 
-    def __init__(self, http: httpx.AsyncClient, env_id: str, endpoint: EnvEndpoint) -> None:
+    def __init__(self, http: LeanHttp, env_id: str, endpoint: EnvEndpoint) -> None:
         self.http = http
         self.env_id = env_id
         self.base = endpoint.url.rstrip("/")
@@ -40,11 +39,11 @@ class EnvControl:
 
     async def _request(self, method: str, path: str, body: Any = None) -> Any:
         try:
-            response = await self.http.request(method, self.base + path, json=body, headers=self.headers)
-        except httpx.HTTPError as e:
-            raise InfraError(f"{self.env_id}: {method} {path} failed: {e!r}") from None
-        if response.status_code >= 400:
-            raise InfraError(f"{self.env_id}: {method} {path} -> {response.status_code}: {response.text[:300]}")
+            response = await self.http.request(method, self.base + path, body, self.headers)
+        except HttpError as e:
+            raise InfraError(f"{self.env_id}: {e}") from None
+        if response.status >= 400:
+            raise InfraError(f"{self.env_id}: {method} {path} -> {response.status}: {response.text[:300]}")
         return response.json()
 
     async def scenarios(self) -> list[ScenarioRef]:
@@ -65,15 +64,15 @@ class EnvControl:
 
     async def end(self, episode_id: str) -> None:
         try:
-            await self.http.delete(self.base + f"/episodes/{episode_id}", headers=self.headers)
-        except httpx.HTTPError:
+            await self.http.request("DELETE", self.base + f"/episodes/{episode_id}", None, self.headers)
+        except HttpError:
             pass  # the server expires idle episodes itself
 
 
 class McpTools:
     """``tools/list`` and ``tools/call`` on one episode's MCP URL."""
 
-    def __init__(self, http: httpx.AsyncClient, url: str) -> None:
+    def __init__(self, http: LeanHttp, url: str) -> None:
         self.http = http
         self.url = url
         self._ids = itertools.count(1)
@@ -84,12 +83,12 @@ class McpTools:
             headers["Mcp-Name"] = name
         body = {"jsonrpc": "2.0", "id": next(self._ids), "method": method, "params": {**params, "_meta": _META}}
         try:
-            response = await self.http.post(self.url, json=body, headers=headers)
-        except httpx.HTTPError as e:
-            raise InfraError(f"MCP {method} at {self.url} failed: {e!r}") from None
+            response = await self.http.request("POST", self.url, body, headers)
+        except HttpError as e:
+            raise InfraError(f"MCP {method}: {e}") from None
         payload = response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
-        if "error" in payload or response.status_code != 200:
-            raise InfraError(f"MCP {method} at {self.url} -> {response.status_code}: {payload.get('error') or response.text[:300]}")
+        if "error" in payload or response.status != 200:
+            raise InfraError(f"MCP {method} at {self.url} -> {response.status}: {payload.get('error') or response.text[:300]}")
         return payload["result"]
 
     async def list_tools(self) -> list[dict[str, Any]]:

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import TextIO
 
 import anyio
-import httpx
 
 from agent_client.agents import Agent, EpisodeContext
 from agent_client.llm import LlmEndpoint
+from agent_client.http import LeanHttp
 from agent_client.models import AgentResult, FarmCatalog, HarnessError, Record, ScenarioRef
 from agent_client.remote import EnvControl, InfraError, McpTools, new_http_client, parse_trajectory, parse_validation
 from agent_client.user import SimulatedUser
@@ -92,7 +92,7 @@ class Progress:
             print(file=self.stream)
 
 
-async def run_episode(http: httpx.AsyncClient, control: EnvControl, scenario: ScenarioRef, repeat: int,
+async def run_episode(http: LeanHttp, control: EnvControl, scenario: ScenarioRef, repeat: int,
                       agent: Agent, options: RunOptions) -> Record:
     """One episode from creation to end; never raises for agent or infrastructure trouble."""
     started_wall, started = time.time(), time.monotonic()
@@ -142,7 +142,7 @@ async def run(catalog: FarmCatalog, make_agent: Callable[[], Agent], out: Path, 
     out.parent.mkdir(parents=True, exist_ok=True)
     done = read_done(out)
     records: list[Record] = []
-    async with new_http_client(options.concurrency) as http:
+    async with new_http_client() as http:
         controls = {env_id: EnvControl(http, env_id, endpoint) for env_id, endpoint in catalog.envs.items()}
         listed: list[ScenarioRef] = []
         for control in controls.values():
