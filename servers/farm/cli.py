@@ -283,3 +283,30 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
     down = actions.add_parser("down", help="stop the farm and remove every process, container and network it started")
     catalog_flag(down)
     down.set_defaults(func=farm_down)
+
+
+def _build(args: argparse.Namespace) -> int:
+    from servers.farm.images import build_images
+
+    bundle_dirs = [Path(d) for root in (args.env_dirs or []) for d in find_bundles(root)]
+    if not bundle_dirs and not args.runtime_only:
+        raise FarmError("name at least one ENV_DIR (or pass --runtime-only)")
+    results = build_images(bundle_dirs, runtime_only=args.runtime_only, base=args.base_image)
+    if args.runtime_only:
+        print("built envscaler-runtime:latest", file=sys.stderr)
+    for tag, built, seconds in results:
+        print(f"{'built  ' if built else 'cached '} {tag}  ({seconds:.1f} s)")
+    return EXIT_OK
+
+
+def register_build(commands: argparse._SubParsersAction) -> None:
+    """Add ``envscaler build``."""
+    build = commands.add_parser(
+        "build", help="build one image per environment (runtime image + bundle), tagged by spec hash",
+        description="Rebuilding an unchanged environment is a no-op. The runtime image (top-level Dockerfile) is "
+                    "built first when missing, from wheels made on this host, so no registry or index is needed.",
+    )
+    build.add_argument("env_dirs", nargs="*", metavar="ENV_DIR", help="bundles or folders of bundles")
+    build.add_argument("--runtime-only", action="store_true", help="(re)build the runtime image only (and ENV_DIRs if given)")
+    build.add_argument("--base-image", help="base of the runtime image (default: python:3.11-slim if present, else envscaler-base:bookworm)")
+    build.set_defaults(func=_build)

@@ -8,10 +8,11 @@ healthy, and on SIGTERM or SIGINT stops its servers and exits.
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -37,6 +38,22 @@ class FarmBackend(Protocol):
 
     async def stop(self) -> None:
         """Stop what ``run`` started that must not outlive the daemon."""
+
+
+class LiveRoutes(Mapping[str, str]):
+    """env_id -> the server's current base URL, read from the board on every request."""
+
+    def __init__(self, board: Board) -> None:
+        self.board = board
+
+    def __getitem__(self, env_id: str) -> str:
+        return self.board.state.envs[env_id].url
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.board.state.envs)
+
+    def __len__(self) -> int:
+        return len(self.board.state.envs)
 
 
 class _Server(uvicorn.Server):
@@ -90,7 +107,7 @@ async def _check(client: httpx.AsyncClient, board: Board, env_id: str) -> None:
 
 def _write_catalog(plan: FarmPlan, paths: FarmPaths, board: Board) -> None:
     catalog = FarmCatalog(
-        envs={env.env_id: EnvEndpoint(url=env.url, token=env.token) for env in plan.envs},
+        envs={env.env_id: EnvEndpoint(url=board.env(env.env_id).url, token=env.token) for env in plan.envs},
         gateway=board.state.gateway or "",
         backend=plan.backend,
         farm_id=plan.farm_id,
@@ -115,7 +132,7 @@ async def run_daemon(paths: FarmPaths) -> None:
     sock = bind(plan.gateway_host, plan.gateway_port)
     board.set(gateway=f"http://{plan.gateway_host}:{sock.getsockname()[1]}")
     board.flush()
-    gateway = Gateway({env.env_id: env.url for env in plan.envs})
+    gateway = Gateway(LiveRoutes(board))
     server = _Server(
         uvicorn.Config(
             gateway, http="httptools", lifespan="on", access_log=False, log_config=None, log_level="warning",
@@ -140,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m servers.farm.daemon FARM_DIR", file=sys.stderr)
         return 2
     logs.configure("info")
+    # One line per health probe would bury what matters (restarts, errors).
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     farm_dir = Path(args[0])
     paths = FarmPaths(farm_dir.with_name(farm_dir.name.removesuffix(".farm")))
     anyio.run(run_daemon, paths, backend_options={"use_uvloop": True})

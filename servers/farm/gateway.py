@@ -9,6 +9,7 @@ Routes of its own: ``GET /healthz`` (open) and ``GET /envs`` (the environment id
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
@@ -33,8 +34,9 @@ async def _reply(send: Any, status: int, payload: Any) -> None:
 class Gateway:
     """ASGI proxy from ``/envs/{env_id}/rest`` to ``routes[env_id] + /rest``."""
 
-    def __init__(self, routes: dict[str, str], *, read_timeout_s: float = 300.0) -> None:
-        self.routes = {env_id: url.rstrip("/") for env_id, url in routes.items()}
+    def __init__(self, routes: Mapping[str, str], *, read_timeout_s: float = 300.0) -> None:
+        # A live mapping: a restarted container may come back at another address.
+        self.routes = routes
         # Tool calls are short; validation and long tool calls are bounded by the servers themselves.
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(read_timeout_s, connect=5.0),
@@ -76,7 +78,7 @@ class Gateway:
         if upstream is None:
             await _reply(send, 404, {"error": f"no environment {env_id!r} in this farm; GET /envs lists them"})
             return
-        await self._proxy(scope, receive, send, env_id, upstream, b"/" + (parts[3] if len(parts) == 4 else b""))
+        await self._proxy(scope, receive, send, env_id, upstream.rstrip("/"), b"/" + (parts[3] if len(parts) == 4 else b""))
 
     async def _proxy(self, scope: Scope, receive: Any, send: Any, env_id: str, upstream: str, rest: bytes) -> None:
         body = await _read_body(receive)

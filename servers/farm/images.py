@@ -1,0 +1,121 @@
+"""Images: the runtime image (the top-level Dockerfile) and one image per environment on top of it.
+
+An environment image is ``envscaler-env-<env_id>:<spec hash>``: the runtime image plus the bundle at
+``/bundle``, labelled with env_id, spec hash and the runtime image it was built on. Building an
+environment whose image already exists on the current runtime is a no-op.
+"""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+from envscaler.bundle import load_bundle
+from servers.farm.models import FarmError
+
+RUNTIME_IMAGE = "envscaler-runtime:latest"
+OFFICIAL_BASE = "python:3.11-slim"
+LOCAL_BASE = "envscaler-base:bookworm"
+LABEL_ENV, LABEL_HASH, LABEL_RUNTIME, LABEL_FARM = "envscaler.env_id", "envscaler.spec_hash", "envscaler.runtime", "envscaler.farm"
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def docker_client() -> Any:
+    """A client of the local engine; FarmError that says what to do when none answers."""
+    import docker
+
+    try:
+        client = docker.from_env(timeout=120)
+        client.ping()
+    except Exception as e:  # noqa: BLE001 - every failure here means the same thing to the user
+        raise FarmError(f"no Docker engine answers ({e}); start dockerd (see .ci/docker-setup.sh) or use --backend process") from None
+    return client
+
+
+def env_image_tag(env_id: str, spec_hash: str) -> str:
+    return f"envscaler-env-{env_id.lower()}:{spec_hash}"
+
+
+def pick_base(client: Any) -> str:
+    """The official Python image when present, else the locally built Debian base."""
+    for name in (OFFICIAL_BASE, LOCAL_BASE):
+        try:
+            client.images.get(name)
+            return name
+        except Exception:  # noqa: BLE001 - docker.errors.ImageNotFound, or an engine hiccup: try the next
+            continue
+    return OFFICIAL_BASE  # a registry may still have it
+
+
+def build_wheels(wheels: Path) -> None:
+    """This project as a fresh wheel, plus its dependencies, into ``wheels`` (offline when they are there)."""
+    wheels.mkdir(parents=True, exist_ok=True)
+    for old in wheels.glob("envscaler_farm-*.whl"):
+        old.unlink()
+    pip = [sys.executable, "-m", "pip", "wheel", "-q", "--wheel-dir", str(wheels), "--find-links", str(wheels)]
+    subprocess.run([*pip, "--no-deps", str(PROJECT_ROOT)], check=True)
+    if subprocess.run([*pip, "--no-index", str(PROJECT_ROOT)], capture_output=True).returncode != 0:
+        subprocess.run([*pip, str(PROJECT_ROOT)], check=True)
+
+
+def build_runtime(client: Any, base: str | None = None) -> str:
+    """Build the runtime image from the top-level Dockerfile; its image id."""
+    build_wheels(PROJECT_ROOT / "dist" / "wheels")
+    base = base or pick_base(client)
+    image, _ = client.images.build(path=str(PROJECT_ROOT), tag=RUNTIME_IMAGE, buildargs={"BASE_IMAGE": base}, rm=True, pull=False)
+    return image.id
+
+
+def runtime_id(client: Any) -> str:
+    """The runtime image's id, building it first when it is missing."""
+    try:
+        return client.images.get(RUNTIME_IMAGE).id
+    except Exception:  # noqa: BLE001 - missing: build it
+        return build_runtime(client)
+
+
+def _context(bundle_dir: Path, labels: dict[str, str]) -> io.BytesIO:
+    """A build context holding the bundle and a two-line Dockerfile."""
+    label_text = " ".join(f'{k}="{v}"' for k, v in labels.items())
+    dockerfile = f"FROM {RUNTIME_IMAGE}\nCOPY --chown=0:0 bundle /bundle\nLABEL {label_text}\n".encode()
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        info = tarfile.TarInfo("Dockerfile")
+        info.size = len(dockerfile)
+        tar.addfile(info, io.BytesIO(dockerfile))
+        for name in ("env.json", "scenarios.jsonl"):
+            tar.add(bundle_dir / name, arcname=f"bundle/{name}")
+    buffer.seek(0)
+    return buffer
+
+
+def build_env_image(client: Any, bundle_dir: Path, runtime: str) -> tuple[str, bool]:
+    """(tag, built) for one bundle; ``built`` is False when an up-to-date image already existed."""
+    bundle = load_bundle(bundle_dir)
+    spec_hash = bundle.spec.content_hash()
+    tag = env_image_tag(bundle.env_id, spec_hash)
+    try:
+        if client.images.get(tag).labels.get(LABEL_RUNTIME) == runtime:
+            return tag, False
+    except Exception:  # noqa: BLE001 - not built yet
+        pass
+    labels = {LABEL_ENV: bundle.env_id, LABEL_HASH: spec_hash, LABEL_RUNTIME: runtime}
+    client.images.build(fileobj=_context(Path(bundle_dir), labels), custom_context=True, tag=tag, rm=True, pull=False)
+    return tag, True
+
+
+def build_images(bundle_dirs: list[Path], *, runtime_only: bool = False, base: str | None = None) -> list[tuple[str, bool, float]]:
+    """Build the runtime image if needed (always with ``runtime_only``) and one image per bundle."""
+    client = docker_client()
+    runtime = build_runtime(client, base) if runtime_only else runtime_id(client)
+    results = []
+    for directory in bundle_dirs:
+        started = time.monotonic()
+        tag, built = build_env_image(client, directory, runtime)
+        results.append((tag, built, time.monotonic() - started))
+    return results
