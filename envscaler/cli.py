@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     for entry in sorted(entry_points(group="envscaler.commands"), key=lambda e: e.name):
         try:
             register = entry.load()
-        except (ImportError, AttributeError) as e:
+        except Exception as e:  # noqa: BLE001 - any failure to load, syntax errors included
             # A broken or missing add-on must not take the core commands down with it.
             print(f"warning: command {entry.name!r} is unavailable ({entry.value}: {e})", file=sys.stderr)
             continue

@@ -254,10 +254,17 @@ class EnvServerApp:
         }
 
     def _public_base(self, scope: Scope) -> str:
+        """Where agents reach this server: the gateway's prefix, the configured URL, or the Host asked for."""
+        host = ""
         for name, value in scope["headers"]:
             if name == b"x-envscaler-base-url":
                 return value.decode().rstrip("/")
-        return (self.config.public_url or "").rstrip("/")
+            if name == b"host":
+                host = value.decode("latin-1")
+        if self.config.public_url:
+            return self.config.public_url.rstrip("/")
+        # In a container or behind NAT our own bind address means nothing to the caller; its Host does.
+        return f"{scope.get('scheme', 'http')}://{host}" if host else ""
 
     def _info(self) -> dict[str, Any]:
         config = self.config.model_dump(exclude={"token"})

@@ -31,9 +31,6 @@ def serve(bundle_dir: str, host: str, port: int, config: ServerConfig, *, announ
     sock = bind(host, port)
     actual_port = sock.getsockname()[1]
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{actual_port}"
-    if config.public_url is None:
-        # Without a gateway (which sends X-Envscaler-Base-Url), agents reach us where we listen.
-        config = config.model_copy(update={"public_url": url})
     app = EnvServerApp(bundle, config)
     ready: dict[str, object] = {"event": "listening", "env_id": bundle.env_id, "url": url, "port": actual_port}
     if announce_token:

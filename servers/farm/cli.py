@@ -293,7 +293,7 @@ def _build(args: argparse.Namespace) -> int:
         raise FarmError("name at least one ENV_DIR (or pass --runtime-only)")
     results = build_images(bundle_dirs, runtime_only=args.runtime_only, base=args.base_image)
     if args.runtime_only:
-        print("built envscaler-runtime:latest", file=sys.stderr)
+        print("built the runtime image (envscaler-runtime:latest)", file=sys.stderr)
     for tag, built, seconds in results:
         print(f"{'built  ' if built else 'cached '} {tag}  ({seconds:.1f} s)")
     return EXIT_OK

@@ -20,7 +20,7 @@ import anyio
 import anyio.to_thread
 
 from servers.farm.board import Board
-from servers.farm.images import LABEL_ENV, LABEL_FARM, build_env_image, docker_client, runtime_id
+from servers.farm.images import LABEL_ENV, LABEL_FARM, build_env_image, docker_client, current_runtime
 from servers.farm.models import EnvPlan, FarmPaths, FarmPlan
 
 log = logging.getLogger("envscaler.farm")
@@ -80,7 +80,7 @@ class DockerBackend:
         """Start and supervise every environment until cancelled."""
         self.client = await anyio.to_thread.run_sync(docker_client)
         await anyio.to_thread.run_sync(self._create_network)
-        runtime = await anyio.to_thread.run_sync(runtime_id, self.client)
+        runtime = await anyio.to_thread.run_sync(current_runtime, self.client)
         limiter = anyio.CapacityLimiter(8)
         async with anyio.create_task_group() as tasks:
             for env in self.plan.envs:

@@ -1,12 +1,14 @@
 """Images: the runtime image (the top-level Dockerfile) and one image per environment on top of it.
 
-An environment image is ``envscaler-env-<env_id>:<spec hash>``: the runtime image plus the bundle at
-``/bundle``, labelled with env_id, spec hash and the runtime image it was built on. Building an
-environment whose image already exists on the current runtime is a no-op.
+The runtime image is ``envscaler-runtime:<hash of the project's code>`` (also tagged ``latest``), so a
+code change gets a new runtime. An environment image is ``envscaler-env-<env_id>:<spec hash>``: the
+runtime image plus the bundle at ``/bundle``, labelled with env_id, spec hash and the runtime it was
+built on. Building an environment whose image already exists on the current runtime is a no-op.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import subprocess
 import sys
@@ -18,7 +20,7 @@ from typing import Any
 from envscaler.bundle import load_bundle
 from servers.farm.models import FarmError
 
-RUNTIME_IMAGE = "envscaler-runtime:latest"
+RUNTIME_REPOSITORY = "envscaler-runtime"
 OFFICIAL_BASE = "python:3.11-slim"
 LOCAL_BASE = "envscaler-base:bookworm"
 LABEL_ENV, LABEL_HASH, LABEL_RUNTIME, LABEL_FARM = "envscaler.env_id", "envscaler.spec_hash", "envscaler.runtime", "envscaler.farm"
@@ -35,6 +37,21 @@ def docker_client() -> Any:
     except Exception as e:  # noqa: BLE001 - every failure here means the same thing to the user
         raise FarmError(f"no Docker engine answers ({e}); start dockerd (see .ci/docker-setup.sh) or use --backend process") from None
     return client
+
+
+def source_hash() -> str:
+    """A hash of the installed project's code: the runtime image is rebuilt whenever it changes."""
+    digest = hashlib.sha256()
+    files = [PROJECT_ROOT / "pyproject.toml"]
+    for package in ("envscaler", "servers", "agent_client", "synth"):
+        files += sorted(p for p in (PROJECT_ROOT / package).rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    for path in files:
+        digest.update(str(path.relative_to(PROJECT_ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def runtime_tag() -> str:
+    return f"{RUNTIME_REPOSITORY}:{source_hash()}"
 
 
 def env_image_tag(env_id: str, spec_hash: str) -> str:
@@ -67,22 +84,26 @@ def build_runtime(client: Any, base: str | None = None) -> str:
     """Build the runtime image from the top-level Dockerfile; its image id."""
     build_wheels(PROJECT_ROOT / "dist" / "wheels")
     base = base or pick_base(client)
-    image, _ = client.images.build(path=str(PROJECT_ROOT), tag=RUNTIME_IMAGE, buildargs={"BASE_IMAGE": base}, rm=True, pull=False)
-    return image.id
+    tag = runtime_tag()
+    image, _ = client.images.build(path=str(PROJECT_ROOT), tag=tag, buildargs={"BASE_IMAGE": base}, rm=True, pull=False)
+    image.tag(RUNTIME_REPOSITORY, "latest")
+    return tag
 
 
-def runtime_id(client: Any) -> str:
-    """The runtime image's id, building it first when it is missing."""
+def current_runtime(client: Any) -> str:
+    """The tag of the runtime image for the code as it is now, building it first when it is missing."""
+    tag = runtime_tag()
     try:
-        return client.images.get(RUNTIME_IMAGE).id
+        client.images.get(tag)
+        return tag
     except Exception:  # noqa: BLE001 - missing: build it
         return build_runtime(client)
 
 
-def _context(bundle_dir: Path, labels: dict[str, str]) -> io.BytesIO:
+def _context(bundle_dir: Path, runtime: str, labels: dict[str, str]) -> io.BytesIO:
     """A build context holding the bundle and a two-line Dockerfile."""
     label_text = " ".join(f'{k}="{v}"' for k, v in labels.items())
-    dockerfile = f"FROM {RUNTIME_IMAGE}\nCOPY --chown=0:0 bundle /bundle\nLABEL {label_text}\n".encode()
+    dockerfile = f"FROM {runtime}\nCOPY --chown=0:0 bundle /bundle\nLABEL {label_text}\n".encode()
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as tar:
         info = tarfile.TarInfo("Dockerfile")
@@ -105,14 +126,14 @@ def build_env_image(client: Any, bundle_dir: Path, runtime: str) -> tuple[str, b
     except Exception:  # noqa: BLE001 - not built yet
         pass
     labels = {LABEL_ENV: bundle.env_id, LABEL_HASH: spec_hash, LABEL_RUNTIME: runtime}
-    client.images.build(fileobj=_context(Path(bundle_dir), labels), custom_context=True, tag=tag, rm=True, pull=False)
+    client.images.build(fileobj=_context(Path(bundle_dir), runtime, labels), custom_context=True, tag=tag, rm=True, pull=False)
     return tag, True
 
 
 def build_images(bundle_dirs: list[Path], *, runtime_only: bool = False, base: str | None = None) -> list[tuple[str, bool, float]]:
     """Build the runtime image if needed (always with ``runtime_only``) and one image per bundle."""
     client = docker_client()
-    runtime = build_runtime(client, base) if runtime_only else runtime_id(client)
+    runtime = build_runtime(client, base) if runtime_only else current_runtime(client)
     results = []
     for directory in bundle_dirs:
         started = time.monotonic()
