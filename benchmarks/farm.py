@@ -1,0 +1,125 @@
+"""Farm start-up and footprint: 50 environments with each backend, RSS per server, image builds.
+
+The 50 environments are copies of the bundled catalog under distinct env_ids (``<env>_NN``). For each
+backend, the time runs from ``envscaler farm up`` to every server answering ``/healthz`` (what
+``farm up`` waits for); RSS is read from /proc for each server process (for docker: the container's
+main process). Image builds: one environment image cold (its tag absent) and cached (a no-op).
+
+    python benchmarks/farm.py [--envs 50] [--backend process|docker|both]
+
+Targets: docker 50 healthy <= 60 s, process 50 healthy <= 20 s, <= 45 MB RSS per server. Exits 1 when
+one is missed (docker is skipped, and says so, when no engine answers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from envscaler import default_catalog, load_bundles, save_bundle
+from servers.farm.cli import docker_answers
+
+TARGETS_S = {"process": 20.0, "docker": 60.0}
+RSS_TARGET_MB = 45.0
+
+
+def envscaler(*args: str) -> float:
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "envscaler.cli", *args], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - started
+
+
+def copies(root: Path, count: int) -> list[Path]:
+    """``count`` bundles cycling through the catalog, each with its own env_id."""
+    bundles = load_bundles(default_catalog())
+    written = []
+    for number in range(count):
+        bundle = bundles[number % len(bundles)].model_copy(deep=True)
+        env_id = f"{bundle.env_id}_{number:02d}"
+        bundle.spec.env_id = env_id
+        for scenario in bundle.scenarios:
+            scenario.env_id = env_id
+        written.append(save_bundle(bundle, root))
+    return written
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def server_pids(catalog: Path, backend: str) -> list[int]:
+    state = json.loads((catalog.parent / (catalog.name + ".farm") / "state.json").read_text())
+    if backend == "process":
+        return [record["pid"] for record in state["envs"].values()]
+    import docker
+
+    client = docker.from_env()
+    return [client.containers.get(record["container"]).attrs["State"]["Pid"] for record in state["envs"].values()]
+
+
+def measure(backend: str, bundle_root: Path, scratch: Path, count: int) -> tuple[float, list[float]]:
+    catalog = scratch / f"{backend}.json"
+    seconds = envscaler("farm", "up", str(bundle_root), "--backend", backend, "--catalog", str(catalog), "--timeout", "300")
+    try:
+        time.sleep(1.0)  # let every server finish its start-up allocations
+        rss = [rss_mb(pid) for pid in server_pids(catalog, backend)]
+    finally:
+        envscaler("farm", "down", "--catalog", str(catalog))
+    assert len(rss) == count
+    return seconds, rss
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--envs", type=int, default=50, help="environments per farm (default: 50)")
+    parser.add_argument("--backend", choices=["process", "docker", "both"], default="both")
+    args = parser.parse_args()
+    backends = ["process", "docker"] if args.backend == "both" else [args.backend]
+    ok = True
+    with tempfile.TemporaryDirectory(prefix="envscaler-farm-bench-") as scratch_dir:
+        scratch = Path(scratch_dir)
+        bundle_root = scratch / "bundles"
+        bundle_dirs = copies(bundle_root, args.envs)
+        for backend in backends:
+            if backend == "docker":
+                if not docker_answers():
+                    print("docker: no engine answers, skipped")
+                    ok = False
+                    continue
+                import docker
+
+                client = docker.from_env()
+                runtime = envscaler("build", "--runtime-only")
+                probe = bundle_dirs[0]
+                cold = envscaler("build", str(probe))
+                cached = envscaler("build", str(probe))
+                all_cold = envscaler("build", *map(str, bundle_dirs[1:]))
+                print(f"docker runtime image (wheels + docker build, layers cached when the code is unchanged): {runtime:.1f} s")
+                print(f"docker image build per environment: cold {cold:.2f} s, cached {cached:.2f} s "
+                      f"(CLI start-up included); {len(bundle_dirs) - 1} more cold in {all_cold:.1f} s "
+                      f"= {all_cold / (len(bundle_dirs) - 1):.2f} s each")
+            seconds, rss = measure(backend, bundle_root, scratch, args.envs)
+            fast = seconds <= TARGETS_S[backend]
+            lean = max(rss) <= RSS_TARGET_MB
+            ok = ok and fast and lean
+            print(f"{backend}: {args.envs} environments healthy in {seconds:.1f} s (target <= {TARGETS_S[backend]:g} s: "
+                  f"{'ok' if fast else 'MISSED'}); RSS per server median {statistics.median(rss):.1f} MB, max {max(rss):.1f} MB "
+                  f"(target <= {RSS_TARGET_MB:g} MB: {'ok' if lean else 'MISSED'})")
+            if backend == "docker":
+                for directory in bundle_dirs:
+                    for image in client.images.list(filters={"label": f"envscaler.env_id={directory.name}"}):
+                        client.images.remove(image.id, force=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
