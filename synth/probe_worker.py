@@ -1,0 +1,75 @@
+"""The child behind synth.probe: ``python -m synth.probe_worker REQUEST.json`` prints a ProbeResult.
+
+Generated code runs here only through EnvRuntime and Episode (allowlisted tools, argument schemas,
+time limits). Tool return values are additionally required to be JSON as they are: the runtime would
+quietly convert a set or a datetime, but a generated environment must not rely on that.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from envscaler.errors import EnvScalerError
+from envscaler.runtime import EnvRuntime
+from envscaler.state import snapshot
+from synth.probe import Instantiation, ProbeRequest, ProbeResult, ProbeRun
+
+
+def _strict(name: str, method: Any) -> Any:
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        value = method(*args, **kwargs)
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"the return value of {name} is not JSON-serialisable ({e})") from None
+        return value
+
+    return call
+
+
+def run(request: ProbeRequest) -> ProbeResult:
+    """Load the class, instantiate each init_config, run each case."""
+    try:
+        runtime = EnvRuntime(request.spec, call_timeout_s=5.0, check_timeout_s=2.0)
+    except EnvScalerError as e:
+        return ProbeResult(class_error=str(e))
+    for name in runtime.tools:
+        setattr(runtime.env_class, name, _strict(name, getattr(runtime.env_class, name)))
+    result = ProbeResult(tools=runtime.tool_list())
+    for config in request.init_configs:
+        try:
+            episode = runtime.new_episode(config)
+        except EnvScalerError as e:
+            result.instances.append(Instantiation(error=str(e)))
+            continue
+        state, conversions = snapshot(episode.instance)
+        result.instances.append(Instantiation(state=state, conversions=conversions))
+    for case in request.cases:
+        try:
+            episode = runtime.new_episode(case.init_config)
+        except EnvScalerError as e:
+            result.runs.append(ProbeRun(error=str(e)))
+            continue
+        outcomes = [episode.call(call.name, call.arguments, track_diff=True) for call in case.calls]
+        result.runs.append(ProbeRun(outcomes=outcomes, conversions=snapshot(episode.instance)[1]))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Read the request file named on the command line and print the result as one JSON line."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m synth.probe_worker REQUEST.json", file=sys.stderr)
+        return 2
+    request = ProbeRequest.model_validate_json(Path(args[0]).read_text(encoding="utf-8"))
+    print(run(request).model_dump_json())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
