@@ -5,7 +5,7 @@
 #   bash .ci/docker-setup.sh [PYTHON]        PYTHON defaults to .venv/bin/python
 #
 # Steps, each skipped when already done:
-#   1. install Debian's docker.io (and debootstrap) when dockerd is missing;
+#   1. install Debian's docker.io (and debootstrap, iproute2) when dockerd or ip is missing;
 #   2. start dockerd in the background when no engine answers;
 #   3. make a base image: the official python:3.11-slim when it is present or can be pulled, else a
 #      minimal Debian (debootstrap, python3 + venv) imported as envscaler-base:bookworm;
@@ -23,10 +23,11 @@ say() { echo "docker-setup: $*" >&2; }
 
 engine_answers() { docker info >/dev/null 2>&1; }
 
-if ! command -v dockerd >/dev/null 2>&1; then
-    say "installing docker.io"
+# The farm needs iptables (host firewall rule), nsenter and ip (removing the containers' default route).
+if ! command -v dockerd >/dev/null 2>&1 || ! command -v ip >/dev/null 2>&1 || ! command -v nsenter >/dev/null 2>&1; then
+    say "installing docker.io, iproute2 and util-linux"
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io debootstrap >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io iproute2 util-linux debootstrap >/dev/null
 fi
 
 if ! engine_answers; then

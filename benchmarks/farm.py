@@ -31,7 +31,9 @@ RSS_TARGET_MB = 45.0
 
 def envscaler(*args: str) -> float:
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "envscaler.cli", *args], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    result = subprocess.run([sys.executable, "-m", "envscaler.cli", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"envscaler {' '.join(args)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
     return time.perf_counter() - started
 
 
@@ -66,6 +68,13 @@ def server_pids(catalog: Path, backend: str) -> list[int]:
     return [client.containers.get(record["container"]).attrs["State"]["Pid"] for record in state["envs"].values()]
 
 
+def remove_images(client, bundle_dirs: list[Path]) -> None:
+    """Remove the environment images of these benchmark copies."""
+    for directory in bundle_dirs:
+        for image in client.images.list(filters={"label": f"envscaler.env_id={directory.name}"}):
+            client.images.remove(image.id, force=True)
+
+
 def measure(backend: str, bundle_root: Path, scratch: Path, count: int) -> tuple[float, list[float]]:
     catalog = scratch / f"{backend}.json"
     seconds = envscaler("farm", "up", str(bundle_root), "--backend", backend, "--catalog", str(catalog), "--timeout", "300")
@@ -98,12 +107,13 @@ def main() -> int:
                 import docker
 
                 client = docker.from_env()
+                remove_images(client, bundle_dirs)  # left by an interrupted run: the cold builds must be cold
                 runtime = envscaler("build", "--runtime-only")
                 probe = bundle_dirs[0]
                 cold = envscaler("build", str(probe))
                 cached = envscaler("build", str(probe))
                 all_cold = envscaler("build", *map(str, bundle_dirs[1:]))
-                print(f"docker runtime image (wheels + docker build, layers cached when the code is unchanged): {runtime:.1f} s")
+                print(f"docker runtime image (host wheels + docker build --runtime-only): {runtime:.1f} s")
                 print(f"docker image build per environment: cold {cold:.2f} s, cached {cached:.2f} s "
                       f"(CLI start-up included); {len(bundle_dirs) - 1} more cold in {all_cold:.1f} s "
                       f"= {all_cold / (len(bundle_dirs) - 1):.2f} s each")
@@ -115,9 +125,7 @@ def main() -> int:
                   f"{'ok' if fast else 'MISSED'}); RSS per server median {statistics.median(rss):.1f} MB, max {max(rss):.1f} MB "
                   f"(target <= {RSS_TARGET_MB:g} MB: {'ok' if lean else 'MISSED'})")
             if backend == "docker":
-                for directory in bundle_dirs:
-                    for image in client.images.list(filters={"label": f"envscaler.env_id={directory.name}"}):
-                        client.images.remove(image.id, force=True)
+                remove_images(client, bundle_dirs)
     return 0 if ok else 1
 
 

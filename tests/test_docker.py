@@ -127,7 +127,7 @@ def test_every_container_is_hardened(farm, engine):
     [network_name] = container.attrs["NetworkSettings"]["Networks"]
     network = engine.networks.get(network_name)
     assert network.attrs["Internal"] is True and network.attrs["Labels"][LABEL_FARM] == read_state(farm)["farm_id"]
-    assert not container.attrs["NetworkSettings"]["Ports"].get("8000/tcp")
+    assert not container.attrs["NetworkSettings"]["Ports"].get("8000/tcp")  # Docker publishes nothing: the farm does
 
     probe = container.exec_run(["python3", "-c", "import os, json; print(json.dumps([os.getuid(), os.getgid(), sorted(os.environ)]))"])
     uid, gid, names = json.loads(probe.output)
@@ -141,8 +141,28 @@ def test_every_container_is_hardened(farm, engine):
     assert "CapEff:\t0000000000000000" in capabilities and "NoNewPrivs:\t1" in capabilities
 
 
+def test_the_port_is_published_on_loopback_only(farm, engine):
+    endpoint = json.loads(farm.read_text())["envs"]["online_retail"]
+    url = httpx.URL(endpoint["url"])
+    assert url.host == "127.0.0.1"
+    assert httpx.get(f"{url}/healthz").json()["env_id"] == "online_retail"
+    container = container_of(engine, farm, "online_retail")
+    # The host's address on the farm's bridge is one of its own non-loopback addresses.
+    host_ip = next(iter(container.attrs["NetworkSettings"]["Networks"].values()))["Gateway"]
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((host_ip, url.port), timeout=3)
+
+
 def test_no_egress_not_even_to_the_host(farm, engine):
     container = container_of(engine, farm, "online_retail")
+    routes = container.exec_run(["python3", "-c", "print(open('/proc/net/route').read())"]).output.decode().splitlines()[1:]
+    # Destination 00000000 is the default route: without one, nothing off the container's subnet is routable.
+    assert routes and all(line.split()[1] != "00000000" for line in routes if line.strip())
+    # So the kernel refuses an off-subnet connect before any packet is sent (TEST-NET-1 would go nowhere anyway).
+    unreachable = container.exec_run(["python3", "-c", (
+        "import socket\ns = socket.socket(); s.settimeout(3)\n"
+        "try:\n    s.connect(('192.0.2.1', 80)); print('CONNECTED')\nexcept OSError as e:\n    print(e.errno)")])
+    assert unreachable.output.strip() == b"101"  # ENETUNREACH
     gateway_ip = next(iter(container.attrs["NetworkSettings"]["Networks"].values()))["Gateway"]
     listener = socket.socket()
     listener.bind(("0.0.0.0", 0))
@@ -184,6 +204,8 @@ def test_an_out_of_memory_container_is_restarted_while_others_answer(farm):
     status = envscaler("farm", "status", "--catalog", str(farm))
     assert "out of memory" in status.stdout
     assert answered > 0
+    # The catalog's URL still reaches it, although the new container may have another address.
+    assert httpx.get(counter["url"] + "/healthz", timeout=5).json()["env_id"] == "counter"
     assert all(r["restarts"] == 0 for e, r in read_state(farm)["envs"].items() if e != "counter")
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -122,3 +124,28 @@ def test_up_with_a_broken_bundle_fails_and_cleans_up(tmp_path):
     result = envscaler("farm", "up", str(tmp_path / "bundles"), "--backend", "process", "--catalog", str(tmp_path / "farm.json"))
     assert result.returncode == 2 and "env.json" in result.stderr
     assert not (tmp_path / "farm.json").exists()
+
+
+def test_a_farm_whose_files_are_deleted_stops_itself(tmp_path):
+    catalog = tmp_path / "farm.json"
+    up = envscaler("farm", "up", str(default_catalog() / "library_circulation"), "--backend", "process", "--catalog", str(catalog))
+    assert up.returncode == 0, up.stderr
+    farm_id = read_state(catalog)["farm_id"]
+    # What a test runner's temporary-folder cleanup does when nobody ran `farm down`.
+    shutil.rmtree(tmp_path / "farm.json.farm")
+    catalog.unlink()
+    wait_until(lambda: not farm_processes(farm_id), 15)
+    assert not (tmp_path / "farm.json.farm").exists()
+
+
+def test_up_whose_daemon_dies_shows_its_log_and_cleans_up(tmp_path):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    with taken:
+        result = envscaler("farm", "up", str(default_catalog() / "library_circulation"), "--backend", "process",
+                           "--catalog", str(tmp_path / "farm.json"), "--gateway-port", str(taken.getsockname()[1]))
+    assert result.returncode == 1 and "the farm daemon stopped" in result.stderr
+    # The daemon's own words (the gateway port is taken) reach the user although its log is deleted.
+    assert "daemon: " in result.stderr and "address already in use" in result.stderr.lower()
+    assert not (tmp_path / "farm.json.farm").exists()

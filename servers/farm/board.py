@@ -47,7 +47,8 @@ class Board:
 
     def flush(self) -> None:
         """Write the state file now if anything changed."""
-        if self._dirty:
+        # Without a plan the farm's files were deleted: writing would bring the folder back as litter.
+        if self._dirty and self.paths.plan.exists():
             self._dirty = False
             self.state.updated_at = time.time()
             write_json(self.paths.state, self.state)

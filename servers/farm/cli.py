@@ -154,7 +154,7 @@ def _wait_ready(daemon: subprocess.Popen[bytes], paths: FarmPaths, total: int, t
             problem = state.error
             break
         if (code := daemon.poll()) is not None:
-            problem = f"the farm daemon stopped ({describe_exit(code)}); see {paths.daemon_log}"
+            problem = f"the farm daemon stopped ({describe_exit(code)})"
             break
         if time.monotonic() - started > timeout_s:
             problem = f"not every environment was healthy within {timeout_s:g} s"
@@ -163,6 +163,13 @@ def _wait_ready(daemon: subprocess.Popen[bytes], paths: FarmPaths, total: int, t
     if interactive:
         print(file=sys.stderr)
     return state, problem
+
+
+def _tail(path: Path, lines: int = 20) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return []
 
 
 def farm_up(args: argparse.Namespace) -> int:
@@ -184,6 +191,9 @@ def farm_up(args: argparse.Namespace) -> int:
         for record in (state.envs.values() if state else []):
             if record.status != "healthy":
                 print(f"  {record.env_id}: {record.status}{' (' + record.last_exit + ')' if record.last_exit else ''}", file=sys.stderr)
+        # Tearing down deletes the farm's folder, logs included: show what the daemon said first.
+        for line in _tail(paths.daemon_log):
+            print(f"  daemon: {line}", file=sys.stderr)
         _tear_down(paths, quiet=True)
         return EXIT_FAILED
     print(f"farm: ready; catalog {paths.catalog}, gateway {state.gateway if state else ''}", file=sys.stderr)

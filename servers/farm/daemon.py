@@ -26,8 +26,11 @@ from servers.farm.gateway import Gateway
 from servers.farm.models import EnvEndpoint, FarmCatalog, FarmError, FarmPaths, FarmPlan, read_json, write_json
 from servers.serve import bind
 
+log = logging.getLogger("envscaler.farm")
+
 _STARTUP_POLL_S = 0.1
 _STEADY_POLL_S = 2.0
+_ORPHAN_POLL_S = 2.0
 
 
 class FarmBackend(Protocol):
@@ -41,13 +44,17 @@ class FarmBackend(Protocol):
 
 
 class LiveRoutes(Mapping[str, str]):
-    """env_id -> the server's current base URL, read from the board on every request."""
+    """env_id -> where the server answers now, read from the board on every request.
+
+    The container's own address when there is one: the gateway skips the loopback relay's hop.
+    """
 
     def __init__(self, board: Board) -> None:
         self.board = board
 
     def __getitem__(self, env_id: str) -> str:
-        return self.board.state.envs[env_id].url
+        record = self.board.state.envs[env_id]
+        return record.address or record.url
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.board.state.envs)
@@ -122,6 +129,15 @@ async def _stop_on_signal(server: uvicorn.Server) -> None:
             return
 
 
+async def _stop_when_orphaned(paths: FarmPaths, server: uvicorn.Server) -> None:
+    """Stop once the plan file is gone: nobody can run ``farm down`` on a farm whose files were deleted
+    (a test's temporary folder cleaned up after the test runner was killed, say), so it stops itself."""
+    while paths.plan.exists():
+        await anyio.sleep(_ORPHAN_POLL_S)
+    log.warning("farm files are gone; stopping the farm", extra={"farm_dir": str(paths.dir)})
+    server.should_exit = True
+
+
 async def run_daemon(paths: FarmPaths) -> None:
     """Run the farm described by ``paths.plan`` until SIGTERM or SIGINT."""
     plan = read_json(paths.plan, FarmPlan)
@@ -141,6 +157,7 @@ async def run_daemon(paths: FarmPaths) -> None:
     )
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(_stop_on_signal, server)
+        tasks.start_soon(_stop_when_orphaned, paths, server)
         tasks.start_soon(board.flush_forever)
         tasks.start_soon(backend.run)
         tasks.start_soon(watch_health, plan, paths, board)

@@ -2,11 +2,12 @@
 
 Every container: a non-root user, a read-only root filesystem (a small tmpfs at /tmp), all
 capabilities dropped, no-new-privileges, memory (no swap), CPU and pids limits, and only the
-environment variables we set. The network is internal (no route out through Docker's NAT) and the
-host refuses new connections coming from it, so a container can answer but never call out, not even
-to the host. Docker cannot publish ports from an internal network, so servers are reached at their
-container address, which only this host can route to. Containers and the network carry the farm's
-label: ``remove_farm_resources`` finds them all, also after the daemon was killed.
+environment variables we set. The network is internal (no route out through Docker's NAT), the
+host refuses new connections coming from it and the container's default route is deleted, so a
+container can answer but never call out, not even to the host. Docker publishes no ports from an
+internal network, so the daemon publishes each one on 127.0.0.1 itself (``servers.farm.publish``).
+Containers and the network carry the farm's label: ``remove_farm_resources`` finds them all, also
+after the daemon was killed.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import anyio.to_thread
 from servers.farm.board import Board
 from servers.farm.images import LABEL_ENV, LABEL_FARM, build_env_image, docker_client, current_runtime
 from servers.farm.models import EnvPlan, FarmPaths, FarmPlan
+from servers.farm.publish import LoopbackPort
 
 log = logging.getLogger("envscaler.farm")
 
@@ -50,6 +52,22 @@ def _iptables(action: str, rule: list[str]) -> bool:
         return False
 
 
+def drop_default_route(pid: int) -> bool:
+    """Delete the default route in the network namespace of process ``pid``; whether none is left.
+
+    Docker gives containers on an internal network a default route all the same (via the bridge),
+    and a container cannot delete it itself without CAP_NET_ADMIN. Without it, even a missing host
+    firewall rule would not let a packet find a way off the container's subnet.
+    """
+    command = ["nsenter", f"--target={pid}", "--net", "ip", "-4", "route"]
+    try:
+        subprocess.run([*command, "del", "default"], capture_output=True, timeout=10)
+        left = subprocess.run([*command, "show", "default"], capture_output=True, text=True, timeout=10)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return False
+    return left.returncode == 0 and not left.stdout.strip()
+
+
 def remove_farm_resources(farm_id: str) -> int:
     """Remove every container and network labelled with this farm, and the host rule; how many."""
     client = docker_client()
@@ -75,15 +93,28 @@ class DockerBackend:
         self.client: Any = None
         self.network: Any = None
         self.containers: dict[str, Any] = {}
+        # env_id -> (container address, port) while its container runs; read by the loopback relays.
+        self.targets: dict[str, tuple[str, int]] = {}
+        self._warned_route = False
 
     async def run(self) -> None:
         """Start and supervise every environment until cancelled."""
+        ports = []
+        for env in self.plan.envs:
+            try:
+                ports.append(await LoopbackPort.open(env.env_id, env.port, lambda env_id=env.env_id: self.targets.get(env_id)))
+            except OSError as e:
+                for port in ports:
+                    await port.listener.aclose()
+                self.board.set(error=f"cannot publish {env.env_id} on 127.0.0.1:{env.port} ({e}); run 'farm up' again")
+                return
         self.client = await anyio.to_thread.run_sync(docker_client)
         await anyio.to_thread.run_sync(self._create_network)
         runtime = await anyio.to_thread.run_sync(current_runtime, self.client)
         limiter = anyio.CapacityLimiter(8)
         async with anyio.create_task_group() as tasks:
-            for env in self.plan.envs:
+            for env, port in zip(self.plan.envs, ports):
+                tasks.start_soon(port.serve)
                 tasks.start_soon(self._start_and_supervise, env, runtime, limiter)
 
     def _create_network(self) -> None:
@@ -112,8 +143,9 @@ class DockerBackend:
             oom = bool(state.get("OOMKilled"))
             exit_text = "out of memory" if oom else f"exit {state.get('ExitCode')}"
             log.warning("environment container died; restarting", extra={"env": env.env_id, "exit": exit_text})
+            self.targets.pop(env.env_id, None)
             self.board.update(env.env_id, status="restarting", restarts=record.restarts + 1, last_exit=exit_text,
-                              oom_killed=oom or record.oom_killed)
+                              oom_killed=oom or record.oom_killed, address=None)
             await anyio.to_thread.run_sync(container.start)
             await self._publish_address(env, container)
 
@@ -138,14 +170,23 @@ class DockerBackend:
         )
 
     async def _publish_address(self, env: EnvPlan, container: Any) -> None:
-        """Record where the server answers (its address may change when it is restarted)."""
+        """Record where the server answers (its address may change when it is restarted).
+
+        Nothing reaches the server before this, so its default route is gone before any tool runs.
+        """
         address = ""
         while not address:
             await anyio.to_thread.run_sync(container.reload)
             address = container.attrs["NetworkSettings"]["Networks"].get(self.network.name, {}).get("IPAddress", "")
             if not address:
                 await anyio.sleep(0.1)
-        self.board.update(env.env_id, url=f"http://{address}:{SERVER_PORT}", container=container.name)
+        pid = container.attrs["State"].get("Pid")
+        if pid and not await anyio.to_thread.run_sync(drop_default_route, pid) and not self._warned_route:
+            self._warned_route = True
+            log.warning("cannot remove the containers' default route (needs root, nsenter and ip); egress is still "
+                        "blocked by the internal network", extra={"farm": self.plan.farm_id, "env": env.env_id})
+        self.targets[env.env_id] = (address, SERVER_PORT)
+        self.board.update(env.env_id, address=f"http://{address}:{SERVER_PORT}", container=container.name)
 
     async def stop(self) -> None:
         """Remove every container and the network of this farm."""

@@ -69,7 +69,7 @@ class EnvPlan(BaseModel):
 
     @property
     def url(self) -> str:
-        """The environment's own base URL (loopback; docker publishes on 127.0.0.1 only)."""
+        """The environment's own base URL, on 127.0.0.1 with either backend."""
         return f"http://127.0.0.1:{self.port}"
 
 
@@ -90,6 +90,8 @@ class EnvStatus(BaseModel):
 
     env_id: str
     url: str
+    # Where the server itself answers when that is not ``url`` (docker: the container's address).
+    address: str | None = None
     status: EnvStatusName = "starting"
     restarts: int = 0
     pid: int | None = None
