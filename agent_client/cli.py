@@ -9,16 +9,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import anyio
 
-from agent_client.agents import Agent, CommandAgent, OpenAIAgent, RandomAgent, ReplayAgent
+from agent_client.agents import CommandAgent, OpenAIAgent, RandomAgent, ReplayAgent
 from agent_client.export import export, read_records
 from agent_client.llm import LlmEndpoint
 from agent_client.models import FarmCatalog, HarnessError
 from agent_client.remote import EnvControl, new_http_client, parse_validation
-from agent_client.runner import RunOptions, read_done, run
+from agent_client.runner import RunOptions, run
 from agent_client.summary import render, summarize
 
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -53,7 +54,7 @@ def _run(args: argparse.Namespace) -> int:
                          time_limit_s=args.time_limit, user=_user_endpoint(args), progress=not args.quiet)
     make_agent = _agent_factory(args)
     out = Path(args.out)
-    anyio.run(lambda: run(catalog, make_agent, out, patterns=args.scenario, options=options))
+    anyio.run(partial(run, catalog, make_agent, out, patterns=args.scenario, options=options))
     records = read_records(out)
     print(render(summarize(records, args.repeats), f"agent {args.agent}, {len(records)} episode(s) in {out}"))
     return EXIT_FAILED if any(r.infra_failed for r in records) else EXIT_OK
@@ -150,7 +151,7 @@ def _demo(args: argparse.Namespace) -> int:
                 path.unlink(missing_ok=True)
                 print(f"demo: running the {name} agent over MCP on every scenario", file=sys.stderr)
                 options = RunOptions(concurrency=args.concurrency)
-                anyio.run(lambda: run(farm, make_agent, path, options=options))
+                anyio.run(partial(run, farm, make_agent, path, options=options))
                 results[name] = read_records(path)
                 print()
                 print(render(summarize(results[name], 1), f"{name} agent ({path})"))
