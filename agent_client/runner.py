@@ -66,7 +66,7 @@ def select(scenarios: list[ScenarioRef], patterns: list[str] | None) -> list[Sce
 
 
 class Progress:
-    """One status line on stderr: done / total, mean reward, errors."""
+    """A progress bar on stderr (redrawn on a terminal, every 25 episodes in a log): done, mean reward, errors."""
 
     def __init__(self, total: int, stream: TextIO, enabled: bool) -> None:
         self.total, self.stream, self.enabled = total, stream, enabled
@@ -85,8 +85,9 @@ class Progress:
         if not self.enabled or (not self.interactive and self.done % 25 and self.done != self.total):
             return
         mean = sum(self.rewards) / len(self.rewards) if self.rewards else 0.0
-        line = (f"[{self.done}/{self.total}] mean reward {mean:.3f}, infra errors {self.infra}, "
-                f"{time.monotonic() - self.started:.1f} s")
+        filled = self.done * 24 // max(self.total, 1)
+        line = (f"[{'#' * filled}{'.' * (24 - filled)}] {self.done}/{self.total}  mean reward {mean:.3f}, "
+                f"infra errors {self.infra}, {time.monotonic() - self.started:.1f} s")
         print(("\r" + line) if self.interactive else line, end="" if self.interactive else "\n", file=self.stream, flush=True)
         if self.interactive and self.done == self.total:
             print(file=self.stream)
