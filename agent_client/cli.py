@@ -17,7 +17,7 @@ import anyio
 from agent_client.agents import CommandAgent, OpenAIAgent, RandomAgent, ReplayAgent
 from agent_client.export import export, read_records
 from agent_client.llm import LlmEndpoint
-from agent_client.models import FarmCatalog, HarnessError
+from agent_client.models import HarnessError, load_farm_catalog
 from agent_client.remote import EnvControl, new_http_client, parse_validation
 from agent_client.runner import RunOptions, run
 from agent_client.summary import render, summarize
@@ -49,7 +49,7 @@ def _user_endpoint(args: argparse.Namespace) -> LlmEndpoint | None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    catalog = FarmCatalog.load(args.farm)
+    catalog = load_farm_catalog(args.farm)
     options = RunOptions(repeats=args.repeats, concurrency=args.concurrency, max_steps=args.max_steps,
                          time_limit_s=args.time_limit, user=_user_endpoint(args), progress=not args.quiet)
     make_agent = _agent_factory(args)
@@ -68,7 +68,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _control(args: argparse.Namespace, env_id: str, http) -> EnvControl:
-    catalog = FarmCatalog.load(args.farm)
+    catalog = load_farm_catalog(args.farm)
     if env_id not in catalog.envs:
         raise HarnessError(f"environment {env_id!r} is not in {args.farm}; it has: {', '.join(sorted(catalog.envs))}")
     return EnvControl(http, env_id, catalog.envs[env_id])
@@ -144,7 +144,7 @@ def _demo(args: argparse.Namespace) -> int:
             print("error: the farm did not start (see the lines above)", file=sys.stderr)
             return EXIT_FAILED
         try:
-            farm = FarmCatalog.load(catalog)
+            farm = load_farm_catalog(catalog)
             results = {}
             for name, make_agent in (("replay", ReplayAgent), ("random", RandomAgent)):
                 path = out_dir / f"{name}.jsonl"

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from envscaler.bundle import describe_validation_error
+from envscaler.bundle import parse_model, read_json
 from envscaler.errors import EnvScalerError
-from envscaler.models import CheckResult, ToolOutcome
+from envscaler.models import CheckResult, FarmCatalog, ToolOutcome
 
 Termination = Literal["finished", "max_steps", "time_limit", "user_stop", "agent_error", "infra_error"]
 
@@ -19,31 +18,12 @@ class HarnessError(EnvScalerError):
     """The harness cannot start (bad catalog, unknown scenario, bad flags)."""
 
 
-class EnvEndpoint(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    url: str
-    token: str
-
-
-class FarmCatalog(BaseModel):
-    """The file ``envscaler farm up`` writes: where each environment answers, and its control token."""
-
-    model_config = ConfigDict(extra="allow")
-
-    envs: dict[str, EnvEndpoint]
-    gateway: str | None = None
-
-    @classmethod
-    def load(cls, path: str | Path) -> FarmCatalog:
-        try:
-            return cls.model_validate(json.loads(Path(path).read_text(encoding="utf-8")))
-        except FileNotFoundError:
-            raise HarnessError(f"{path}: no such farm catalog; start a farm with 'envscaler farm up --catalog {path}'") from None
-        except json.JSONDecodeError as e:
-            raise HarnessError(f"{path}: malformed JSON at line {e.lineno}: {e.msg}") from None
-        except ValidationError as e:
-            raise HarnessError(f"{path}: {describe_validation_error(e)}") from None
+def load_farm_catalog(path: str | Path) -> FarmCatalog:
+    """The farm catalog file at ``path``; an error that says how to make one when it is missing."""
+    path = Path(path)
+    if not path.exists():
+        raise HarnessError(f"{path}: no such farm catalog; start a farm with 'envscaler farm up --catalog {path}'")
+    return parse_model(FarmCatalog, read_json(path), str(path))
 
 
 class ScenarioRef(BaseModel):

@@ -12,8 +12,8 @@ from typing import Any
 
 
 from agent_client.http import HttpError, LeanHttp
-from agent_client.models import EnvEndpoint, EpisodeInfo, HarnessError, ScenarioRef
-from envscaler.models import Scenario, ToolOutcome, ValidationResult
+from agent_client.models import EpisodeInfo, HarnessError, ScenarioRef
+from envscaler.models import EnvEndpoint, Scenario, ToolOutcome, ValidationResult
 
 MCP_VERSION = "2026-07-28"
 _META = {"io.modelcontextprotocol/protocolVersion": MCP_VERSION, "io.modelcontextprotocol/clientCapabilities": {}}

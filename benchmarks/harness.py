@@ -23,7 +23,7 @@ from pathlib import Path
 import anyio
 
 from agent_client.agents import ReplayAgent
-from agent_client.models import FarmCatalog
+from agent_client.models import load_farm_catalog
 from agent_client.runner import RunOptions, run
 
 TARGET_MS = 0.5
@@ -42,7 +42,7 @@ def main() -> int:
         catalog_file = Path(scratch) / "farm.json"
         envscaler("farm", "up", "--backend", "process", "--catalog", str(catalog_file))
         try:
-            catalog = FarmCatalog.load(catalog_file)
+            catalog = load_farm_catalog(catalog_file)
             options = RunOptions(repeats=args.repeats, concurrency=args.concurrency, progress=False)
             cpu, wall = time.process_time(), time.perf_counter()
             records = anyio.run(lambda: run(catalog, ReplayAgent, Path(scratch) / "out.jsonl", options=options),

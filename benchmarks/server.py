@@ -6,8 +6,8 @@
   (bound methods of one shared instance: no episodes, no reset, no guards) at ``/mcp`` with the SDK's
   default settings (``server.run("streamable-http")``), under the same uvicorn (httptools + uvloop).
 
-Both get the same modern (2026-07-28) ``tools/call`` requests from a minimal keep-alive HTTP/1.1
-client, so client overhead is small and equal; the baseline is measured a second time inside an
+Both get the same modern (2026-07-28) ``tools/call`` requests from the harness's keep-alive HTTP/1.1
+client (``agent_client.http``), so client overhead is small and equal; the baseline is measured a second time inside an
 initialize-handshake session (2025-06-18), as older clients use it. Each server runs alone while it
 is measured.
 
@@ -29,8 +29,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
+from agent_client.http import LeanHttp
 from envscaler import EnvRuntime, default_catalog, load_bundle
 
 TOKEN = "bench-token"
@@ -39,77 +39,30 @@ LEGACY_VERSION = "2025-06-18"
 META = {"io.modelcontextprotocol/protocolVersion": "2026-07-28", "io.modelcontextprotocol/clientCapabilities": {}}
 
 
-class RawHttp:
-    """One keep-alive HTTP/1.1 connection that sends JSON and reads Content-Length responses."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str) -> None:
-        self.reader, self.writer, self.host = reader, writer, host
-        self.last_head = b""
-        self.session: str | None = None
-
-    @classmethod
-    async def connect(cls, url: str) -> RawHttp:
-        host, port = url.removeprefix("http://").split(":")
-        reader, writer = await asyncio.open_connection(host, int(port))
-        return cls(reader, writer, f"{host}:{port}")
-
-    async def request(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-        payload = json.dumps(body).encode() if body is not None else b""
-        lines = [f"{method} {path} HTTP/1.1", f"Host: {self.host}", f"Content-Length: {len(payload)}", "Content-Type: application/json"]
-        lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
-        self.writer.write(("\r\n".join(lines) + "\r\n\r\n").encode() + payload)
-        head = self.last_head = await self.reader.readuntil(b"\r\n\r\n")
-        status = int(head[9:12])
-        lowered = head.lower()
-        for line in lowered.split(b"\r\n"):
-            if line.startswith(b"content-length:"):
-                return status, await self.reader.readexactly(int(line.split(b":", 1)[1]))
-        if b"transfer-encoding: chunked" in lowered:
-            return status, await self._read_chunked()
-        return status, b""  # 202 Accepted for a notification: no body
-
-    async def _read_chunked(self) -> bytes:
-        """A chunked body, as the SDK's SSE responses come (one event, then the stream ends)."""
-        chunks = []
-        while True:
-            size = int((await self.reader.readuntil(b"\r\n")).strip(), 16)
-            chunk = await self.reader.readexactly(size + 2)
-            if size == 0:
-                return b"".join(chunks)
-            chunks.append(chunk[:-2])
-
-    def close(self) -> None:
-        self.writer.close()
-
-
 class Target:
     """A server under test: where its MCP endpoint is and how to call a tool there.
 
-    With ``legacy`` set, every connection first runs the initialize handshake (2025-06-18) and
-    calls inside its own MCP session, as clients that predate the sessionless protocol do.
+    With ``legacy`` set, every client first runs the initialize handshake (2025-06-18) and calls
+    inside its own MCP session, as clients that predate the sessionless protocol do.
     """
 
     def __init__(self, name: str, process: subprocess.Popen, url: str, mcp_path: str, legacy: bool = False) -> None:
         self.name, self.process, self.url, self.mcp_path, self.legacy = name, process, url, mcp_path, legacy
 
-    async def connect(self) -> RawHttp:
-        http = await RawHttp.connect(self.url)
-        if self.legacy:
-            await self._open_session(http)
-        return http
-
-    async def _open_session(self, http: RawHttp) -> None:
+    async def session(self, http: LeanHttp) -> str | None:
+        """A new MCP session id in legacy mode; None for the sessionless protocol."""
+        if not self.legacy:
+            return None
         headers = {"Accept": "application/json, text/event-stream"}
         body = {"jsonrpc": "2.0", "id": 0, "method": "initialize",
                 "params": {"protocolVersion": LEGACY_VERSION, "capabilities": {}, "clientInfo": {"name": "bench", "version": "1"}}}
-        status, raw = await http.request("POST", self.mcp_path, body, headers)
-        for line in http.last_head.split(b"\r\n"):
-            if line.lower().startswith(b"mcp-session-id:"):
-                http.session = line.split(b":", 1)[1].strip().decode()
-        if status != 200 or not http.session:
-            raise RuntimeError(f"{self.name}: initialize failed ({status}): {raw[:300]!r}")
-        headers.update({"Mcp-Session-Id": http.session, "MCP-Protocol-Version": LEGACY_VERSION})
-        await http.request("POST", self.mcp_path, {"jsonrpc": "2.0", "method": "notifications/initialized"}, headers)
+        response = await http.request("POST", self.url + self.mcp_path, body, headers)
+        session = response.headers.get("mcp-session-id")
+        if response.status != 200 or not session:
+            raise RuntimeError(f"{self.name}: initialize failed ({response.status}): {response.body[:300]!r}")
+        headers.update({"Mcp-Session-Id": session, "MCP-Protocol-Version": LEGACY_VERSION})
+        await http.request("POST", self.url + self.mcp_path, {"jsonrpc": "2.0", "method": "notifications/initialized"}, headers)
+        return session
 
     def rss_mb(self) -> float:
         for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
@@ -117,18 +70,18 @@ class Target:
                 return int(line.split()[1]) / 1024
         raise RuntimeError("no VmRSS")
 
-    async def call(self, http: RawHttp, name: str, arguments: dict, number: int) -> None:
-        if http.session:
+    async def call(self, http: LeanHttp, session: str | None, name: str, arguments: dict, number: int) -> None:
+        if session:
             body = {"jsonrpc": "2.0", "id": number, "method": "tools/call", "params": {"name": name, "arguments": arguments}}
-            headers = {"MCP-Protocol-Version": LEGACY_VERSION, "Mcp-Session-Id": http.session,
+            headers = {"MCP-Protocol-Version": LEGACY_VERSION, "Mcp-Session-Id": session,
                        "Accept": "application/json, text/event-stream"}
         else:
             body = {"jsonrpc": "2.0", "id": number, "method": "tools/call", "params": {"name": name, "arguments": arguments, "_meta": META}}
             headers = {"MCP-Protocol-Version": "2026-07-28", "Mcp-Method": "tools/call", "Mcp-Name": name,
                        "Accept": "application/json, text/event-stream"}
-        status, raw = await http.request("POST", self.mcp_path, body, headers)
-        if status != 200 or b'"isError":false' not in raw:
-            raise RuntimeError(f"{self.name}: tool call failed ({status}): {raw[:300]!r}")
+        response = await http.request("POST", self.url + self.mcp_path, body, headers)
+        if response.status != 200 or b'"isError":false' not in response.body:
+            raise RuntimeError(f"{self.name}: tool call failed ({response.status}): {response.body[:300]!r}")
 
     def stop(self) -> None:
         self.process.terminate()
@@ -146,36 +99,32 @@ def start(command: list[str], env: dict[str, str] | None = None) -> tuple[subpro
     return process, json.loads(line)
 
 
-async def sequential(target: Target, tool: str, arguments: dict, calls: int) -> list[float]:
-    http = await target.connect()
+async def sequential(target: Target, http: LeanHttp, tool: str, arguments: dict, calls: int) -> list[float]:
+    session = await target.session(http)
     latencies = []
     for number in range(calls):
         started = time.perf_counter()
-        await target.call(http, tool, arguments, number)
+        await target.call(http, session, tool, arguments, number)
         latencies.append((time.perf_counter() - started) * 1e3)
-    http.close()
     return latencies
 
 
-async def throughput(target: Target, tool: str, arguments: dict, seconds: float) -> float:
-    connections = [await target.connect() for _ in range(CONCURRENCY)]
+async def throughput(target: Target, http: LeanHttp, tool: str, arguments: dict, seconds: float) -> float:
+    sessions = [await target.session(http) for _ in range(CONCURRENCY)]
     done = 0
     deadline = time.perf_counter() + seconds
 
-    async def worker(http: RawHttp) -> None:
+    async def worker(session: str | None) -> None:
         nonlocal done
         number = 0
         while time.perf_counter() < deadline:
-            await target.call(http, tool, arguments, number)
+            await target.call(http, session, tool, arguments, number)
             number += 1
             done += 1
 
     started = time.perf_counter()
-    await asyncio.gather(*(worker(c) for c in connections))
-    elapsed = time.perf_counter() - started
-    for c in connections:
-        c.close()
-    return done / elapsed
+    await asyncio.gather(*(worker(s) for s in sessions))
+    return done / (time.perf_counter() - started)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -185,34 +134,35 @@ def percentile(values: list[float], q: float) -> float:
 
 async def measure(target: Target, tool: str, arguments: dict, seconds: float) -> dict[str, float]:
     idle = target.rss_mb()
-    await sequential(target, tool, arguments, 200)  # warm-up
-    latencies = await sequential(target, tool, arguments, 2000)
-    rate = await throughput(target, tool, arguments, seconds)
+    async with LeanHttp() as http:
+        await sequential(target, http, tool, arguments, 200)  # warm-up
+        latencies = await sequential(target, http, tool, arguments, 2000)
+        rate = await throughput(target, http, tool, arguments, seconds)
     return {"calls_per_s": rate, "p50_ms": percentile(latencies, 0.5), "p99_ms": percentile(latencies, 0.99), "idle_rss_mb": idle}
+
+
+async def control(http: LeanHttp, url: str, path: str, body: dict | None, expected: int) -> dict:
+    """One control-API request to our server; RuntimeError unless it answers ``expected``."""
+    response = await http.request("POST", url + path, body, {"Authorization": f"Bearer {TOKEN}"})
+    if response.status != expected:
+        raise RuntimeError(f"POST {path} failed ({response.status}): {response.body[:200]!r}")
+    return response.json()
 
 
 async def episode_costs(target: Target, scenario_id: str, episodes: int) -> dict[str, float]:
     """RSS with ``episodes`` live episodes, and create / validate p50 on our server."""
-    http = await RawHttp.connect(target.url)
-    auth = {"Authorization": f"Bearer {TOKEN}"}
     before = target.rss_mb()
-    creates, ids = [], []
-    for _ in range(episodes):
-        started = time.perf_counter()
-        status, raw = await http.request("POST", "/episodes", {"scenario_id": scenario_id}, auth)
-        creates.append((time.perf_counter() - started) * 1e3)
-        if status != 201:
-            raise RuntimeError(f"episode creation failed ({status}): {raw[:200]!r}")
-        ids.append(json.loads(raw)["episode_id"])
-    loaded = target.rss_mb()
-    validates = []
-    for episode_id in ids[:300]:
-        started = time.perf_counter()
-        status, raw = await http.request("POST", f"/episodes/{episode_id}/validate", None, auth)
-        validates.append((time.perf_counter() - started) * 1e3)
-        if status != 200:
-            raise RuntimeError(f"validate failed ({status}): {raw[:200]!r}")
-    http.close()
+    creates, ids, validates = [], [], []
+    async with LeanHttp() as http:
+        for _ in range(episodes):
+            started = time.perf_counter()
+            ids.append((await control(http, target.url, "/episodes", {"scenario_id": scenario_id}, 201))["episode_id"])
+            creates.append((time.perf_counter() - started) * 1e3)
+        loaded = target.rss_mb()
+        for episode_id in ids[:300]:
+            started = time.perf_counter()
+            await control(http, target.url, f"/episodes/{episode_id}/validate", None, 200)
+            validates.append((time.perf_counter() - started) * 1e3)
     return {"rss_loaded_mb": loaded, "rss_delta_mb": loaded - before, "create_p50_ms": statistics.median(creates),
             "validate_p50_ms": statistics.median(validates)}
 
@@ -269,12 +219,9 @@ async def run(args: argparse.Namespace) -> int:
     process, ready = start([sys.executable, "-m", "servers.farm.launch", args.env, "--port", "0", "--log-level", "warning"], env)
     ours = None
     try:
-        http = await RawHttp.connect(ready["url"])
-        status, raw = await http.request("POST", "/episodes", {"scenario_id": scenario_id}, {"Authorization": f"Bearer {TOKEN}"})
-        http.close()
-        if status != 201:
-            raise RuntimeError(f"episode creation failed ({status}): {raw[:200]!r}")
-        ours = Target("ours", process, ready["url"], json.loads(raw)["mcp_path"])
+        async with LeanHttp() as http:
+            episode = await control(http, ready["url"], "/episodes", {"scenario_id": scenario_id}, 201)
+        ours = Target("ours", process, ready["url"], episode["mcp_path"])
         mine = await measure(ours, tool, arguments, args.seconds)
         mine.update(await episode_costs(ours, scenario_id, args.episodes))
     finally:

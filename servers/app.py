@@ -19,6 +19,7 @@ from envscaler import Bundle, EnvRuntime, EnvScalerError
 from envscaler.bundle import describe_validation_error
 from envscaler.errors import ChecklistError
 from envscaler.models import CheckItem
+from servers.asgi import json_bytes, read_body, send_json
 from servers.episodes import EpisodeStore, LimitReached, LiveEpisode, UnknownEpisode, UnknownScenario
 from servers.mcp_endpoint import McpEndpoint
 
@@ -67,20 +68,6 @@ class HttpError(Exception):
         self.message = message
 
 
-def _json_bytes(value: Any) -> bytes:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
-
-
-async def _send(send: Any, status: int, body: bytes | None, extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    body = body or b""
-    # An explicit length spares the client chunked decoding on every tool call.
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    if extra_headers:
-        headers.extend(extra_headers)
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
 class EnvServerApp:
     """The ASGI application serving one bundle."""
 
@@ -108,7 +95,7 @@ class EnvServerApp:
         try:
             await self._route(scope, receive, send)
         except HttpError as e:
-            await _send(send, e.status, _json_bytes({"error": e.message}))
+            await send_json(send, e.status, json_bytes({"error": e.message}))
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
         async with anyio.create_task_group() as tasks:
@@ -138,7 +125,7 @@ class EnvServerApp:
             await self._mcp(scope, receive, send, parts[1])
             return
         if path == "/healthz":
-            await _send(send, 200, _json_bytes({"status": "ok", "env_id": self.bundle.env_id, "episodes": len(self.store.episodes)}))
+            await send_json(send, 200, json_bytes({"status": "ok", "env_id": self.bundle.env_id, "episodes": len(self.store.episodes)}))
             return
         self._authorize(scope)
         if parts == ["info"] and method == "GET":
@@ -155,7 +142,7 @@ class EnvServerApp:
             result, status = await self._episode_route(parts, method, receive), 200
         else:
             raise HttpError(404, f"no route {method} {path}")
-        await _send(send, status, _json_bytes(result))
+        await send_json(send, status, json_bytes(result))
 
     async def _episode_route(self, parts: list[str], method: str, receive: Any) -> Any:
         action = parts[2] if len(parts) == 3 else None
@@ -201,17 +188,10 @@ class EnvServerApp:
             raise HttpError(422, f"invalid body: {describe_validation_error(e)}") from None
 
     async def _read_body(self, receive: Any) -> bytes:
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.config.max_body_bytes:
-                raise HttpError(413, f"request body is larger than the limit of {self.config.max_body_bytes} bytes")
-            chunks.append(chunk)
-            if not message.get("more_body"):
-                return b"".join(chunks)
+        body = await read_body(receive, self.config.max_body_bytes)
+        if body is None:
+            raise HttpError(413, f"request body is larger than the limit of {self.config.max_body_bytes} bytes")
+        return body
 
     def _live(self, episode_id: str) -> LiveEpisode:
         try:
@@ -311,14 +291,14 @@ class EnvServerApp:
             if name == b"mcp-protocol-version":
                 version = value.decode()
         if scope["method"] != "POST":
-            await _send(send, 405, _json_bytes({"error": "this MCP endpoint answers POST only (no SSE stream, no sessions)"}), [(b"allow", b"POST")])
+            await send_json(send, 405, json_bytes({"error": "this MCP endpoint answers POST only (no SSE stream, no sessions)"}), [(b"allow", b"POST")])
             return
         live = self._live(episode_id)
         raw = await self._read_body(receive)
         try:
             message = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            await _send(send, 400, _json_bytes({"jsonrpc": "2.0", "id": None, "error": {"code": -32700, "message": f"parse error: {e}"}}))
+            await send_json(send, 400, json_bytes({"jsonrpc": "2.0", "id": None, "error": {"code": -32700, "message": f"parse error: {e}"}}))
             return
         status, body = await self.mcp.handle(live, message, version)
-        await _send(send, status, _json_bytes(body) if body is not None else None)
+        await send_json(send, status, json_bytes(body) if body is not None else None)

@@ -14,17 +14,14 @@ import sys
 import threading
 import time
 
-import anyio
 import httpx
-import httpx2
 import pytest
-from mcp import Client
-from mcp.client.streamable_http import streamable_http_client
 
 from envscaler import default_catalog, load_bundle
 from servers.farm.cli import docker_answers
 from servers.farm.images import LABEL_ENV, LABEL_FARM, LABEL_HASH, env_image_tag
 from tests.support.bundles import COUNTER_CODE, counter_scenario, counter_spec, write_bundle
+from tests.support.gateway import replay_through_gateway
 
 pytestmark = pytest.mark.docker
 
@@ -97,22 +94,9 @@ def test_build_tags_by_spec_hash_and_rebuilding_is_a_no_op(engine):
 
 
 def test_reference_replay_through_the_gateway_scores_one(farm):
-    catalog = json.loads(farm.read_text())
-    gateway = catalog["gateway"]
-    scenario = load_bundle(default_catalog() / "it_helpdesk").scenarios[0]
-    headers = {"Authorization": f"Bearer {catalog['envs']['it_helpdesk']['token']}"}
-    with httpx.Client(base_url=f"{gateway}/envs/it_helpdesk", headers=headers) as control:
-        episode = control.post("/episodes", json={"scenario_id": scenario.task_id}).json()
-        assert episode["mcp_url"].startswith(gateway)
-
-        async def replay() -> None:
-            async with httpx2.AsyncClient() as http, Client(streamable_http_client(episode["mcp_url"], http_client=http)) as client:
-                for call in scenario.reference_solution:
-                    result = await client.call_tool(call.name, call.arguments)
-                    assert not result.is_error, result.content[0].text
-
-        anyio.run(replay)
-        assert control.post(f"/episodes/{episode['episode_id']}/validate").json()["score"] == 1.0
+    replay = replay_through_gateway(farm, "it_helpdesk")
+    assert replay.mcp_url.startswith(replay.gateway)
+    assert replay.score == 1.0
 
 
 def test_every_container_is_hardened(farm, engine):

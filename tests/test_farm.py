@@ -11,15 +11,12 @@ import subprocess
 import sys
 import time
 
-import anyio
 import httpx
-import httpx2
 import pytest
-from mcp import Client
-from mcp.client.streamable_http import streamable_http_client
 
-from envscaler import default_catalog, load_bundle
+from envscaler import default_catalog
 from servers.farm.process import farm_processes
+from tests.support.gateway import replay_through_gateway
 
 ENVS = ["library_circulation", "online_retail", "it_helpdesk"]
 
@@ -62,23 +59,11 @@ def test_up_writes_the_catalog_and_status_reports_health(farm):
 
 
 def test_reference_replay_through_the_gateway_scores_one(farm):
-    catalog = json.loads(farm.read_text())
-    gateway = catalog["gateway"]
-    scenario = load_bundle(default_catalog() / "online_retail").scenarios[0]
-    headers = {"Authorization": f"Bearer {catalog['envs']['online_retail']['token']}"}
-    with httpx.Client(base_url=f"{gateway}/envs/online_retail", headers=headers) as control:
-        episode = control.post("/episodes", json={"scenario_id": scenario.task_id}).json()
-        assert episode["mcp_url"].startswith(f"{gateway}/envs/online_retail/episodes/")
-
-        async def replay() -> None:
-            async with httpx2.AsyncClient() as http, Client(streamable_http_client(episode["mcp_url"], http_client=http)) as client:
-                assert {t.name for t in (await client.list_tools()).tools} >= {c.name for c in scenario.reference_solution}
-                for call in scenario.reference_solution:
-                    result = await client.call_tool(call.name, call.arguments)
-                    assert not result.is_error, result.content[0].text
-
-        anyio.run(replay)
-        assert control.post(f"/episodes/{episode['episode_id']}/validate").json()["score"] == 1.0
+    replay = replay_through_gateway(farm, "online_retail")
+    gateway = replay.gateway
+    assert replay.mcp_url.startswith(f"{gateway}/envs/online_retail/episodes/")
+    assert replay.listed_tools >= replay.reference_tools
+    assert replay.score == 1.0
     with httpx.Client(base_url=gateway) as http:
         assert http.get("/envs").json() == {"envs": sorted(ENVS)}
         assert http.get("/envs/nope/healthz").status_code == 404

@@ -8,11 +8,12 @@ Routes of its own: ``GET /healthz`` (open) and ``GET /envs`` (the environment id
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
 import httpx
+
+from servers.asgi import json_bytes, read_body, send_json
 
 Scope = dict[str, Any]
 
@@ -22,13 +23,6 @@ _HOP_BY_HOP = {
     b"transfer-encoding", b"upgrade", b"host", b"x-envscaler-base-url",
 }
 _MAX_BODY = 16 * 1024 * 1024
-
-
-async def _reply(send: Any, status: int, payload: Any) -> None:
-    body = json.dumps(payload).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 class Gateway:
@@ -64,26 +58,26 @@ class Gateway:
         raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
         path = raw_path.split(b"?", 1)[0]
         if path == b"/healthz":
-            await _reply(send, 200, {"status": "ok", "envs": len(self.routes)})
+            await send_json(send, 200, json_bytes({"status": "ok", "envs": len(self.routes)}))
             return
         if path in (b"/envs", b"/envs/") and scope["method"] == "GET":
-            await _reply(send, 200, {"envs": sorted(self.routes)})
+            await send_json(send, 200, json_bytes({"envs": sorted(self.routes)}))
             return
         parts = path.split(b"/", 3)  # b"", b"envs", env_id, rest
         if len(parts) < 3 or parts[1] != b"envs":
-            await _reply(send, 404, {"error": f"no route {scope['method']} {scope['path']}: use /envs/{{env_id}}/..."})
+            await send_json(send, 404, json_bytes({"error": f"no route {scope['method']} {scope['path']}: use /envs/{{env_id}}/..."}))
             return
         env_id = parts[2].decode(errors="replace")
         upstream = self.routes.get(env_id)
         if upstream is None:
-            await _reply(send, 404, {"error": f"no environment {env_id!r} in this farm; GET /envs lists them"})
+            await send_json(send, 404, json_bytes({"error": f"no environment {env_id!r} in this farm; GET /envs lists them"}))
             return
         await self._proxy(scope, receive, send, env_id, upstream.rstrip("/"), b"/" + (parts[3] if len(parts) == 4 else b""))
 
     async def _proxy(self, scope: Scope, receive: Any, send: Any, env_id: str, upstream: str, rest: bytes) -> None:
-        body = await _read_body(receive)
+        body = await read_body(receive, _MAX_BODY)
         if body is None:
-            await _reply(send, 413, {"error": f"request body is larger than {_MAX_BODY} bytes"})
+            await send_json(send, 413, json_bytes({"error": f"request body is larger than {_MAX_BODY} bytes"}))
             return
         headers = [(k, v) for k, v in scope["headers"] if k not in _HOP_BY_HOP]
         headers.append((b"x-envscaler-base-url", f"{_origin(scope)}/envs/{env_id}".encode()))
@@ -93,10 +87,10 @@ class Gateway:
         try:
             response = await self.client.send(request, stream=True)
         except httpx.TimeoutException:
-            await _reply(send, 504, {"error": f"environment {env_id!r} did not answer in time at {upstream}"})
+            await send_json(send, 504, json_bytes({"error": f"environment {env_id!r} did not answer in time at {upstream}"}))
             return
         except httpx.HTTPError as e:
-            await _reply(send, 502, {"error": f"environment {env_id!r} is not answering at {upstream}: {e!r}"})
+            await send_json(send, 502, json_bytes({"error": f"environment {env_id!r} is not answering at {upstream}: {e!r}"}))
             return
         try:
             out_headers = [(k, v) for k, v in response.headers.raw if k.lower() not in _HOP_BY_HOP]
@@ -106,21 +100,6 @@ class Gateway:
             await send({"type": "http.response.body", "body": b""})
         finally:
             await response.aclose()
-
-
-async def _read_body(receive: Any) -> bytes | None:
-    """The whole request body, or None when it is larger than the gateway accepts."""
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > _MAX_BODY:
-            return None
-        chunks.append(chunk)
-        if not message.get("more_body"):
-            return b"".join(chunks)
 
 
 def _origin(scope: Scope) -> str:

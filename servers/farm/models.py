@@ -1,8 +1,7 @@
-"""What the farm writes to disk: the catalog (public contract), the plan, and the live state.
+"""What the farm keeps on disk besides the catalog: the plan and the live state.
 
-The catalog file is what users and ``envscaler run --farm`` read:
-``{"envs": {env_id: {"url", "token"}}, "gateway": url}`` (more fields may be added, none renamed).
-Next to it, ``<catalog>.farm/`` holds the farm daemon's plan (what to run), its state (what runs,
+The catalog file itself (``envscaler.models.FarmCatalog``) is the public contract that users and
+``envscaler run --farm`` read. Next to it, ``<catalog>.farm/`` holds the farm daemon's plan (what to run), its state (what runs,
 health, restarts, pids or containers) and logs, so ``status`` and ``down`` work from the file alone,
 even after the process that ran ``up`` was killed.
 """
@@ -14,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from envscaler.bundle import describe_validation_error
 from envscaler.errors import EnvScalerError
@@ -27,26 +26,6 @@ M = TypeVar("M", bound=BaseModel)
 
 class FarmError(EnvScalerError):
     """The farm cannot do what was asked (bad input, missing engine, unreadable farm files)."""
-
-
-class EnvEndpoint(BaseModel):
-    """Where one environment server answers, and its control token."""
-
-    model_config = ConfigDict(extra="allow")
-
-    url: str
-    token: str
-
-
-class FarmCatalog(BaseModel):
-    """The catalog file: one base URL and control token per environment, and the gateway."""
-
-    model_config = ConfigDict(extra="allow")
-
-    envs: dict[str, EnvEndpoint]
-    gateway: str
-    backend: Backend | None = None
-    farm_id: str | None = None
 
 
 class Limits(BaseModel):
