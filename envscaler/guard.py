@@ -1,60 +1,166 @@
 """Time limits for untrusted environment code.
 
-Python cannot kill a thread, so the limit is enforced by raising an exception inside it:
+Python cannot kill a thread, so a limit is enforced by raising an exception inside the code:
 
-- on the main thread, a ``SIGALRM`` interval timer raises :class:`TimeLimitExceeded` from a signal
-  handler, which also interrupts blocking calls such as ``time.sleep``;
-- on any other thread, one watchdog thread injects the exception with
-  ``PyThreadState_SetAsyncExc``. That stops pure-Python loops; a blocking C call is only interrupted
-  when it returns, so callers that must answer on time (the server) also wait with their own timeout.
+- on the main thread, a ``SIGALRM`` interval timer raises it from a signal handler, which also
+  interrupts blocking calls such as ``time.sleep``;
+- on any other thread, one watchdog thread injects it with ``PyThreadState_SetAsyncExc``. That
+  stops pure-Python loops; a blocking C call is only interrupted when it returns, so callers that
+  must answer on time (the server) also wait with their own timeout.
 
 Both mechanisms repeat the exception until the call ends, because environment code may swallow it
-with a bare ``except:``. :class:`TimeLimitExceeded` derives from BaseException so that the usual
-``except Exception`` in environment code does not catch it.
+with a bare ``except:``. On the main thread, code that swallows it a second time gets a line tracer
+that raises it again on every line it runs, so not even ``while True: try/except: pass`` survives.
+The exceptions derive from BaseException so that the usual ``except Exception`` does not catch them.
+
+:func:`call_preemptibly` is the main thread's short leash: it gives code a small budget and raises
+:class:`Preempted` if the code ran past it, so that a caller can run it again where a long run
+harms nobody (the environment server runs tool calls on its event loop this way).
 """
 
 from __future__ import annotations
 
 import ctypes
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
+from types import FrameType
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 _REPEAT_S = 0.05
+_SLEEP_AFTER_S = 1.0
 
 
 class TimeLimitExceeded(BaseException):
     """Raised inside code that ran past its time limit."""
 
 
+class Preempted(BaseException):
+    """The code ran past its budget under :func:`call_preemptibly`; its run must not be used."""
+
+
 def call_with_limit(fn: Callable[..., T], limit_s: float, *args: Any, **kwargs: Any) -> T:
     """Run ``fn(*args, **kwargs)``; raise TimeLimitExceeded if it runs longer than ``limit_s``."""
     if threading.current_thread() is threading.main_thread():
-        return _call_with_alarm(fn, limit_s, args, kwargs)
+        return _run_with_alarm(_Alarm(TimeLimitExceeded), fn, limit_s, args, kwargs)
     return _WATCHDOG.call(fn, limit_s, args, kwargs)
 
 
-def _on_alarm(signum: int, frame: Any) -> None:
-    raise TimeLimitExceeded()
+def call_preemptibly(fn: Callable[..., T], budget_s: float, *args: Any, **kwargs: Any) -> T:
+    """Run ``fn(*args, **kwargs)`` on the main thread; raise Preempted if it ran past ``budget_s``.
+
+    Preempted is raised whenever the budget ran out during the call, also when the code swallowed
+    the interruption and went on to return or raise: that run was disturbed and must be discarded.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("call_preemptibly needs the main thread (it uses SIGALRM)")
+    alarm = _Alarm(Preempted)
+    try:
+        result = _run_with_alarm(alarm, fn, budget_s, args, kwargs)
+    except BaseException:
+        if alarm.fired:
+            raise Preempted() from None
+        raise
+    if alarm.fired:
+        raise Preempted()
+    return result
 
 
-def _call_with_alarm(fn: Callable[..., T], limit_s: float, args: tuple, kwargs: dict) -> T:
-    previous = signal.signal(signal.SIGALRM, _on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, limit_s, _REPEAT_S)
+def keep_alarm_handler() -> None:
+    """Install the SIGALRM handler for the life of the process (main thread only).
+
+    Otherwise each guarded call installs it and puts the previous one back, which costs a few
+    microseconds a call: worth saving in a server that guards every call, and owns its signals.
+    """
+    global _handler_kept
+    signal.signal(signal.SIGALRM, _on_alarm)
+    _handler_kept = True
+
+
+def block_alarm_in_this_thread() -> None:
+    """Keep SIGALRM away from the calling (non-main) thread.
+
+    The kernel may deliver a process-wide signal to any thread that does not block it, and only
+    the thread that receives it has its blocking call (``time.sleep``) interrupted.
+    """
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+
+
+class _Alarm:
+    """One armed SIGALRM timer on the main thread: what it raises, how often it fired."""
+
+    __slots__ = ("error", "fired", "frame", "previous_trace", "tracing")
+
+    def __init__(self, error: type[BaseException]) -> None:
+        self.error = error
+        self.fired = 0
+        self.frame: FrameType | None = None
+        self.previous_trace: Any = None
+        self.tracing = False
+
+
+_current: _Alarm | None = None
+_handler_kept = False
+
+
+def _on_alarm(signum: int, frame: FrameType | None) -> None:
+    alarm = _current
+    if alarm is None:
+        return  # a late tick after the call ended
+    alarm.fired += 1
+    if alarm.fired > 1 and not alarm.tracing:
+        _trace_to_stop(alarm, frame)
+    raise alarm.error()
+
+
+def _trace_to_stop(alarm: _Alarm, frame: FrameType | None) -> None:
+    """The code swallowed the interruption: make every line it runs from now on raise it again."""
+    below: list[FrameType] = []
+    while frame is not None and frame is not alarm.frame:
+        below.append(frame)
+        frame = frame.f_back
+    if frame is None:
+        return  # not inside the guarded call: nothing of ours to trace
+
+    def stop(frame: FrameType, event: str, arg: Any) -> Any:
+        if _current is not alarm:
+            return None
+        if event == "line":
+            raise alarm.error()
+        return stop
+
+    alarm.tracing = True
+    alarm.previous_trace = sys.gettrace()
+    for guarded in below:
+        guarded.f_trace_lines = True
+        guarded.f_trace = stop
+    sys.settrace(stop)
+
+
+def _run_with_alarm(alarm: _Alarm, fn: Callable[..., T], seconds: float, args: tuple, kwargs: dict) -> T:
+    global _current
+    previous = None if _handler_kept else signal.signal(signal.SIGALRM, _on_alarm)
+    alarm.frame = sys._getframe()
+    _current = alarm
+    signal.setitimer(signal.ITIMER_REAL, seconds, _REPEAT_S)
     try:
         return fn(*args, **kwargs)
     finally:
         # The alarm may fire once more while we disarm; absorb it so it never escapes the guard.
         while True:
             try:
+                _current = None
                 signal.setitimer(signal.ITIMER_REAL, 0)
-                signal.signal(signal.SIGALRM, previous)
+                if alarm.tracing:
+                    sys.settrace(alarm.previous_trace)
+                if not _handler_kept:
+                    signal.signal(signal.SIGALRM, previous)
                 break
-            except TimeLimitExceeded:
+            except alarm.error:
                 continue
 
 
@@ -72,12 +178,19 @@ _set_async_exc.argtypes = (ctypes.c_ulong, ctypes.py_object)
 
 
 class _Watchdog:
-    """One daemon thread that raises TimeLimitExceeded in worker threads past their deadline."""
+    """One daemon thread that raises TimeLimitExceeded in worker threads past their deadline.
+
+    Registering a call happens on every tool call, so it never wakes the watchdog (a thread wake-up
+    costs more than the call): while calls come and go the watchdog polls every ``_REPEAT_S``, and
+    only after ``_SLEEP_AFTER_S`` without any does it sleep until the next registration wakes it.
+    A limit is therefore enforced up to ``_REPEAT_S`` late.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: dict[int, _Entry] = {}
         self._wake = threading.Event()
+        self._asleep = True
         self._thread: threading.Thread | None = None
 
     def call(self, fn: Callable[..., T], limit_s: float, args: tuple, kwargs: dict) -> T:
@@ -86,8 +199,10 @@ class _Watchdog:
         try:
             with self._lock:
                 self._entries[key] = entry
-                self._ensure_thread()
-            self._wake.set()
+                if self._asleep:
+                    self._asleep = False
+                    self._ensure_thread()
+                    self._wake.set()
             try:
                 return fn(*args, **kwargs)
             finally:
@@ -116,26 +231,28 @@ class _Watchdog:
             self._thread.start()
 
     def _run(self) -> None:
+        block_alarm_in_this_thread()
+        quiet_since: float | None = None
         while True:
-            with self._lock:
-                entries = list(self._entries.values())
-            if not entries:
-                self._wake.wait()
-                self._wake.clear()
-                continue
             now = time.monotonic()
-            next_deadline = now + _REPEAT_S
             with self._lock:
-                for entry in entries:
-                    if id(entry) not in self._entries:
-                        continue
+                for entry in self._entries.values():
                     if entry.deadline <= now:
                         entry.fired = True
                         entry.deadline = now + _REPEAT_S
                         _set_async_exc(entry.thread_id, ctypes.py_object(TimeLimitExceeded))
-                    next_deadline = min(next_deadline, entry.deadline)
-            self._wake.wait(max(0.0, next_deadline - time.monotonic()))
-            self._wake.clear()
+                if self._entries:
+                    quiet_since = None
+                elif quiet_since is None:
+                    quiet_since = now
+                elif now - quiet_since >= _SLEEP_AFTER_S:
+                    self._asleep = True
+                    self._wake.clear()
+            if self._asleep:
+                self._wake.wait()
+                quiet_since = None
+            else:
+                time.sleep(_REPEAT_S)
 
 
 _WATCHDOG = _Watchdog()
