@@ -132,6 +132,8 @@ class ToolOutcome(BaseModel):
     name: str
     arguments: dict[str, Any] = Field(default_factory=dict)
     result: Any = None
+    # ``result`` as the JSON text an agent is shown; not part of the record (it repeats ``result``).
+    result_text: str | None = Field(default=None, exclude=True)
     error: str | None = None
     error_kind: ErrorKind | None = None
     latency_s: float = 0.0

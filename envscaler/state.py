@@ -70,18 +70,21 @@ def public_attributes(instance: Any) -> dict[str, Any]:
     return {k: v for k, v in vars(instance).items() if not k.startswith("_")}
 
 
-def to_json_text(value: Any, *, canonical: bool = False) -> tuple[str, list[str]]:
+def to_json_text(value: Any, *, canonical: bool = False, ascii_only: bool = True) -> tuple[str, list[str]]:
     """Serialise ``value`` to compact JSON text, returning the text and the conversions made.
 
-    ``canonical`` sorts keys, so equal values give equal text (for hashing).
+    ``canonical`` sorts keys, so equal values give equal text (for hashing). ``ascii_only`` escapes
+    other characters: such text takes one byte a character in memory (states are kept per episode);
+    text meant for a model to read is clearer without the escapes.
     """
     converter = _Converter()
+    options: dict[str, Any] = {"default": converter, "sort_keys": canonical, "ensure_ascii": ascii_only, "separators": (",", ":")}
     try:
-        text = json.dumps(value, default=converter, sort_keys=canonical, separators=(",", ":"))
+        text = json.dumps(value, **options)
     except (TypeError, ValueError):
         # Non-string keys that json cannot coerce (tuples, objects) or keys of mixed types.
         converter.notes.append("non-string keys -> strings")
-        text = json.dumps(_stringify_keys(value), default=converter, sort_keys=canonical, separators=(",", ":"))
+        text = json.dumps(_stringify_keys(value), **options)
     return text, converter.notes
 
 
