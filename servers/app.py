@@ -9,7 +9,8 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 from urllib.parse import unquote
 
 import anyio
@@ -20,10 +21,13 @@ from envscaler.bundle import describe_validation_error
 from envscaler.errors import ChecklistError
 from envscaler.models import CheckItem
 from servers.asgi import json_bytes, read_body, send_json
+from servers.calls import CallAbandoned
 from servers.episodes import EpisodeStore, LimitReached, LiveEpisode, UnknownEpisode, UnknownScenario
 from servers.mcp_endpoint import McpEndpoint
 
 log = logging.getLogger("envscaler.server")
+
+T = TypeVar("T")
 
 Scope = dict[str, Any]
 
@@ -39,6 +43,7 @@ class ServerConfig(BaseModel):
     check_timeout_s: float = Field(default=5.0, gt=0)
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
     worker_threads: int = Field(default=32, ge=1)
+    inline_budget_s: float = Field(default=0.02, ge=0)
     allowed_origins: list[str] = Field(default_factory=list)
 
 
@@ -81,6 +86,7 @@ class EnvServerApp:
             max_episodes=config.max_episodes,
             idle_ttl_s=config.idle_ttl_s,
             worker_threads=config.worker_threads,
+            inline_budget_s=config.inline_budget_s,
         )
         self.mcp = McpEndpoint(self.store, f"envscaler-{bundle.env_id}", bundle.spec.environment_introduction)
         self._token = f"Bearer {config.token}".encode()
@@ -135,7 +141,7 @@ class EnvServerApp:
         elif len(parts) == 2 and parts[0] == "scenarios" and method == "GET":
             result, status = self._scenario(parts[1]), 200
         elif parts == ["episodes"] and method == "POST":
-            result, status = self._create(scope, await self._body(receive, EpisodeRequest)), 201
+            result, status = await self._create(scope, await self._body(receive, EpisodeRequest)), 201
         elif parts == ["episodes"] and method == "GET":
             result, status = {"episodes": list(self.store.episodes)}, 200
         elif len(parts) in (2, 3) and parts[0] == "episodes":
@@ -157,7 +163,7 @@ class EnvServerApp:
         if action == "reset" and method == "POST":
             request = await self._body(receive, EpisodeRequest)
             self._check_episode_request(request)
-            self._guard(lambda: self.store.reset(live, request.scenario_id, request.init_config))
+            await self._guard(self.store.reset(live, request.scenario_id, request.init_config))
             return {"episode_id": live.episode_id, "scenario_id": request.scenario_id, "task": live.scenario.task if live.scenario else ""}
         if action == "validate" and method == "POST":
             request = await self._body(receive, ValidateRequest)
@@ -165,6 +171,8 @@ class EnvServerApp:
                 result = await self.store.validate(live, request.checklist)
             except ChecklistError as e:
                 raise HttpError(409, f"{e}; pass a checklist in the body or create the episode from a scenario") from None
+            except CallAbandoned:
+                raise HttpError(504, f"the checks outlived their limit of {self.config.check_timeout_s:g} s each and were abandoned") from None
             return {**result.model_dump(mode="json"), **live.counts()}
         raise HttpError(404 if action not in (None, "state", "trajectory", "reset", "validate") else 405, f"no route {method} /episodes/{{id}}/{action or ''}")
 
@@ -206,10 +214,10 @@ class EnvServerApp:
         if request.scenario_id is not None and request.init_config is not None:
             raise HttpError(422, "give scenario_id or init_config, not both")
 
-    def _guard(self, action: Any) -> Any:
-        """Run a store action, turning its errors into HTTP statuses."""
+    async def _guard(self, action: Awaitable[T]) -> T:
+        """Await a store action, turning its errors into HTTP statuses."""
         try:
-            return action()
+            return await action
         except (UnknownScenario, UnknownEpisode) as e:
             raise HttpError(404, str(e)) from None
         except LimitReached as e:
@@ -217,9 +225,9 @@ class EnvServerApp:
         except EnvScalerError as e:
             raise HttpError(500, f"environment error: {e}") from None
 
-    def _create(self, scope: Scope, request: EpisodeRequest) -> dict[str, Any]:
+    async def _create(self, scope: Scope, request: EpisodeRequest) -> dict[str, Any]:
         self._check_episode_request(request)
-        live: LiveEpisode = self._guard(lambda: self.store.create(request.scenario_id, request.init_config))
+        live = await self._guard(self.store.create(request.scenario_id, request.init_config))
         path = f"/episodes/{live.episode_id}/mcp"
         return {
             "episode_id": live.episode_id,
@@ -257,6 +265,8 @@ class EnvServerApp:
             "limits": config,
             "live_episodes": len(self.store.episodes),
             "stuck_calls": self.store.stuck_calls,
+            "call_threads": self.store.runner.threads,
+            "threaded_tools": sorted(self.store.threaded_tools),
             "expired_episodes": self.store.expired,
         }
 

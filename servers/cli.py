@@ -25,6 +25,7 @@ def _serve(args: argparse.Namespace) -> int:
         check_timeout_s=args.check_timeout,
         max_body_bytes=args.max_body,
         worker_threads=args.workers,
+        inline_budget_s=args.inline_budget,
         allowed_origins=args.allowed_origin or [],
     )
     logs.configure(args.log_level)
@@ -53,7 +54,14 @@ def register_serve(commands: Any) -> None:
     parser.add_argument("--call-timeout", type=float, default=10.0, help="seconds a tool call may run (default: 10)")
     parser.add_argument("--check-timeout", type=float, default=5.0, help="seconds one check may run (default: 5)")
     parser.add_argument("--max-body", type=int, default=1_048_576, help="largest request body in bytes (default: 1 MiB)")
-    parser.add_argument("--workers", type=int, default=32, help="worker threads for tool calls (default: 32)")
+    parser.add_argument("--workers", type=int, default=32, help="threads at most for tool calls that block or run long (default: 32)")
+    parser.add_argument(
+        "--inline-budget",
+        type=float,
+        default=0.02,
+        help="seconds a tool call may run on the event loop before it is undone and rerun on a worker thread; "
+        "0 runs every call on a worker (default: 0.02)",
+    )
     parser.add_argument("--allowed-origin", action="append", help="browser Origin allowed on MCP routes (repeatable; '*' for any)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.set_defaults(func=_serve)

@@ -1,10 +1,18 @@
 """Live episodes of one environment: creation, limits, idle expiry, guarded tool calls, records.
 
-Tool calls run on worker threads so that a call which blocks (``time.sleep`` in environment code)
-never stalls the event loop. Calls on one episode are serialised by its lock; environment state is
-not thread-safe. A call that is still running past its limit is abandoned: the agent gets an
-``is_error`` result at once, and the episode refuses further calls until it is reset or ended,
-because the stuck call may still change its state.
+A tool call first runs right on the event loop with a small budget (``inline_budget_s``): almost
+every call of a synthesized environment takes microseconds, and handing each one to another thread
+costs more than the call (two thread wake-ups across CPUs). A call that outruns the budget is
+preempted, its episode restored to the state before it, and it runs again on a worker thread
+(``servers.calls``) where it can take its full limit without stalling anyone; its tool goes to the
+worker directly from then on. Constructors and checks always run on the worker.
+
+Calls on one episode are serialised by its lock; environment state is not thread-safe. A call still
+running past its limit is abandoned: the agent gets an ``is_error`` result at once, and the episode
+refuses further calls until it is reset or ended, because the stuck call may still change its state.
+
+The locks are asyncio's, not anyio's: the server only runs on asyncio (uvicorn), and anyio's
+checkpoints cost ~25 us on every tool call.
 """
 
 from __future__ import annotations
@@ -12,22 +20,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
-import anyio
 from pydantic import BaseModel
 
-from envscaler import Bundle, EnvRuntime, Episode, EnvScalerError, Scenario, ToolOutcome, ValidationResult
+from envscaler import Bundle, EnvCodeError, EnvRuntime, Episode, EnvScalerError, Scenario, ToolOutcome, ValidationResult
+from envscaler.guard import Preempted
 from envscaler.models import CheckItem
+from servers.calls import CallAbandoned, CallRunner
 
 log = logging.getLogger("envscaler.server")
 
-T = TypeVar("T")
-
-# Grace period past the call limit before the server stops waiting for a worker thread.
+# Grace period past the limit (the guard in the call stops it then) before the server stops waiting.
 _ABANDON_GRACE_S = 0.5
 
 
@@ -62,7 +68,7 @@ class LiveEpisode:
         self.episode_id = episode_id
         self.episode = episode
         self.scenario = scenario
-        self.lock = anyio.Lock()
+        self.lock = asyncio.Lock()
         self.calls: list[ToolOutcome] = []
         self.last_used = time.monotonic()
         self.stuck = False
@@ -100,6 +106,7 @@ class EpisodeStore:
         max_episodes: int,
         idle_ttl_s: float,
         worker_threads: int,
+        inline_budget_s: float,
     ) -> None:
         self.bundle = bundle
         self.runtime = runtime
@@ -107,8 +114,10 @@ class EpisodeStore:
         self.idle_ttl_s = idle_ttl_s
         self.episodes: dict[str, LiveEpisode] = {}
         self.scenarios = {s.task_id: s for s in bundle.scenarios}
-        # A plain executor rather than anyio.to_thread: it costs ~25 us less per hop, paid on every call.
-        self.executor = ThreadPoolExecutor(worker_threads, thread_name_prefix=f"env-{runtime.env_id}")
+        self.runner = CallRunner(f"env-{runtime.env_id}", max_threads=worker_threads)
+        self.inline_budget_s = inline_budget_s
+        # Tools that once outran the inline budget: they go to the worker thread directly.
+        self.threaded_tools: set[str] = set()
         self.stuck_calls = 0
         self.expired = 0
 
@@ -118,22 +127,30 @@ class EpisodeStore:
             raise UnknownScenario(f"{self.runtime.env_id} has no scenario {scenario_id!r}; GET /scenarios lists them")
         return scenario
 
-    def _build(self, scenario_id: str | None, init_config: dict[str, Any] | None) -> tuple[Episode, Scenario | None]:
+    async def _build(self, scenario_id: str | None, init_config: dict[str, Any] | None) -> tuple[Episode, Scenario | None]:
         scenario = self._scenario(scenario_id) if scenario_id else None
         config = scenario.init_config if scenario else (init_config or {})
-        return self.runtime.new_episode(config), scenario
+        limit = self.runtime.call_timeout_s + _ABANDON_GRACE_S
+        try:
+            return await self.runner.run(lambda: self.runtime.new_episode(config), limit), scenario
+        except CallAbandoned:
+            raise EnvCodeError(f"{self.runtime.env_id}: constructor ran longer than {self.runtime.call_timeout_s:g} s") from None
 
-    def create(self, scenario_id: str | None, init_config: dict[str, Any] | None) -> LiveEpisode:
+    async def create(self, scenario_id: str | None, init_config: dict[str, Any] | None) -> LiveEpisode:
         """A new episode. Raises LimitReached, UnknownScenario or EnvCodeError."""
-        if len(self.episodes) >= self.max_episodes:
-            raise LimitReached(
-                f"{self.runtime.env_id} already holds {self.max_episodes} live episodes; end some (DELETE) or raise --max-episodes"
-            )
-        episode, scenario = self._build(scenario_id, init_config)
+        self._check_room()
+        episode, scenario = await self._build(scenario_id, init_config)
+        self._check_room()  # others may have been created while this one was built
         live = LiveEpisode(secrets.token_urlsafe(24), episode, scenario)
         self.episodes[live.episode_id] = live
         log.info("episode created", extra={"env": self.runtime.env_id, "episode": live.episode_id, "scenario": scenario_id})
         return live
+
+    def _check_room(self) -> None:
+        if len(self.episodes) >= self.max_episodes:
+            raise LimitReached(
+                f"{self.runtime.env_id} already holds {self.max_episodes} live episodes; end some (DELETE) or raise --max-episodes"
+            )
 
     def get(self, episode_id: str) -> LiveEpisode:
         live = self.episodes.get(episode_id)
@@ -142,9 +159,11 @@ class EpisodeStore:
         live.last_used = time.monotonic()
         return live
 
-    def reset(self, live: LiveEpisode, scenario_id: str | None, init_config: dict[str, Any] | None) -> None:
-        episode, scenario = self._build(scenario_id, init_config)
-        live.reset(episode, scenario)
+    async def reset(self, live: LiveEpisode, scenario_id: str | None, init_config: dict[str, Any] | None) -> None:
+        """Put ``live`` back to a scenario's (or a raw) initial state; its id and URL stay."""
+        episode, scenario = await self._build(scenario_id, init_config)
+        async with live.lock:
+            live.reset(episode, scenario)
         log.info("episode reset", extra={"env": self.runtime.env_id, "episode": live.episode_id, "scenario": scenario_id})
 
     def end(self, episode_id: str) -> LiveEpisode:
@@ -165,17 +184,19 @@ class EpisodeStore:
         return len(stale)
 
     async def call_tool(self, live: LiveEpisode, name: str, arguments: Any) -> ToolOutcome:
-        """Run one tool on a worker thread; always returns an outcome, never raises for tool trouble."""
+        """Run one tool; always returns an outcome, never raises for tool trouble."""
         async with live.lock:
             if live.stuck:
                 message = "This episode is unusable: an earlier tool call is still stuck. It must be reset or ended."
                 return ToolOutcome(name=name, arguments=arguments if isinstance(arguments, dict) else {}, error=message, error_kind="timeout")
             episode = live.episode
-            limit = self.runtime.call_timeout_s + _ABANDON_GRACE_S
-            outcome: ToolOutcome | None = None
-            with anyio.move_on_after(limit):
-                outcome = await self._in_worker(lambda: episode.call(name, arguments, track_diff=True))
-            if outcome is None:
+            outcome = self._call_inline(live, name, arguments)
+            try:
+                if outcome is None:
+                    outcome = await self.runner.run(
+                        lambda: episode.call(name, arguments, track_diff=True), self.runtime.call_timeout_s + _ABANDON_GRACE_S
+                    )
+            except CallAbandoned:
                 live.stuck = True
                 self.stuck_calls += 1
                 message = f"Tool {name!r} ran longer than {self.runtime.call_timeout_s:g} s and was abandoned"
@@ -193,13 +214,35 @@ class EpisodeStore:
             )
         return outcome
 
+    def _call_inline(self, live: LiveEpisode, name: str, arguments: Any) -> ToolOutcome | None:
+        """The call run here on the event loop within the budget, or None: run it on the worker."""
+        episode = live.episode
+        if not self.inline_budget_s or name in self.threaded_tools or not episode.restorable or not _on_main_thread():
+            return None
+        try:
+            return episode.call(name, arguments, track_diff=True, inline_budget_s=self.inline_budget_s)
+        except Preempted:
+            if episode.restorable:  # it outran the budget (rather than: its state cannot be saved)
+                self.threaded_tools.add(name)
+                log.info(
+                    "tool moved to the worker thread",
+                    extra={"env": self.runtime.env_id, "episode": live.episode_id, "tool": name, "budget_s": self.inline_budget_s},
+                )
+            return None
+
     async def validate(self, live: LiveEpisode, checklist: list[CheckItem] | None) -> ValidationResult:
-        """Run the checklist (the scenario's unless one is given) on a worker thread."""
+        """Run the checklist (the scenario's unless one is given) off the event loop.
+
+        Raises ChecklistError when there is no checklist, CallAbandoned when the checks as a whole
+        outlive their limits (each check is stopped at its own limit first).
+        """
         items = checklist if checklist is not None else (live.scenario.checklist_with_func if live.scenario else None)
+        limit = len(items or ()) * (self.runtime.check_timeout_s + _ABANDON_GRACE_S) + _ABANDON_GRACE_S
         async with live.lock:
             episode = live.episode
-            return await self._in_worker(lambda: episode.validate(items))
+            return await self.runner.run(lambda: episode.validate(items), limit)
 
-    async def _in_worker(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on a worker thread. Cancelling the wait abandons the thread, it is not stopped."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+
+def _on_main_thread() -> bool:
+    # Preemption uses SIGALRM, which only the main thread can handle.
+    return threading.current_thread() is threading.main_thread()

@@ -93,7 +93,7 @@ class McpEndpoint:
         outcome = await self.store.call_tool(live, name, params.get("arguments"))
         if outcome.error:
             return {"jsonrpc": "2.0", "id": request_id, "result": _tool_result(outcome.error, True, modern)}
-        text = json.dumps(outcome.result, ensure_ascii=False)
+        text = outcome.result_text if outcome.result_text is not None else json.dumps(outcome.result, ensure_ascii=False)
         return {"jsonrpc": "2.0", "id": request_id, "result": _tool_result(text, False, modern)}
 
     def _discover(self) -> dict[str, Any]:

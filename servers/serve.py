@@ -11,6 +11,7 @@ import uvicorn
 from uvicorn._compat import asyncio_run
 
 from envscaler import load_bundle
+from envscaler.guard import keep_alarm_handler
 from servers.app import EnvServerApp, ServerConfig
 
 
@@ -32,6 +33,7 @@ def serve(bundle_dir: str, host: str, port: int, config: ServerConfig, *, announ
     actual_port = sock.getsockname()[1]
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{actual_port}"
     app = EnvServerApp(bundle, config)
+    keep_alarm_handler()  # tool calls on the event loop are preempted with SIGALRM
     ready: dict[str, object] = {"event": "listening", "env_id": bundle.env_id, "url": url, "port": actual_port}
     if announce_token:
         ready["token"] = config.token

@@ -1,0 +1,187 @@
+"""Environment code off the event loop: one worker thread that hands over when a call is slow.
+
+Tool calls and checks are synchronous, untrusted code that may block (``time.sleep``) or loop, and
+the event loop must keep answering every other episode meanwhile. Sending each call to a pool thread
+costs two thread wake-ups and two GIL hand-overs per call, which measured more than the whole rest of
+a request. Instead the calls that reach the runner during one event-loop iteration are handed over
+together at its end, one worker thread runs them back to back, and their results come back to the
+loop in one batch: under load, one hand-over serves many calls.
+
+A call that runs longer than ``handover_after_s`` retires its worker (it finishes that call, reports
+it, and exits) and a fresh worker takes the queue, so a slow or stuck call only holds up its own
+caller. A call still running at its deadline is abandoned: its caller gets :class:`CallAbandoned`
+at once. The thread cannot be killed; it stays retired until the call returns, if ever, and at most
+``max_threads`` threads exist, so a flood of stuck calls cannot exhaust the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+from envscaler.guard import block_alarm_in_this_thread
+
+T = TypeVar("T")
+
+
+class CallAbandoned(Exception):
+    """The call did not finish by its deadline; its thread was left behind."""
+
+
+class _Job(Generic[T]):
+    __slots__ = ("fn", "future", "deadline", "abandoned")
+
+    def __init__(self, fn: Callable[[], T], future: asyncio.Future[T], deadline: float) -> None:
+        self.fn = fn
+        self.future = future
+        self.deadline = deadline
+        self.abandoned = False
+
+
+class _Worker:
+    __slots__ = ("thread", "job", "started", "retired")
+
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+        self.job: _Job[Any] | None = None
+        self.started = 0.0
+        self.retired = False
+
+
+class CallRunner:
+    """Runs blocking callables for one event loop; create it inside the loop that awaits it."""
+
+    def __init__(self, name: str, *, handover_after_s: float = 0.05, max_threads: int = 32, tick_s: float = 0.02) -> None:
+        self.name = name
+        self.handover_after_s = handover_after_s
+        self.max_threads = max_threads
+        self.tick_s = tick_s
+        self.abandoned = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: queue.SimpleQueue[_Job[Any]] = queue.SimpleQueue()
+        self._workers: list[_Worker] = []
+        self._active: _Worker | None = None
+        self._pending: set[_Job[Any]] = set()
+        self._batch: list[_Job[Any]] = []
+        self._ticking = False
+
+    @property
+    def threads(self) -> int:
+        """Worker threads alive now, retired ones included."""
+        return len(self._workers)
+
+    async def run(self, fn: Callable[[], T], limit_s: float) -> T:
+        """``fn()`` on a worker thread. Raises what it raises, or CallAbandoned after ``limit_s``."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        job: _Job[T] = _Job(fn, loop.create_future(), time.monotonic() + limit_s)
+        self._pending.add(job)
+        if self._active is None:
+            self._start_worker()
+        if not self._ticking:
+            self._ticking = True
+            loop.call_later(self.tick_s, self._supervise)
+        if not self._batch:
+            loop.call_soon(self._hand_over)
+        self._batch.append(job)
+        try:
+            return await job.future
+        finally:
+            self._pending.discard(job)
+            job.abandoned = True  # a caller that gave up (cancelled) must not have its call run later
+
+    # -- on the event loop -----------------------------------------------------------------------
+
+    def _start_worker(self) -> None:
+        if len(self._workers) >= self.max_threads:
+            self._active = None  # every thread is stuck: queued calls wait, and are abandoned on time
+            return
+        worker = _Worker()
+        worker.thread = threading.Thread(target=self._work, args=(worker,), name=f"{self.name}-calls", daemon=True)
+        self._workers.append(worker)
+        self._active = worker
+        worker.thread.start()
+
+    def _hand_over(self) -> None:
+        # The first put wakes the worker, which then waits for the GIL until this loop iteration
+        # ends: by then every job of the batch is queued and it runs them all in one go.
+        batch, self._batch = self._batch, []
+        for job in batch:
+            self._queue.put(job)
+
+    def _supervise(self) -> None:
+        now = time.monotonic()
+        for job in [j for j in self._pending if j.deadline <= now and not j.future.done()]:
+            job.abandoned = True
+            self.abandoned += 1
+            job.future.set_exception(CallAbandoned())
+        active = self._active
+        if active is None or (active.job is not None and now - active.started > self.handover_after_s):
+            if active is not None:
+                active.retired = True
+            self._start_worker()
+        if self._pending:
+            self._loop.call_later(self.tick_s, self._supervise)  # type: ignore[union-attr]
+        else:
+            self._ticking = False
+
+    def _settle(self, done: list[tuple[_Job[Any], bool, Any]]) -> None:
+        for job, ok, value in done:
+            if job.future.done():
+                continue
+            if ok:
+                job.future.set_result(value)
+            else:
+                job.future.set_exception(value)
+
+    def _exited(self, worker: _Worker) -> None:
+        self._workers.remove(worker)
+        if self._active is worker:
+            self._active = None
+            if self._pending:
+                self._start_worker()
+
+    # -- on a worker thread ----------------------------------------------------------------------
+
+    def _work(self, worker: _Worker) -> None:
+        block_alarm_in_this_thread()
+        done: list[tuple[_Job[Any], bool, Any]] = []
+        get, get_nowait = self._queue.get, self._queue.get_nowait
+        while not worker.retired:
+            try:
+                job = get_nowait()
+            except queue.Empty:
+                if done:
+                    self._report(done)
+                    done = []
+                job = get()
+                if worker.retired:
+                    # Retired while idle (a hand-over raced with the end of a call): the active worker takes it.
+                    self._queue.put(job)
+                    break
+            if job.abandoned:
+                continue
+            worker.started = time.monotonic()  # before job: the supervisor reads job, then started
+            worker.job = job
+            try:
+                done.append((job, True, job.fn()))
+            except BaseException as e:  # noqa: BLE001 - the caller gets whatever the call raised
+                done.append((job, False, e))
+            worker.job = None
+        if done:
+            self._report(done)
+        self._call_soon(self._exited, worker)
+
+    def _report(self, done: list[tuple[_Job[Any], bool, Any]]) -> None:
+        self._call_soon(self._settle, done)
+
+    def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)  # type: ignore[union-attr]
+        except RuntimeError:
+            pass  # the loop is closed: the server is gone and nobody waits for this
