@@ -7,11 +7,13 @@
   default settings (``server.run("streamable-http")``), under the same uvicorn (httptools + uvloop).
 
 Both get the same modern (2026-07-28) ``tools/call`` requests from the harness's keep-alive HTTP/1.1
-client (``agent_client.http``), so client overhead is small and equal; the baseline is measured a second time inside an
-initialize-handshake session (2025-06-18), as older clients use it. Each server runs alone while it
-is measured.
+client (``agent_client.http``), so client overhead is small and equal; the baseline is also measured
+inside initialize-handshake sessions (2025-06-18), as older clients use it. Both servers run for the
+whole benchmark, and the measurements alternate between them in short rounds, each server alone while
+it is measured: a shared machine whose speed drifts then moves both sides of each comparison alike.
+Ratios are the median of the per-round ratios. Server CPU per call is read from /proc.
 
-    python benchmarks/server.py [--env DIR] [--seconds 5] [--episodes 10000]
+    python benchmarks/server.py [--env DIR] [--rounds 5] [--seconds 1] [--episodes 10000]
 
 Targets: throughput >= 4x the baseline, sequential p50 <= 1 ms, idle RSS <= 45 MB, 10,000 live
 episodes within +300 MB. Exits 1 when one is missed.
@@ -35,8 +37,10 @@ from envscaler import EnvRuntime, default_catalog, load_bundle
 
 TOKEN = "bench-token"
 CONCURRENCY = 16
+SEQUENTIAL_CALLS = 400
 LEGACY_VERSION = "2025-06-18"
 META = {"io.modelcontextprotocol/protocolVersion": "2026-07-28", "io.modelcontextprotocol/clientCapabilities": {}}
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 class Target:
@@ -48,6 +52,10 @@ class Target:
 
     def __init__(self, name: str, process: subprocess.Popen, url: str, mcp_path: str, legacy: bool = False) -> None:
         self.name, self.process, self.url, self.mcp_path, self.legacy = name, process, url, mcp_path, legacy
+        self.rates: list[float] = []
+        self.latencies: list[float] = []
+        self.cpu_s = 0.0
+        self.calls = 0
 
     async def session(self, http: LeanHttp) -> str | None:
         """A new MCP session id in legacy mode; None for the sessionless protocol."""
@@ -69,6 +77,11 @@ class Target:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
         raise RuntimeError("no VmRSS")
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the server process so far."""
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
     async def call(self, http: LeanHttp, session: str | None, name: str, arguments: dict, number: int) -> None:
         if session:
@@ -110,6 +123,7 @@ async def sequential(target: Target, http: LeanHttp, tool: str, arguments: dict,
 
 
 async def throughput(target: Target, http: LeanHttp, tool: str, arguments: dict, seconds: float) -> float:
+    """Calls/s with CONCURRENCY clients for ``seconds``; adds the server's CPU time to ``target``."""
     sessions = [await target.session(http) for _ in range(CONCURRENCY)]
     done = 0
     deadline = time.perf_counter() + seconds
@@ -122,9 +136,26 @@ async def throughput(target: Target, http: LeanHttp, tool: str, arguments: dict,
             number += 1
             done += 1
 
+    cpu_before = target.cpu_seconds()
     started = time.perf_counter()
     await asyncio.gather(*(worker(s) for s in sessions))
-    return done / (time.perf_counter() - started)
+    elapsed = time.perf_counter() - started
+    target.cpu_s += target.cpu_seconds() - cpu_before
+    target.calls += done
+    return done / elapsed
+
+
+async def measure_rounds(targets: list[Target], tool: str, arguments: dict, rounds: int, seconds: float) -> None:
+    """Alternate between the targets: each round, sequential latencies then throughput for each."""
+    async with LeanHttp() as http:
+        for target in targets:
+            await sequential(target, http, tool, arguments, 200)  # warm-up
+        for number in range(rounds):
+            for target in targets:
+                target.latencies += await sequential(target, http, tool, arguments, SEQUENTIAL_CALLS)
+                target.rates.append(await throughput(target, http, tool, arguments, seconds))
+            line = "  ".join(f"{t.name} {t.rates[-1]:,.0f}/s" for t in targets)
+            print(f"round {number + 1}/{rounds}: {line}", flush=True)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -132,13 +163,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def measure(target: Target, tool: str, arguments: dict, seconds: float) -> dict[str, float]:
-    idle = target.rss_mb()
-    async with LeanHttp() as http:
-        await sequential(target, http, tool, arguments, 200)  # warm-up
-        latencies = await sequential(target, http, tool, arguments, 2000)
-        rate = await throughput(target, http, tool, arguments, seconds)
-    return {"calls_per_s": rate, "p50_ms": percentile(latencies, 0.5), "p99_ms": percentile(latencies, 0.99), "idle_rss_mb": idle}
+def ratio(ours: Target, other: Target) -> float:
+    """Median over rounds of ours / other, each pair measured back to back."""
+    return statistics.median(a / b for a, b in zip(ours.rates, other.rates))
 
 
 async def control(http: LeanHttp, url: str, path: str, body: dict | None, expected: int) -> dict:
@@ -204,50 +231,55 @@ def read_only_call(env_dir: Path) -> tuple[str, str, dict]:
 async def run(args: argparse.Namespace) -> int:
     scenario_id, tool, arguments = read_only_call(Path(args.env))
     print(f"environment {Path(args.env).name}, tool {tool}({json.dumps(arguments)}), {CONCURRENCY} concurrent clients, "
-          f"{args.seconds:g} s per throughput run")
+          f"{args.rounds} rounds of {args.seconds:g} s per server")
 
-    process, _ = start([sys.executable, __file__, "--serve-baseline", args.env])
-    baseline = Target("baseline", process, _["url"], "/mcp")
+    targets: list[Target] = []
     try:
-        base = await measure(baseline, tool, arguments, args.seconds)
-        baseline.legacy = True
-        legacy = await measure(baseline, tool, arguments, args.seconds)
-    finally:
-        baseline.stop()
-
-    env = {**os.environ, "ENVSCALER_TOKEN": TOKEN}
-    process, ready = start([sys.executable, "-m", "servers.farm.launch", args.env, "--port", "0", "--log-level", "warning"], env)
-    ours = None
-    try:
+        process, ready = start([sys.executable, __file__, "--serve-baseline", args.env])
+        base = Target("baseline", process, ready["url"], "/mcp")
+        legacy = Target("baseline-handshake", process, ready["url"], "/mcp", legacy=True)
+        targets += [base, legacy]
+        env = {**os.environ, "ENVSCALER_TOKEN": TOKEN}
+        process, ready = start([sys.executable, "-m", "servers.farm.launch", args.env, "--port", "0", "--log-level", "warning"], env)
+        ours = Target("ours", process, ready["url"], "")
+        targets.append(ours)
+        idle = {t.name: t.rss_mb() for t in targets}
         async with LeanHttp() as http:
-            episode = await control(http, ready["url"], "/episodes", {"scenario_id": scenario_id}, 201)
-        ours = Target("ours", process, ready["url"], episode["mcp_path"])
-        mine = await measure(ours, tool, arguments, args.seconds)
-        mine.update(await episode_costs(ours, scenario_id, args.episodes))
+            ours.mcp_path = (await control(http, ours.url, "/episodes", {"scenario_id": scenario_id}, 201))["mcp_path"]
+        await measure_rounds([base, legacy, ours], tool, arguments, args.rounds, args.seconds)
+        costs = await episode_costs(ours, scenario_id, args.episodes)
     finally:
-        (ours or Target("ours", process, "", "")).stop()
+        for target in targets:
+            target.stop()
 
-    rows = [("tool calls/s, 16 concurrent", "calls_per_s", "{:.0f}"), ("sequential p50 (ms)", "p50_ms", "{:.3f}"),
-            ("sequential p99 (ms)", "p99_ms", "{:.3f}"), ("idle RSS (MB)", "idle_rss_mb", "{:.1f}")]
-    print(f"\n{'':<34} {'ours':>10} {'baseline':>10} {'baseline':>10}")
-    print(f"{'':<34} {'2026-07-28':>10} {'2026-07-28':>10} {LEGACY_VERSION:>10}")
-    for label, key, fmt in rows:
-        print(f"{label:<34} {fmt.format(mine[key]):>10} {fmt.format(base[key]):>10} {fmt.format(legacy[key]):>10}")
-    print(f"{f'RSS with {args.episodes} live episodes (MB)':<34} {mine['rss_loaded_mb']:>10.1f} {'n/a':>10} {'n/a':>10}  (+{mine['rss_delta_mb']:.1f} MB)")
-    print(f"{'episode create p50 (ms)':<34} {mine['create_p50_ms']:>10.3f} {'n/a':>10} {'n/a':>10}")
-    print(f"{'validate p50 (ms)':<34} {mine['validate_p50_ms']:>10.3f} {'n/a':>10} {'n/a':>10}")
+    def row(label: str, values: list[str]) -> None:
+        print(f"{label:<34} {values[0]:>10} {values[1]:>10} {values[2]:>10}")
+
+    print()
+    row("", ["ours", "baseline", "baseline"])
+    row("", ["2026-07-28", "2026-07-28", LEGACY_VERSION])
+    measured = [ours, base, legacy]
+    row("tool calls/s, 16 concurrent (median)", [f"{statistics.median(t.rates):,.0f}" for t in measured])
+    row("server CPU per call (us)", [f"{1e6 * t.cpu_s / t.calls:.0f}" for t in measured])
+    row("sequential p50 (ms)", [f"{percentile(t.latencies, 0.5):.3f}" for t in measured])
+    row("sequential p99 (ms)", [f"{percentile(t.latencies, 0.99):.3f}" for t in measured])
+    row("idle RSS (MB)", [f"{idle['ours']:.1f}", f"{idle['baseline']:.1f}", "(same)"])
+    print(f"{f'RSS with {args.episodes} live episodes (MB)':<34} {costs['rss_loaded_mb']:>10.1f}  (+{costs['rss_delta_mb']:.1f} MB)")
+    print(f"{'episode create p50 (ms)':<34} {costs['create_p50_ms']:>10.3f}")
+    print(f"{'validate p50 (ms)':<34} {costs['validate_p50_ms']:>10.3f}")
     print("(the baseline has one shared state: no episodes to create, reset or validate)")
 
-    ratio = mine["calls_per_s"] / base["calls_per_s"]
-    legacy_ratio = mine["calls_per_s"] / legacy["calls_per_s"]
+    p50 = percentile(ours.latencies, 0.5)
+    cpu_ratio = (base.cpu_s / base.calls) / (ours.cpu_s / ours.calls)
+    print(f"\nper-round throughput ratios vs baseline: {', '.join(f'{a / b:.1f}' for a, b in zip(ours.rates, base.rates))}; "
+          f"server CPU per call: baseline {cpu_ratio:.1f}x ours")
     verdicts = [
-        (f"throughput {ratio:.1f}x the baseline", ratio >= 4.0, ">= 4x"),
-        (f"throughput {legacy_ratio:.1f}x the baseline, handshake era", legacy_ratio >= 4.0, ">= 4x"),
-        (f"sequential p50 {mine['p50_ms']:.3f} ms", mine["p50_ms"] <= 1.0, "<= 1 ms"),
-        (f"idle RSS {mine['idle_rss_mb']:.1f} MB", mine["idle_rss_mb"] <= 45.0, "<= 45 MB"),
-        (f"{args.episodes} episodes +{mine['rss_delta_mb']:.1f} MB", mine["rss_delta_mb"] <= 300.0, "<= +300 MB"),
+        (f"throughput {ratio(ours, base):.1f}x the baseline", ratio(ours, base) >= 4.0, ">= 4x"),
+        (f"throughput {ratio(ours, legacy):.1f}x the baseline, handshake era", ratio(ours, legacy) >= 4.0, ">= 4x"),
+        (f"sequential p50 {p50:.3f} ms", p50 <= 1.0, "<= 1 ms"),
+        (f"idle RSS {idle['ours']:.1f} MB", idle["ours"] <= 45.0, "<= 45 MB"),
+        (f"{args.episodes} episodes +{costs['rss_delta_mb']:.1f} MB", costs["rss_delta_mb"] <= 300.0, "<= +300 MB"),
     ]
-    print()
     for text, ok, target in verdicts:
         print(f"{text:<48} target {target:<10} {'ok' if ok else 'MISSED'}")
     return 0 if all(ok for _, ok, _ in verdicts) else 1
@@ -256,7 +288,8 @@ async def run(args: argparse.Namespace) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--env", default=str(default_catalog() / "library_circulation"), help="bundle to serve (default: library_circulation)")
-    parser.add_argument("--seconds", type=float, default=5.0, help="length of each throughput run (default: 5)")
+    parser.add_argument("--rounds", type=int, default=5, help="measurement rounds, alternating between the servers (default: 5)")
+    parser.add_argument("--seconds", type=float, default=1.0, help="length of each throughput run in a round (default: 1)")
     parser.add_argument("--episodes", type=int, default=10_000, help="live episodes for the memory measurement (default: 10000)")
     parser.add_argument("--serve-baseline", metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()

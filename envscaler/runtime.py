@@ -176,8 +176,7 @@ class Episode:
         else:
             latency = time.perf_counter() - started
             text = to_json_text(raw, ascii_only=False)[0]
-            # Every field is already of its type: skip validation on the hot path.
-            outcome = ToolOutcome.model_construct(name=name, arguments=arguments, result=json.loads(text), result_text=text, latency_s=latency)
+            outcome = ToolOutcome(name=name, arguments=arguments, result=json.loads(text), result_text=text, latency_s=latency)
         if before_text is not None:
             # A failed call may still have changed the state: its diff is recorded too.
             outcome.diff = self._changes(saved, before_text)

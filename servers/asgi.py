@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-import json
+from json.encoder import c_make_encoder, encode_basestring
 from typing import Any
+
+
+def _unserialisable(value: Any) -> Any:
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+# One compact C encoder for every reply: json.dumps builds a new one per call, which is half its cost
+# for a small reply. No circular-reference markers: replies are built here, never cyclic.
+_encode = c_make_encoder(None, _unserialisable, encode_basestring, None, ":", ",", False, False, True)
 
 
 def json_bytes(value: Any) -> bytes:
     """Compact JSON, UTF-8."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+    return "".join(_encode(value, 0)).encode()
 
 
 async def send_json(send: Any, status: int, body: bytes | None, extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:

@@ -1,11 +1,12 @@
 """Environment code off the event loop: one worker thread that hands over when a call is slow.
 
-Tool calls and checks are synchronous, untrusted code that may block (``time.sleep``) or loop, and
-the event loop must keep answering every other episode meanwhile. Sending each call to a pool thread
-costs two thread wake-ups and two GIL hand-overs per call, which measured more than the whole rest of
-a request. Instead the calls that reach the runner during one event-loop iteration are handed over
-together at its end, one worker thread runs them back to back, and their results come back to the
-loop in one batch: under load, one hand-over serves many calls.
+Constructors, checks and tool calls too slow for the event loop (see ``servers.episodes``) are
+synchronous, untrusted code that may block (``time.sleep``) or loop, while the event loop must keep
+answering every other episode. Sending each call to a pool thread costs two thread wake-ups and two
+GIL hand-overs per call (~70 us when the threads sit on different CPUs). Instead the calls that reach
+the runner during one event-loop iteration are handed over together at its end, one worker thread
+runs them back to back, and their results come back to the loop in one batch: under load, one
+hand-over serves many calls.
 
 A call that runs longer than ``handover_after_s`` retires its worker (it finishes that call, reports
 it, and exits) and a fresh worker takes the queue, so a slow or stuck call only holds up its own
@@ -53,7 +54,7 @@ class _Worker:
 
 
 class CallRunner:
-    """Runs blocking callables for one event loop; create it inside the loop that awaits it."""
+    """Runs blocking callables for the one event loop that awaits them (bound on first use)."""
 
     def __init__(self, name: str, *, handover_after_s: float = 0.05, max_threads: int = 32, tick_s: float = 0.02) -> None:
         self.name = name

@@ -6,13 +6,12 @@ import asyncio
 import json
 import socket
 import sys
-
-import uvicorn
-from uvicorn._compat import asyncio_run
+from collections.abc import Callable
 
 from envscaler import load_bundle
 from envscaler.guard import keep_alarm_handler
 from servers.app import EnvServerApp, ServerConfig
+from servers.http_server import HttpServer
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -37,36 +36,20 @@ def serve(bundle_dir: str, host: str, port: int, config: ServerConfig, *, announ
     ready: dict[str, object] = {"event": "listening", "env_id": bundle.env_id, "url": url, "port": actual_port}
     if announce_token:
         ready["token"] = config.token
-    try:
-        import uvloop  # noqa: F401 - optional speed-up
+    server = HttpServer(app, max_body_bytes=config.max_body_bytes)
 
-        loop = "uvloop"
-    except ImportError:
-        loop = "asyncio"
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            http="httptools",
-            loop=loop,
-            lifespan="on",
-            access_log=False,
-            log_config=None,
-            log_level="warning",
-            timeout_graceful_shutdown=5,
-            server_header=False,
-            date_header=False,
-        )
-    )
+    def announce() -> None:
+        # Only once SIGTERM stops us gracefully: a supervisor may stop us right after this line.
+        print(json.dumps(ready), flush=True)
 
-    async def serve_and_announce() -> None:
-        # Announce only once uvicorn has started: its SIGTERM handler is in place by then, so a
-        # supervisor that stops us right after the line still gets a graceful shutdown.
-        task = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started and not task.done():
-            await asyncio.sleep(0.005)
-        if server.started:
-            print(json.dumps(ready), flush=True)
-        await task
-
-    asyncio_run(serve_and_announce(), loop_factory=server.config.get_loop_factory())
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        runner.run(server.serve(sock, on_ready=announce))
     sys.stdout.flush()
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
+    try:
+        import uvloop
+    except ImportError:  # uvloop is optional (no Windows build): asyncio's own loop works too
+        return asyncio.new_event_loop
+    return uvloop.new_event_loop

@@ -39,7 +39,7 @@ def test_good_bundle_passes_every_gate(tmp_path):
     report = check_bundle(load_bundle(counter_bundle(tmp_path)))
     assert report.passed, report.failures()
     assert [g.gate for g in report.env_gates + report.scenarios[0].gates] == list(GATES)
-    assert report.tools == 9
+    assert report.tools == 11
     assert report.state_changing_tools == 2  # add and rename are the only tools the references see change state
 
 

@@ -1,11 +1,13 @@
 """The guarded runtime: EnvScaler semantics, the tool allowlist, argument checks, limits, checks."""
 
+import sys
 import threading
 import time
 
 import pytest
 
 from envscaler import ChecklistError, EnvCodeError, EnvRuntime, EnvSpec, derive_tools
+from envscaler.guard import Preempted, call_preemptibly
 from envscaler.models import CheckItem
 from tests.support.bundles import CHECK_A_IS_3, COUNTER_CODE, counter_spec
 
@@ -98,7 +100,7 @@ def test_exception_is_an_env_error_and_the_episode_keeps_its_state(runtime):
     assert episode.call("get_item", {"item_id": "a"}).result["data"]["count"] == -1
 
 
-@pytest.mark.parametrize("tool", ["spin", "stubborn_spin", "nap"])
+@pytest.mark.parametrize("tool", ["spin", "stubborn_spin", "nap", "endless"])
 def test_hanging_call_is_cut_off_on_the_main_thread(runtime, tool):
     episode = runtime.new_episode(INIT)
     started = time.monotonic()
@@ -125,6 +127,80 @@ def test_hanging_loop_is_cut_off_on_a_worker_thread(runtime, tool):
     assert not thread.is_alive()
     assert results["outcome"].error_kind == "timeout" and results["elapsed"] < 1.5
     assert results["after"].error is None
+
+
+def test_a_preempted_call_is_undone_exactly(runtime):
+    episode = runtime.new_episode(INIT)
+    episode.call("add", {"item_id": "a", "amount": 4}, track_diff=True)
+    before = episode.state()
+    with pytest.raises(Preempted):
+        episode.call("slow_add", {"item_id": "a", "amount": 2, "seconds": 5}, track_diff=True, inline_budget_s=0.02)
+    assert episode.state() == before and episode.state()["log"] == ["add a 4"]
+    # Undone means the next call starts from the old state and its diff is measured against it.
+    rerun = episode.call("slow_add", {"item_id": "a", "amount": 2, "seconds": 0}, track_diff=True, inline_budget_s=0.02)
+    assert rerun.result["data"]["count"] == 6
+    assert [(c.path, c.before, c.after) for c in rerun.diff] == [
+        (["items", "a", "count"], 4, 6),
+        (["log"], ["add a 4"], ["add a 4", "add a 2"]),
+    ]
+
+
+def test_unchanged_state_gives_an_empty_diff_and_changes_are_listed(runtime):
+    episode = runtime.new_episode(INIT)
+    assert episode.call("get_item", {"item_id": "a"}, track_diff=True, inline_budget_s=0.5).diff == []
+    changed = episode.call("rename", {"item_id": "a", "name": "Ay"}, track_diff=True, inline_budget_s=0.5)
+    assert [(c.path, c.before, c.after) for c in changed.diff] == [(["items", "a", "name"], "A", "Ay")]
+    assert episode.call("get_item", {"item_id": "a"}, track_diff=True).diff == []
+    assert episode.call("rename", {"item_id": "a", "name": "Bee"}, track_diff=True).diff[0].before == "Ay"
+
+
+def test_a_state_that_cannot_be_saved_is_never_run_preemptibly():
+    code = (
+        "import threading\n"
+        "class Locked:\n"
+        "    def __init__(self, init_config):\n"
+        "        self._lock = threading.Lock()\n"
+        "        self.n = 0\n"
+        "    def bump(self) -> dict:\n"
+        "        \"\"\"Add one.\"\"\"\n"
+        "        self.n += 1\n"
+        "        return {'success': True}\n"
+    )
+    episode = EnvRuntime(EnvSpec(env_id="locked", env_class_name="Locked", env_class_code=code)).new_episode({})
+    with pytest.raises(Preempted):
+        episode.call("bump", {}, track_diff=True, inline_budget_s=1.0)
+    assert not episode.restorable and episode.state() == {"n": 0}
+    bumped = episode.call("bump", {}, track_diff=True)
+    assert [(c.path, c.before, c.after) for c in bumped.diff] == [(["n"], 0, 1)]
+
+
+def _swallow_and_return() -> str:
+    try:
+        time.sleep(5)
+    except BaseException:  # noqa: BLE001 - what careless environment code does
+        pass
+    return "finished anyway"
+
+
+@pytest.mark.parametrize("code", ["sleeps", "swallows once and returns", "swallows forever"])
+def test_call_preemptibly_stops_at_the_budget_whatever_the_code_does(runtime, code):
+    fn = {"sleeps": lambda: time.sleep(5), "swallows once and returns": _swallow_and_return,
+          "swallows forever": runtime.new_episode(INIT).instance.endless}[code]
+    tracer = sys.gettrace()
+    started = time.monotonic()
+    with pytest.raises(Preempted):
+        call_preemptibly(fn, 0.05)
+    assert time.monotonic() - started < 1.0
+    assert call_preemptibly(lambda x: x * 2, 0.05, 21) == 42
+    assert sys.gettrace() is tracer  # the tracer that stopped the stubborn loop is gone
+
+
+def test_call_preemptibly_refuses_other_threads():
+    errors = []
+    thread = threading.Thread(target=lambda: errors.append(pytest.raises(RuntimeError, call_preemptibly, lambda: 1, 0.1)))
+    thread.start()
+    thread.join(5)
+    assert errors and "main thread" in str(errors[0].value)
 
 
 def test_state_that_json_cannot_hold_is_converted_and_reported(runtime):

@@ -169,6 +169,46 @@ async def test_a_hanging_tool_errors_within_the_limit_while_others_answer(counte
     assert trajectory["timeouts"] == 1 and trajectory["calls"][0]["error_kind"] == "timeout"
 
 
+async def test_a_slow_call_is_undone_on_the_event_loop_and_run_once_on_a_worker(counter_server):
+    episode = create(counter_server, scenario_id="counter_001")
+    http, client = await mcp_session(episode["mcp_url"])
+    async with http, client:
+        slow = await client.call_tool("slow_add", {"item_id": "a", "amount": 2, "seconds": 0.1})
+        quick = await client.call_tool("add", {"item_id": "a"})
+    assert not slow.is_error and json.loads(slow.content[0].text)["data"]["count"] == 2
+    assert json.loads(quick.content[0].text)["data"]["count"] == 3
+    with counter_server.client() as control:
+        path = f"/episodes/{episode['episode_id']}"
+        state = control.get(f"{path}/state").json()["state"]
+        calls = control.get(f"{path}/trajectory").json()["calls"]
+        info = control.get("/info").json()
+    # The preempted first run was undone: the change happened exactly once.
+    assert state["log"] == ["add a 2", "add a 1"]
+    assert [c["name"] for c in calls] == ["slow_add", "add"] and calls[0]["latency_s"] >= 0.1
+    assert [d["path"] for d in calls[0]["diff"]] == [["items", "a", "count"], ["log"]]
+    assert "slow_add" in info["threaded_tools"] and info["limits"]["inline_budget_s"] == 0.02
+
+
+async def test_a_call_that_swallows_every_interruption_does_not_take_the_server_down(counter_dir):
+    # Its own server: the endless loop keeps one worker thread busy for the rest of the process.
+    with serve(counter_dir, "--call-timeout", "0.5") as server:
+        stuck = create(server, scenario_id="counter_001")
+        other = create(server, scenario_id="counter_001")
+        started = time.monotonic()
+        http, client = await mcp_session(stuck["mcp_url"])
+        async with http, client:
+            with anyio.fail_after(5):
+                result = await client.call_tool("endless", {})
+        assert result.is_error and "0.5 s" in result.content[0].text
+        assert time.monotonic() - started < 2.0
+        http, client = await mcp_session(other["mcp_url"])
+        async with http, client:
+            assert not (await client.call_tool("add", {"item_id": "a"})).is_error
+        with server.client() as control:
+            assert control.get("/healthz").status_code == 200
+            assert control.get("/info").json()["stuck_calls"] == 1
+
+
 async def test_errors_come_back_as_tool_results(counter_server):
     episode = create(counter_server, scenario_id="counter_001")
     http, client = await mcp_session(episode["mcp_url"])
@@ -230,7 +270,7 @@ def test_control_api_bad_input(counter_server):
         assert http.get(f"/episodes/{episode['episode_id']}/state").status_code == 404
 
 
-def test_mcp_route_bad_input(counter_server):
+def test_mcp_route_bad_input(counter_server, counter_dir):
     episode = create(counter_server, scenario_id="counter_001")
     with httpx.Client(base_url=counter_server.url, timeout=30) as http:
         headers = {"MCP-Protocol-Version": "2026-07-28"}
@@ -245,7 +285,7 @@ def test_mcp_route_bad_input(counter_server):
         assert foreign.status_code == 403
         # Behind a gateway or in a container the Host header is not localhost: still served.
         behind = http.post(episode["mcp_path"], json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"}, headers={**headers, "Host": "envs.internal:9000"})
-        assert behind.status_code == 200 and len(behind.json()["result"]["tools"]) == 9
+        assert behind.status_code == 200 and len(behind.json()["result"]["tools"]) == len(EnvRuntime(load_bundle(counter_dir).spec).tools)
 
 
 def test_episode_limit_gives_429(counter_dir):

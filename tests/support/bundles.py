@@ -99,6 +99,29 @@ class Counter:
         time.sleep(seconds)
         return {"success": True}
 
+    def slow_add(self, item_id: str, amount: int = 1, seconds: float = 0.1) -> dict:
+        """Add to an item's count, then take a while to answer.
+
+        Args:
+            item_id (str): Id of the item.
+            amount (int): How much to add.
+            seconds (float): How long to take.
+        """
+        self.items[item_id]["count"] += amount
+        self.log.append(f"add {item_id} {amount}")
+        time.sleep(seconds)
+        return {"success": True, "data": self.items[item_id]}
+
+    def endless(self) -> dict:
+        """Loop forever, swallowing every exception that tries to stop it."""
+        while True:
+            try:
+                spins = 0
+                while True:
+                    spins += 1
+            except:  # noqa: E722
+                pass
+
     def tag_set(self, tag: str) -> dict:
         """Store a value JSON cannot hold (a set) in the state.
 

@@ -1,0 +1,437 @@
+"""A small HTTP/1.1 server for one ASGI application: the environment server's transport.
+
+uvicorn is general, and costs ~40 us of CPU per request on top of the application (a cycle object
+and a timer per request, the head and the body written apart): a quarter of a whole tool call at the
+environment server's rates. This server does what the environment server needs and no more:
+
+- keep-alive, and pipelined requests answered in order;
+- whole request bodies (``Content-Length`` or chunked) up to a limit, 413 beyond it;
+- ``Expect: 100-continue``, HTTP/1.0 clients, HEAD;
+- one write per response (``Content-Length`` added when the application gives none); a response
+  sent in several parts goes out as it comes, chunked unless it has a length;
+- lifespan events, idle connections closed after ``keep_alive_s``, and a graceful stop: on
+  SIGTERM/SIGINT it stops accepting, lets requests in progress finish (up to ``graceful_s``), then
+  runs the lifespan shutdown.
+
+No TLS, no WebSockets, no HTTP/2: put a proxy in front for those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http
+import logging
+import signal
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import unquote
+
+import httptools
+
+from servers.asgi import json_bytes
+
+log = logging.getLogger("envscaler.http")
+
+Message = dict[str, Any]
+App = Callable[[dict[str, Any], Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
+
+_ASGI = {"version": "3.0", "spec_version": "2.3"}
+_REASONS = {status.value: status.phrase.encode() for status in http.HTTPStatus}
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_SWEEP_S = 5.0
+
+
+class HttpServer:
+    """Serves ``app`` on a listening socket until stopped."""
+
+    def __init__(
+        self,
+        app: App,
+        *,
+        max_body_bytes: int,
+        keep_alive_s: float = 75.0,
+        graceful_s: float = 5.0,
+        max_pipelined: int = 32,
+    ) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.keep_alive_s = keep_alive_s
+        self.graceful_s = graceful_s
+        self.max_pipelined = max_pipelined
+        self.connections: set[_Connection] = set()
+        self._stop: asyncio.Event | None = None
+
+    def stop(self) -> None:
+        """Begin the graceful stop (call it on the server's event loop)."""
+        if self._stop is not None:
+            self._stop.set()
+
+    async def serve(self, sock: socket.socket, on_ready: Callable[[], None] | None = None) -> None:
+        """Lifespan startup, serve until stopped, graceful stop, lifespan shutdown.
+
+        ``on_ready`` runs once connections are accepted and, on the main thread (the only one that
+        can take signals), SIGTERM/SIGINT stop the server.
+        """
+        loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        lifespan = _Lifespan(self.app)
+        await lifespan.startup()
+        server = await loop.create_server(lambda: _Connection(self), sock=sock)
+        signals = _STOP_SIGNALS if threading.current_thread() is threading.main_thread() else ()
+        for signum in signals:
+            loop.add_signal_handler(signum, self.stop)
+        sweeper = loop.create_task(self._close_idle_forever())
+        try:
+            if on_ready is not None:
+                on_ready()
+            await self._stop.wait()
+        finally:
+            for signum in signals:
+                loop.remove_signal_handler(signum)
+            sweeper.cancel()
+            server.close()
+            await self._drain()
+            await lifespan.shutdown()
+
+    async def _drain(self) -> None:
+        """Close connections as their requests finish; after ``graceful_s``, close the rest."""
+        deadline = time.monotonic() + self.graceful_s
+        while True:
+            for connection in list(self.connections):
+                if connection.idle:
+                    connection.close()
+            if not self.connections or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.01)
+        for connection in list(self.connections):
+            connection.close()
+
+    async def _close_idle_forever(self) -> None:
+        # One sweep every few seconds instead of a timer per request.
+        while True:
+            await asyncio.sleep(min(_SWEEP_S, self.keep_alive_s))
+            cutoff = time.monotonic() - self.keep_alive_s
+            for connection in list(self.connections):
+                if connection.idle and connection.last_active < cutoff:
+                    connection.close()
+
+
+class _Request:
+    __slots__ = ("scope", "body", "keep_alive", "too_large")
+
+    def __init__(self, scope: dict[str, Any], body: bytes, keep_alive: bool, too_large: bool) -> None:
+        self.scope = scope
+        self.body = body
+        self.keep_alive = keep_alive
+        self.too_large = too_large
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: parses requests, runs them one at a time, writes the responses."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.client: tuple[str, int] | None = None
+        self.local: tuple[str, int] | None = None
+        self.queue: deque[_Request] = deque()
+        self.running: asyncio.Task[None] | None = None
+        self.closed = False
+        self.last_active = time.monotonic()
+        self.disconnected: asyncio.Future[None] | None = None
+        self._reading = True
+        self._write_blocked = False
+        # The request being parsed.
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._body: list[bytes] = []
+        self._size = 0
+        self._too_large = False
+
+    @property
+    def idle(self) -> bool:
+        """No request running or waiting."""
+        return self.running is None and not self.queue
+
+    # -- asyncio.Protocol ------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.client = _address(transport.get_extra_info("peername"))
+        self.local = _address(transport.get_extra_info("sockname"))
+        self.server.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server.connections.discard(self)
+        if self.disconnected is not None and not self.disconnected.done():
+            self.disconnected.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        self.last_active = time.monotonic()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self.refuse(501, "protocol upgrades (WebSocket, h2c) are not supported")
+        except httptools.HttpParserError as e:
+            self.refuse(400, f"malformed HTTP request: {e}")
+
+    def pause_writing(self) -> None:
+        self._write_blocked = True
+        self._update_reading()
+
+    def resume_writing(self) -> None:
+        self._write_blocked = False
+        self._update_reading()
+
+    def _update_reading(self) -> None:
+        """Read while the client waits for nothing from us: no full write buffer, no long queue."""
+        wanted = not self._write_blocked and len(self.queue) < self.server.max_pipelined
+        if wanted != self._reading and self.transport is not None and not self.closed:
+            self._reading = wanted
+            if wanted:
+                self.transport.resume_reading()
+            else:
+                self.transport.pause_reading()
+
+    # -- httptools callbacks ---------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = []
+        self._body = []
+        self._size = 0
+        self._too_large = False
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        expects_continue = False
+        for name, value in self._headers:
+            if name == b"content-length" and value.isdigit() and int(value) > self.server.max_body_bytes:
+                self._too_large = True
+            elif name == b"expect" and value.lower() == b"100-continue":
+                expects_continue = True
+        if self._too_large and self.idle:
+            # Nothing is owed to the client before this answer: refuse now, without reading the body.
+            self.refuse(413, f"request body is larger than the limit of {self.server.max_body_bytes} bytes")
+        elif expects_continue and not self._too_large and self.transport is not None:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, chunk: bytes) -> None:
+        if self._too_large:
+            return
+        self._size += len(chunk)
+        if self._size > self.server.max_body_bytes:
+            self._too_large = True
+            self._body = []
+        else:
+            self._body.append(chunk)
+
+    def on_message_complete(self) -> None:
+        if self.closed:
+            return
+        raw_path, _, query = self._url.partition(b"?")
+        if not raw_path.startswith(b"/"):  # absolute form, as sent to proxies
+            parsed = httptools.parse_url(self._url)
+            raw_path, query = parsed.path or b"/", parsed.query or b""
+        scope = {
+            "type": "http",
+            "asgi": _ASGI,
+            "http_version": self.parser.get_http_version(),
+            "server": self.local,
+            "client": self.client,
+            "scheme": "http",
+            "method": self.parser.get_method().decode("ascii"),
+            "root_path": "",
+            "path": unquote(raw_path.decode("latin-1")),
+            "raw_path": raw_path,
+            "query_string": query,
+            "headers": self._headers,
+        }
+        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        self.queue.append(_Request(scope, body, self.parser.should_keep_alive(), self._too_large))
+        self._update_reading()
+        if self.running is None:
+            self._next()
+
+    # -- running requests ------------------------------------------------------------------------
+
+    def _next(self) -> None:
+        if not self.queue or self.closed:
+            return
+        request = self.queue.popleft()
+        self._update_reading()
+        if request.too_large:
+            self.refuse(413, f"request body is larger than the limit of {self.server.max_body_bytes} bytes")
+            return
+        self.running = asyncio.get_running_loop().create_task(self._run(request))
+
+    async def _run(self, request: _Request) -> None:
+        exchange = _Exchange(self, request)
+        try:
+            await self.server.app(request.scope, exchange.receive, exchange.send)
+        except Exception:
+            log.exception("request failed", extra={"method": request.scope["method"], "path": request.scope["path"]})
+        if not exchange.started:
+            exchange.write_whole(500, [(b"content-type", b"text/plain")], b"Internal Server Error")
+        elif not exchange.finished:
+            self.close()  # the response stopped halfway: only closing tells the client
+        self.running = None
+        self.last_active = time.monotonic()
+        if request.keep_alive:
+            self._next()
+        else:
+            self.close()
+
+    def refuse(self, status: int, message: str) -> None:
+        """Answer ``{"error": message}`` with ``status`` and close the connection."""
+        body = json_bytes({"error": message})
+        head = _head(status, [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())], keep_alive=False)
+        if self.transport is not None and not self.closed:
+            self.transport.write(head + body)
+        self.close()
+
+    def close(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            self.transport.close()
+
+
+class _Exchange:
+    """The ASGI receive/send pair of one request."""
+
+    __slots__ = ("connection", "request", "started", "finished", "status", "headers", "streaming", "chunked", "body_given")
+
+    def __init__(self, connection: _Connection, request: _Request) -> None:
+        self.connection = connection
+        self.request = request
+        self.started = False
+        self.finished = False
+        self.status = 200
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.streaming = False
+        self.chunked = False
+        self.body_given = False
+
+    async def receive(self) -> Message:
+        if not self.body_given:
+            self.body_given = True
+            return {"type": "http.request", "body": self.request.body, "more_body": False}
+        connection = self.connection
+        if not connection.closed:
+            if connection.disconnected is None:
+                connection.disconnected = asyncio.get_running_loop().create_future()
+            await connection.disconnected
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            if self.started:
+                raise RuntimeError("http.response.start sent twice")
+            self.started = True
+            self.status = message["status"]
+            self.headers = list(message.get("headers") or ())
+            return
+        if kind != "http.response.body" or not self.started or self.finished:
+            raise RuntimeError(f"unexpected ASGI message {kind!r} at this point of the response")
+        body: bytes = b"" if self.request.scope["method"] == "HEAD" else message.get("body", b"")
+        more: bool = message.get("more_body", False)
+        if not more and not self.streaming:
+            self.write_whole(self.status, self.headers, body)
+            return
+        self.finished = not more
+        transport = self.connection.transport
+        if self.connection.closed or transport is None:
+            return
+        if not self.streaming:
+            self.streaming = True
+            self.chunked = not _has_length(self.headers) and self.request.scope["method"] != "HEAD"
+            headers = [*self.headers, (b"transfer-encoding", b"chunked")] if self.chunked else self.headers
+            transport.write(_head(self.status, headers, self.request.keep_alive))
+        if not self.chunked:
+            transport.write(body)
+            return
+        if body:
+            transport.write(b"%x\r\n%s\r\n" % (len(body), body))
+        if not more:
+            transport.write(b"0\r\n\r\n")
+
+    def write_whole(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """The whole response in one write, with a Content-Length."""
+        self.started = self.finished = True
+        connection = self.connection
+        if connection.closed or connection.transport is None:
+            return
+        if not _has_length(headers):
+            headers = [*headers, (b"content-length", str(len(body)).encode())]
+        connection.transport.write(_head(status, headers, self.request.keep_alive) + body)
+
+
+def _has_length(headers: list[tuple[bytes, bytes]]) -> bool:
+    return any(name.lower() == b"content-length" for name, _ in headers)
+
+
+def _head(status: int, headers: list[tuple[bytes, bytes]], keep_alive: bool) -> bytes:
+    lines = [b"HTTP/1.1 %d %s" % (status, _REASONS.get(status, b"Unknown"))]
+    lines += [name + b": " + value for name, value in headers]
+    if not keep_alive:
+        lines.append(b"connection: close")
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+def _address(value: Any) -> tuple[str, int] | None:
+    return (str(value[0]), int(value[1])) if isinstance(value, tuple) and len(value) >= 2 else None
+
+
+class _Lifespan:
+    """Runs the application's lifespan protocol, when it speaks it."""
+
+    def __init__(self, app: App) -> None:
+        self.app = app
+        self.task: asyncio.Task[None] | None = None
+        self._to_app: asyncio.Queue[Message] = asyncio.Queue()
+        self._from_app: asyncio.Queue[Message] = asyncio.Queue()
+
+    async def startup(self) -> None:
+        """Send ``lifespan.startup``; RuntimeError if the application says it failed."""
+        self.task = asyncio.get_running_loop().create_task(self._run())
+        await self._to_app.put({"type": "lifespan.startup"})
+        answer = await self._answer()
+        if answer is not None and answer["type"] == "lifespan.startup.failed":
+            raise RuntimeError(f"the application failed to start: {answer.get('message', '')}")
+
+    async def shutdown(self) -> None:
+        """Send ``lifespan.shutdown`` and wait for the answer (or for the application to return)."""
+        if self.task is None or self.task.done():
+            return
+        await self._to_app.put({"type": "lifespan.shutdown"})
+        await self._answer()
+
+    async def _answer(self) -> Message | None:
+        assert self.task is not None
+        getter = asyncio.ensure_future(self._from_app.get())
+        done, _ = await asyncio.wait({getter, self.task}, return_when=asyncio.FIRST_COMPLETED)
+        if getter in done:
+            return getter.result()
+        getter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await getter
+        return None
+
+    async def _run(self) -> None:
+        try:
+            await self.app({"type": "lifespan", "asgi": _ASGI}, self._to_app.get, self._from_app.put)
+        except Exception:  # noqa: BLE001 - an application without lifespan support may raise anything
+            log.debug("the application does not take lifespan events", exc_info=True)

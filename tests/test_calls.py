@@ -1,0 +1,81 @@
+"""The server's call runner: results in order, slow calls handed over, stuck calls abandoned on time."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import anyio
+import pytest
+
+from servers.calls import CallAbandoned, CallRunner
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+async def test_results_and_exceptions_come_back_to_their_callers():
+    runner = CallRunner("test")
+    results: dict[int, object] = {}
+
+    async def one(n: int) -> None:
+        results[n] = await runner.run(lambda: (n, threading.current_thread().name), 5)
+
+    async with anyio.create_task_group() as tasks:
+        for n in range(50):
+            tasks.start_soon(one, n)
+    assert [results[n][0] for n in range(50)] == list(range(50))
+    assert all(name == "test-calls" for _, name in results.values())  # never on the event loop
+    with pytest.raises(ZeroDivisionError):
+        await runner.run(lambda: 1 / 0, 5)
+
+
+async def test_a_slow_call_does_not_hold_up_the_next_one():
+    runner = CallRunner("test", handover_after_s=0.05)
+    finished: dict[str, float] = {}
+    started = time.monotonic()
+
+    async def call(name: str, seconds: float) -> None:
+        await runner.run(lambda: time.sleep(seconds), 5)
+        finished[name] = time.monotonic() - started
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(call, "slow", 1.0)
+        await anyio.sleep(0.01)
+        tasks.start_soon(call, "fast", 0)
+    assert finished["fast"] < 0.5 < 1.0 <= finished["slow"]
+    await anyio.sleep(0.1)
+    assert runner.threads == 1  # the retired worker left once its call ended
+
+
+async def test_a_stuck_call_is_abandoned_at_its_limit():
+    runner = CallRunner("test", handover_after_s=0.05)
+    started = time.monotonic()
+    with pytest.raises(CallAbandoned):
+        await runner.run(lambda: time.sleep(1.5), 0.2)
+    assert time.monotonic() - started < 0.6
+    assert runner.abandoned == 1
+    assert await runner.run(lambda: "still serving", 1) == "still serving"
+
+
+async def test_stuck_threads_are_bounded_and_calls_resume_when_they_end():
+    runner = CallRunner("test", handover_after_s=0.02, max_threads=2)
+
+    async def stuck() -> None:
+        with pytest.raises(CallAbandoned):
+            await runner.run(lambda: time.sleep(1.0), 0.3)
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(stuck)
+        tasks.start_soon(stuck)
+        await anyio.sleep(0.1)
+        assert runner.threads == 2
+        with pytest.raises(CallAbandoned):
+            await runner.run(lambda: "no thread left for me", 0.2)
+    assert runner.threads <= 2
+    await anyio.sleep(1.0)
+    assert await runner.run(lambda: "served again", 1) == "served again"
