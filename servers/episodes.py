@@ -11,8 +11,8 @@ Calls on one episode are serialised by its lock; environment state is not thread
 running past its limit is abandoned: the agent gets an ``is_error`` result at once, and the episode
 refuses further calls until it is reset or ended, because the stuck call may still change its state.
 
-The locks are asyncio's, not anyio's: the server only runs on asyncio (uvicorn), and anyio's
-checkpoints cost ~25 us on every tool call.
+The locks are asyncio's, not anyio's: the server only runs on asyncio, and anyio's checkpoints
+cost ~25 us on every tool call.
 """
 
 from __future__ import annotations

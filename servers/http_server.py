@@ -44,6 +44,7 @@ _ASGI = {"version": "3.0", "spec_version": "2.3"}
 _REASONS = {status.value: status.phrase.encode() for status in http.HTTPStatus}
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _SWEEP_S = 5.0
+_JOIN_LIMIT = 65536
 
 
 class HttpServer:
@@ -376,7 +377,12 @@ class _Exchange:
             return
         if not _has_length(headers):
             headers = [*headers, (b"content-length", str(len(body)).encode())]
-        connection.transport.write(_head(status, headers, self.request.keep_alive) + body)
+        head = _head(status, headers, self.request.keep_alive)
+        if len(body) > _JOIN_LIMIT:
+            connection.transport.write(head)  # a large body (a long trajectory) is not copied to join it
+            connection.transport.write(body)
+        else:
+            connection.transport.write(head + body)
 
 
 def _has_length(headers: list[tuple[bytes, bytes]]) -> bool:
