@@ -7,8 +7,23 @@ import os
 import secrets
 from typing import Any
 
-from envscaler import logs
+from pydantic import ValidationError
+
+from envscaler import EnvScalerError, logs
 from servers.app import ServerConfig
+
+# ServerConfig field -> the flag that sets it, so that a bad value is reported in the user's words.
+_FLAGS = {
+    "public_url": "--public-url",
+    "max_episodes": "--max-episodes",
+    "idle_ttl_s": "--idle-ttl",
+    "call_timeout_s": "--call-timeout",
+    "check_timeout_s": "--check-timeout",
+    "max_body_bytes": "--max-body",
+    "worker_threads": "--workers",
+    "inline_budget_s": "--inline-budget",
+    "allowed_origins": "--allowed-origin",
+}
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -16,8 +31,19 @@ def _serve(args: argparse.Namespace) -> int:
 
     token = args.token or os.environ.get("ENVSCALER_TOKEN")
     generated = token is None
-    config = ServerConfig(
-        token=token or secrets.token_urlsafe(24),
+    try:
+        config = _config(args, token or secrets.token_urlsafe(24))
+    except ValidationError as e:
+        problems = "; ".join(f"{_FLAGS.get(str(item['loc'][0]), item['loc'][0])}: {item['msg']}" for item in e.errors())
+        raise EnvScalerError(f"serve: {problems}") from None
+    logs.configure(args.log_level)
+    serve(args.env_dir, args.host, args.port, config, announce_token=generated)
+    return 0
+
+
+def _config(args: argparse.Namespace, token: str) -> ServerConfig:
+    return ServerConfig(
+        token=token,
         public_url=args.public_url,
         max_episodes=args.max_episodes,
         idle_ttl_s=args.idle_ttl,
@@ -28,9 +54,6 @@ def _serve(args: argparse.Namespace) -> int:
         inline_budget_s=args.inline_budget,
         allowed_origins=args.allowed_origin or [],
     )
-    logs.configure(args.log_level)
-    serve(args.env_dir, args.host, args.port, config, announce_token=generated)
-    return 0
 
 
 def register_serve(commands: Any) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import anyio
@@ -286,6 +288,15 @@ def test_mcp_route_bad_input(counter_server, counter_dir):
         # Behind a gateway or in a container the Host header is not localhost: still served.
         behind = http.post(episode["mcp_path"], json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"}, headers={**headers, "Host": "envs.internal:9000"})
         assert behind.status_code == 200 and len(behind.json()["result"]["tools"]) == len(EnvRuntime(load_bundle(counter_dir).spec).tools)
+
+
+def test_bad_serve_options_are_named_and_exit_2(counter_dir):
+    done = subprocess.run(
+        [sys.executable, "-m", "envscaler.cli", "serve", str(counter_dir), "--port", "0", "--inline-budget", "-1", "--workers", "0"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "--inline-budget" in done.stderr and "--workers" in done.stderr
 
 
 def test_episode_limit_gives_429(counter_dir):
