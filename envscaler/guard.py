@@ -43,9 +43,14 @@ class Preempted(BaseException):
     """The code ran past its budget under :func:`call_preemptibly`; its run must not be used."""
 
 
+def can_preempt() -> bool:
+    """Whether this thread can use :func:`call_preemptibly`: only the main thread handles SIGALRM."""
+    return threading.current_thread() is threading.main_thread()
+
+
 def call_with_limit(fn: Callable[..., T], limit_s: float, *args: Any, **kwargs: Any) -> T:
     """Run ``fn(*args, **kwargs)``; raise TimeLimitExceeded if it runs longer than ``limit_s``."""
-    if threading.current_thread() is threading.main_thread():
+    if can_preempt():
         return _run_with_alarm(_Alarm(TimeLimitExceeded), fn, limit_s, args, kwargs)
     return _WATCHDOG.call(fn, limit_s, args, kwargs)
 
@@ -56,7 +61,7 @@ def call_preemptibly(fn: Callable[..., T], budget_s: float, *args: Any, **kwargs
     Preempted is raised whenever the budget ran out during the call, also when the code swallowed
     the interruption and went on to return or raise: that run was disturbed and must be discarded.
     """
-    if threading.current_thread() is not threading.main_thread():
+    if not can_preempt():
         raise RuntimeError("call_preemptibly needs the main thread (it uses SIGALRM)")
     alarm = _Alarm(Preempted)
     try:

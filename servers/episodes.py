@@ -20,14 +20,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import threading
 import time
 from typing import Any
 
 from pydantic import BaseModel
 
 from envscaler import Bundle, EnvCodeError, EnvRuntime, Episode, EnvScalerError, Scenario, ToolOutcome, ValidationResult
-from envscaler.guard import Preempted
+from envscaler.guard import Preempted, can_preempt
 from envscaler.models import CheckItem
 from servers.calls import CallAbandoned, CallRunner
 
@@ -191,18 +190,18 @@ class EpisodeStore:
                 return ToolOutcome(name=name, arguments=arguments if isinstance(arguments, dict) else {}, error=message, error_kind="timeout")
             episode = live.episode
             outcome = self._call_inline(live, name, arguments)
-            try:
-                if outcome is None:
+            if outcome is None:
+                try:
                     outcome = await self.runner.run(
                         lambda: episode.call(name, arguments, track_diff=True), self.runtime.call_timeout_s + _ABANDON_GRACE_S
                     )
-            except CallAbandoned:
-                live.stuck = True
-                self.stuck_calls += 1
-                message = f"Tool {name!r} ran longer than {self.runtime.call_timeout_s:g} s and was abandoned"
-                outcome = ToolOutcome(
-                    name=name, arguments=arguments if isinstance(arguments, dict) else {}, error=message, error_kind="timeout"
-                )
+                except CallAbandoned:
+                    live.stuck = True
+                    self.stuck_calls += 1
+                    message = f"Tool {name!r} ran longer than {self.runtime.call_timeout_s:g} s and was abandoned"
+                    outcome = ToolOutcome(
+                        name=name, arguments=arguments if isinstance(arguments, dict) else {}, error=message, error_kind="timeout"
+                    )
             live.calls.append(outcome)
             live.last_used = time.monotonic()
         if outcome.error:
@@ -217,7 +216,7 @@ class EpisodeStore:
     def _call_inline(self, live: LiveEpisode, name: str, arguments: Any) -> ToolOutcome | None:
         """The call run here on the event loop within the budget, or None: run it on the worker."""
         episode = live.episode
-        if not self.inline_budget_s or name in self.threaded_tools or not episode.restorable or not _on_main_thread():
+        if not self.inline_budget_s or name in self.threaded_tools or not episode.restorable or not can_preempt():
             return None
         try:
             return episode.call(name, arguments, track_diff=True, inline_budget_s=self.inline_budget_s)
@@ -241,8 +240,3 @@ class EpisodeStore:
         async with live.lock:
             episode = live.episode
             return await self.runner.run(lambda: episode.validate(items), limit)
-
-
-def _on_main_thread() -> bool:
-    # Preemption uses SIGALRM, which only the main thread can handle.
-    return threading.current_thread() is threading.main_thread()
