@@ -222,7 +222,7 @@ def read_only_call(env_dir: Path) -> tuple[str, str, dict]:
     for scenario in bundle.scenarios:
         episode = runtime.new_episode(scenario.init_config)
         for call in scenario.reference_solution or []:
-            outcome = episode.call(call.name, call.arguments, track_diff=True)
+            outcome = episode.call(call.name, call.arguments)
             if not outcome.error and not outcome.diff and outcome.result.get("success"):
                 return scenario.task_id, call.name, call.arguments
     raise SystemExit(f"{env_dir}: no read-only reference call to benchmark with")

@@ -97,7 +97,7 @@ def check_scenario(runtime: EnvRuntime, scenario: Scenario, changing_tools: set[
     report = ScenarioReport(task_id=scenario.task_id)
     gates = report.gates
     try:
-        start = runtime.new_episode(scenario.init_config)
+        start = runtime.new_episode(scenario.init_config, scenario_key=scenario.task_id)
     except EnvScalerError as e:
         gates.append(GateResult(gate="instantiates", passed=False, detail=str(e)))
         return report
@@ -131,7 +131,7 @@ def check_scenario(runtime: EnvRuntime, scenario: Scenario, changing_tools: set[
         detail += ("; errored instead: " + "; ".join(errored)) if errored else ": every check already passes"
     gates.append(GateResult(gate="check_fails_on_initial", passed=bool(clean_failures), detail=detail))
 
-    second, _ = _replay(runtime, scenario, None)
+    second, _ = _replay(runtime, scenario, None, fresh=True)
     answers = [
         _verdicts(first.validate(scenario.checklist_with_func)),
         _verdicts(on_reference),
@@ -160,18 +160,25 @@ def _verdicts(result: Any) -> list[tuple[bool, str | None]]:
     return [(c.passed, c.error) for c in result.checks]
 
 
-def _replay(runtime: EnvRuntime, scenario: Scenario, changing_tools: set[str] | None) -> tuple[Episode | None, str | None]:
-    """Run the reference solution on a fresh episode: (episode, first problem or None)."""
-    if not scenario.reference_solution:
+def _replay(
+    runtime: EnvRuntime, scenario: Scenario, changing_tools: set[str] | None, *, fresh: bool = False
+) -> tuple[Episode | None, str | None]:
+    """Run the reference solution on a new episode: (episode, first problem or None).
+
+    The episode shares the scenario's constructed state, or with ``fresh`` is constructed anew, so
+    that a constructor that is not deterministic shows up in the determinism gate.
+    """
+    if scenario.reference_solution is None:
         return None, "the scenario has no reference_solution"
-    episode = runtime.new_episode(scenario.init_config)
+    if not scenario.reference_solution:
+        return None, "the reference solution is empty (do nothing): a task that doing nothing solves cannot score an agent"
+    episode = runtime.new_episode(scenario.init_config, scenario_key=None if fresh else scenario.task_id)
     for number, call in enumerate(scenario.reference_solution, start=1):
-        outcome = episode.call(call.name, call.arguments, track_diff=changing_tools is not None)
+        outcome = episode.call(call.name, call.arguments)
+        if outcome.error_kind == "tool":
+            return episode, f"call {number} ({call.name}) failed, {outcome.error}: {outcome.agent_text[:300]}"
         if outcome.error:
             return episode, f"call {number} ({call.name}): {outcome.error}"
-        result = outcome.result
-        if isinstance(result, dict) and result.get("success") is False:
-            return episode, f"call {number} ({call.name}) returned success=false: {result.get('error', '')}"
         if changing_tools is not None and outcome.diff:
             changing_tools.add(call.name)
     return episode, None

@@ -35,6 +35,22 @@ class ToolSchema(BaseModel):
         return {"name": self.name, "description": self.description, "inputSchema": self.parameters}
 
 
+class ToolErrorPolicy(BaseModel):
+    """Which tool results count as errors, besides exceptions (``tool_errors`` in env.json).
+
+    One policy per environment, used everywhere a tool error is counted: the MCP result's
+    ``isError``, the quality gates, the trajectory's error counts and the harness's summaries.
+    The agent still sees the result's text.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    success_false: bool = True
+    """A dict result with ``"success": false`` is an error (EnvScaler's tool convention)."""
+    text_prefixes: list[str] = Field(default_factory=list)
+    """A string result starting with one of these (``"Error:"``, as benchmark tools answer) is an error."""
+
+
 class EnvSpec(_Open):
     """One environment: EnvScaler's env metadata item."""
 
@@ -46,6 +62,7 @@ class EnvSpec(_Open):
     constraints_rules: Any = None
     state_space_definition: Any = None
     tools: list[dict[str, Any]] | None = None
+    tool_errors: ToolErrorPolicy | None = None
 
     def content_hash(self) -> str:
         """A stable 16-hex-digit digest of the whole spec (image tags, caches)."""
@@ -113,8 +130,9 @@ class Bundle(BaseModel):
         raise KeyError(f"{self.env_id} has no scenario {task_id!r} (known: {known})")
 
 
-ErrorKind = Literal["agent", "env", "timeout"]
-"""Who is to blame for a failed tool call: the caller's arguments, the environment's code, or a hang."""
+ErrorKind = Literal["agent", "env", "timeout", "tool"]
+"""Why a tool call failed: the caller's arguments, an exception in the environment's code, a hang, or
+the tool's own answer (``success: false`` and the like: see ToolErrorPolicy)."""
 
 
 class StateChange(BaseModel):
@@ -132,16 +150,26 @@ class ToolOutcome(BaseModel):
     name: str
     arguments: dict[str, Any] = Field(default_factory=dict)
     result: Any = None
-    # ``result`` as the JSON text an agent is shown; not part of the record (it repeats ``result``).
+    # What the agent is shown for ``result``: a string as itself, anything else as JSON. Not part of
+    # the record (it repeats ``result``).
     result_text: str | None = Field(default=None, exclude=True)
+    # True when the result was longer than the environment's limit: ``result`` is then the cut text.
+    truncated: bool = False
     error: str | None = None
     error_kind: ErrorKind | None = None
     latency_s: float = 0.0
     diff: list[StateChange] | None = None
 
     @property
-    def is_error(self) -> bool:
-        return self.error is not None
+    def agent_text(self) -> str:
+        """What the agent is shown: the result's text, or the error message when there is no result."""
+        if self.error_kind == "tool" or self.error is None:
+            return self.result_text if self.result_text is not None else _result_text(self.result)
+        return self.error
+
+
+def _result_text(result: Any) -> str:
+    return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
 
 
 class CheckResult(BaseModel):

@@ -3,9 +3,10 @@
 A tool call first runs right on the event loop with a small budget (``inline_budget_s``): almost
 every call of a synthesized environment takes microseconds, and handing each one to another thread
 costs more than the call (two thread wake-ups across CPUs). A call that outruns the budget is
-preempted, its episode restored to the state before it, and it runs again on a worker thread
+preempted, what it changed undone (``Episode.call``), and it runs again on a worker thread
 (``servers.calls``) where it can take its full limit without stalling anyone; its tool goes to the
-worker directly from then on. Constructors and checks always run on the worker.
+worker directly from then on. Constructors and checks always run on the worker; an episode of a
+scenario whose state is already built shares that state and is created right here.
 
 Calls on one episode are serialised by its lock; environment state is not thread-safe. A call still
 running past its limit is abandoned: the agent gets an ``is_error`` result at once, and the episode
@@ -58,6 +59,7 @@ class Trajectory(BaseModel):
     agent_errors: int
     env_errors: int
     timeouts: int
+    tool_errors: int = 0
 
 
 class LiveEpisode:
@@ -73,6 +75,7 @@ class LiveEpisode:
         self.stuck = False
 
     def reset(self, episode: Episode, scenario: Scenario | None) -> None:
+        self.episode.close()
         self.episode = episode
         self.scenario = scenario
         self.calls = []
@@ -82,7 +85,12 @@ class LiveEpisode:
     def counts(self) -> dict[str, int]:
         """Errors by who is to blame: the agent, the environment code, or a hang."""
         kinds = [c.error_kind for c in self.calls]
-        return {"agent_errors": kinds.count("agent"), "env_errors": kinds.count("env"), "timeouts": kinds.count("timeout")}
+        return {
+            "agent_errors": kinds.count("agent"),
+            "env_errors": kinds.count("env"),
+            "timeouts": kinds.count("timeout"),
+            "tool_errors": kinds.count("tool"),
+        }
 
     def trajectory(self) -> Trajectory:
         return Trajectory(
@@ -129,9 +137,11 @@ class EpisodeStore:
     async def _build(self, scenario_id: str | None, init_config: dict[str, Any] | None) -> tuple[Episode, Scenario | None]:
         scenario = self._scenario(scenario_id) if scenario_id else None
         config = scenario.init_config if scenario else (init_config or {})
+        if scenario_id is not None and self.runtime.shares(scenario_id):
+            return self.runtime.new_episode(config, scenario_key=scenario_id), scenario  # runs no env code
         limit = self.runtime.call_timeout_s + _ABANDON_GRACE_S
         try:
-            return await self.runner.run(lambda: self.runtime.new_episode(config), limit), scenario
+            return await self.runner.run(lambda: self.runtime.new_episode(config, scenario_key=scenario_id), limit), scenario
         except CallAbandoned:
             raise EnvCodeError(f"{self.runtime.env_id}: constructor ran longer than {self.runtime.call_timeout_s:g} s") from None
 
@@ -169,6 +179,7 @@ class EpisodeStore:
         live = self.episodes.pop(episode_id, None)
         if live is None:
             raise UnknownEpisode(f"no live episode {episode_id!r} (ended, expired, or never created)")
+        live.episode.close()
         log.info("episode ended", extra={"env": self.runtime.env_id, "episode": episode_id, "calls": len(live.calls)})
         return live
 
@@ -177,7 +188,7 @@ class EpisodeStore:
         cutoff = time.monotonic() - self.idle_ttl_s
         stale = [eid for eid, live in self.episodes.items() if live.last_used < cutoff and not live.lock.locked()]
         for episode_id in stale:
-            del self.episodes[episode_id]
+            self.episodes.pop(episode_id).episode.close()
             log.info("episode expired", extra={"env": self.runtime.env_id, "episode": episode_id})
         self.expired += len(stale)
         return len(stale)
@@ -193,7 +204,7 @@ class EpisodeStore:
             if outcome is None:
                 try:
                     outcome = await self.runner.run(
-                        lambda: episode.call(name, arguments, track_diff=True), self.runtime.call_timeout_s + _ABANDON_GRACE_S
+                        lambda: episode.call(name, arguments), self.runtime.call_timeout_s + _ABANDON_GRACE_S
                     )
                 except CallAbandoned:
                     live.stuck = True
@@ -205,7 +216,7 @@ class EpisodeStore:
             live.calls.append(outcome)
             live.last_used = time.monotonic()
         if outcome.error:
-            level = logging.INFO if outcome.error_kind == "agent" else logging.WARNING
+            level = logging.INFO if outcome.error_kind in ("agent", "tool") else logging.WARNING
             log.log(
                 level,
                 "tool error",
@@ -216,12 +227,12 @@ class EpisodeStore:
     def _call_inline(self, live: LiveEpisode, name: str, arguments: Any) -> ToolOutcome | None:
         """The call run here on the event loop within the budget, or None: run it on the worker."""
         episode = live.episode
-        if not self.inline_budget_s or name in self.threaded_tools or not episode.restorable or not can_preempt():
+        if not self.inline_budget_s or name in self.threaded_tools or not episode.preemptible or not can_preempt():
             return None
         try:
-            return episode.call(name, arguments, track_diff=True, inline_budget_s=self.inline_budget_s)
+            return episode.call(name, arguments, inline_budget_s=self.inline_budget_s)
         except Preempted:
-            if episode.restorable:  # it outran the budget (rather than: its state cannot be saved)
+            if episode.preemptible:  # it outran the budget (rather than: its state cannot be shared)
                 self.threaded_tools.add(name)
                 log.info(
                     "tool moved to the worker thread",

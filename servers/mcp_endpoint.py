@@ -91,10 +91,7 @@ class McpEndpoint:
         if not isinstance(name, str):
             return _error(request_id, INVALID_PARAMS, "tools/call needs params.name (a string)")
         outcome = await self.store.call_tool(live, name, params.get("arguments"))
-        if outcome.error:
-            return {"jsonrpc": "2.0", "id": request_id, "result": _tool_result(outcome.error, True, modern)}
-        text = outcome.result_text if outcome.result_text is not None else json.dumps(outcome.result, ensure_ascii=False)
-        return {"jsonrpc": "2.0", "id": request_id, "result": _tool_result(text, False, modern)}
+        return {"jsonrpc": "2.0", "id": request_id, "result": _tool_result(outcome.agent_text, outcome.error is not None, modern)}
 
     def _discover(self) -> dict[str, Any]:
         return {

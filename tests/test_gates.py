@@ -74,7 +74,7 @@ def test_instantiates_fails_when_init_config_breaks_the_constructor(tmp_path):
     ("reference", "expected"),
     [
         ([{"name": "add", "arguments": {"item_id": "a"}}, {"name": "fly", "arguments": {}}], "fly"),
-        ([{"name": "add", "arguments": {"item_id": "zzz"}}], "success=false"),
+        ([{"name": "add", "arguments": {"item_id": "zzz"}}], "the tool reported success: false"),
         ([{"name": "divide", "arguments": {"a": 1, "b": 0}}], "ZeroDivisionError"),
         ([{"name": "add", "arguments": {"item_id": 5}}], "item_id"),
     ],
@@ -86,8 +86,23 @@ def test_reference_runs_fails_on_tool_errors(tmp_path, reference, expected):
 
 
 def test_reference_runs_fails_without_a_reference(tmp_path):
+    _, verdicts = gate_verdicts(tmp_path, scenarios=[counter_scenario(reference_solution=None)])
+    assert not verdicts["reference_runs"].passed
+    assert "no reference_solution" in verdicts["reference_runs"].detail
+
+
+def test_an_empty_reference_is_named_as_such(tmp_path):
     _, verdicts = gate_verdicts(tmp_path, scenarios=[counter_scenario(reference_solution=[])])
     assert not verdicts["reference_runs"].passed
+    assert "empty (do nothing)" in verdicts["reference_runs"].detail
+
+
+def test_an_error_string_under_the_environments_policy_fails_the_reference(tmp_path):
+    code = COUNTER_CODE.replace("def get_item(", "def note(self, text: str) -> str:\n        \"\"\"Note.\"\"\"\n        return 'Error: nothing to note'\n\n    def get_item(")
+    spec = counter_spec(env_class_code=code, tool_errors={"text_prefixes": ["Error:"]})
+    _, verdicts = gate_verdicts(tmp_path, spec, [counter_scenario(reference_solution=[{"name": "note", "arguments": {"text": "x"}}])])
+    assert not verdicts["reference_runs"].passed
+    assert "Error: nothing to note" in verdicts["reference_runs"].detail
 
 
 def test_checks_pass_on_reference_fails_when_the_reference_misses_a_check(tmp_path):

@@ -227,7 +227,7 @@ async def test_errors_come_back_as_tool_results(counter_server):
     assert unknown.is_error and "teleport" in unknown.content[0].text and "get_item" in unknown.content[0].text
     assert private.is_error
     assert crash.is_error and "ZeroDivisionError" in crash.content[0].text
-    assert not business.is_error and json.loads(business.content[0].text)["success"] is False
+    assert business.is_error and json.loads(business.content[0].text)["success"] is False
     assert not fine.is_error
     with counter_server.client() as control:
         path = f"/episodes/{episode['episode_id']}"
