@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.bundles import counter_scenario, counter_spec, second_scenario, write_bundle
+from tests.support.cli import envscaler
 from tests.support.openai_replay import ReplayServer
 from tests.support.server import serve
 
@@ -27,10 +28,6 @@ def farm(tmp_path_factory):
         catalog = root / "farm.json"
         catalog.write_text(json.dumps({"envs": {"counter": {"url": server.url, "token": server.token}}, "gateway": server.url}))
         yield catalog
-
-
-def envscaler(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "envscaler.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def records(path: Path) -> list[dict]:

@@ -13,10 +13,6 @@ from servers.calls import CallAbandoned, CallRunner
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
 
 async def test_results_and_exceptions_come_back_to_their_callers():
     runner = CallRunner("test")

@@ -23,11 +23,6 @@ pytestmark = pytest.mark.anyio
 CATALOG_ENV = default_catalog() / "library_circulation"
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.fixture(scope="module")
 def counter_dir(tmp_path_factory):
     return counter_bundle(tmp_path_factory.mktemp("counter"))

@@ -19,11 +19,6 @@ pytestmark = pytest.mark.anyio
 TOPIC = {"env_name": "MeetingRoomBooking", "summary": "Rooms.", "usefulness": 8, "modelability": 9}
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def make_llm(server: ReplayServer, tmp_path, **settings) -> StageLlm:
     settings = {"retries": 1, **settings}
     config = SynthConfig(base_url=server.base_url, stages=stage_models(), backoff_s=0.01, **settings)

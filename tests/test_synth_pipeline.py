@@ -19,6 +19,7 @@ from mcp import Client
 from envscaler import load_bundle
 from synth.models import SeedTask, SynthConfig
 from synth.pipeline import synthesis
+from tests.support.cli import envscaler
 from tests.support.server import serve
 from tests.support.synth_script import (
     ALL_PASS,
@@ -38,11 +39,6 @@ from tests.support.synth_script import (
 pytestmark = pytest.mark.anyio
 ENV_REQUESTS = 11
 SCENARIO_REQUESTS = 5
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
 
 
 def write_inputs(tmp_path: Path, **settings) -> tuple[Path, Path]:
@@ -98,8 +94,7 @@ async def test_full_pipeline_one_seed_to_a_served_environment(tmp_path):
     assert bundle.spec.tools[2]["function"]["parameters"]["required"] == ["room_id", "organizer", "start", "end", "attendees"]
     assert all(s.reference_solution and s.checklist_with_func for s in bundle.scenarios)
 
-    check = subprocess.run([sys.executable, "-m", "envscaler.cli", "catalog", "check", str(out)],
-                           capture_output=True, text=True, timeout=240)
+    check = envscaler("catalog", "check", str(out), timeout=240)
     assert check.returncode == 0, check.stdout + check.stderr
     assert "all gates pass" in check.stdout
 
