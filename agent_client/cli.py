@@ -17,12 +17,12 @@ import anyio
 from agent_client.agents import CommandAgent, OpenAIAgent, RandomAgent, ReplayAgent
 from agent_client.export import export, read_records
 from agent_client.llm import LlmEndpoint
-from agent_client.models import HarnessError, load_farm_catalog
+from agent_client.errors import HarnessError
+from agent_client.models import load_farm_catalog
 from agent_client.remote import EnvControl, new_http_client, parse_validation
 from agent_client.runner import RunOptions, run
 from agent_client.summary import render, summarize
-
-EXIT_OK, EXIT_FAILED = 0, 1
+from envscaler.errors import EXIT_FAILED, EXIT_OK
 
 
 def _agent_factory(args: argparse.Namespace):

@@ -16,9 +16,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-
-class HttpError(Exception):
-    """The request could not be sent or no complete response came back."""
+from agent_client.errors import TransportError
 
 
 class Response:
@@ -69,13 +67,13 @@ class LeanHttp:
             await self._tls.aclose()
 
     async def request(self, method: str, url: str, body: Any = None, headers: dict[str, str] | None = None) -> Response:
-        """``method url`` with ``body`` as JSON (when not None); HttpError when no response comes back."""
+        """``method url`` with ``body`` as JSON (when not None); TransportError when no response comes back."""
         parts = urlsplit(url)
         payload = b"" if body is None else json.dumps(body, separators=(",", ":")).encode()
         if parts.scheme == "https":
             return await self._via_httpx(method, url, payload, headers)
         if parts.scheme != "http" or not parts.hostname:
-            raise HttpError(f"unsupported URL {url!r}: use http:// or https://")
+            raise TransportError(f"unsupported URL {url!r}: use http:// or https://")
         key = (parts.hostname, parts.port or 80)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         lines = [f"{method} {target} HTTP/1.1", f"Host: {parts.netloc}", f"Content-Length: {len(payload)}"]
@@ -86,9 +84,9 @@ class LeanHttp:
         try:
             return await asyncio.wait_for(self._exchange(key, message, method), self.timeout_s)
         except asyncio.TimeoutError:
-            raise HttpError(f"{method} {url}: no response within {self.timeout_s:g} s") from None
+            raise TransportError(f"{method} {url}: no response within {self.timeout_s:g} s") from None
         except (OSError, asyncio.IncompleteReadError, ValueError) as e:
-            raise HttpError(f"{method} {url}: {type(e).__name__}: {e}") from None
+            raise TransportError(f"{method} {url}: {type(e).__name__}: {e}") from None
 
     async def _exchange(self, key: tuple[str, int], message: bytes, method: str) -> Response:
         idle = self._idle.setdefault(key, [])
@@ -133,7 +131,7 @@ class LeanHttp:
             response = await self._tls.request(method, url, content=payload or None,
                                                headers={**({"Content-Type": "application/json"} if payload else {}), **(headers or {})})
         except httpx.HTTPError as e:
-            raise HttpError(f"{method} {url}: {e!r}") from None
+            raise TransportError(f"{method} {url}: {e!r}") from None
         return Response(response.status_code, {k.lower(): v for k, v in response.headers.items()}, response.content)
 
 

@@ -10,7 +10,7 @@ import anyio
 import openai
 
 from agent_client.models import Usage
-from agent_client.remote import InfraError
+from envscaler.errors import InfraError
 
 
 @dataclass

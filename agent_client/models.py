@@ -7,15 +7,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from agent_client.errors import HarnessError
 from envscaler.bundle import parse_model, read_json
-from envscaler.errors import EnvScalerError
 from envscaler.models import CheckResult, FarmCatalog, ToolOutcome
 
 Termination = Literal["finished", "max_steps", "time_limit", "user_stop", "agent_error", "infra_error"]
-
-
-class HarnessError(EnvScalerError):
-    """The harness cannot start (bad catalog, unknown scenario, bad flags)."""
 
 
 def load_farm_catalog(path: str | Path) -> FarmCatalog:

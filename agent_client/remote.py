@@ -11,16 +11,13 @@ import itertools
 from typing import Any
 
 
-from agent_client.http import HttpError, LeanHttp
-from agent_client.models import EpisodeInfo, HarnessError, ScenarioRef
+from agent_client.errors import EnvServerError, TransportError
+from agent_client.http import LeanHttp
+from agent_client.models import EpisodeInfo, ScenarioRef
 from envscaler.models import EnvEndpoint, Scenario, ToolOutcome, ValidationResult
 
 MCP_VERSION = "2026-07-28"
 _META = {"io.modelcontextprotocol/protocolVersion": MCP_VERSION, "io.modelcontextprotocol/clientCapabilities": {}}
-
-
-class InfraError(HarnessError):
-    """An environment server, the network or an LLM endpoint failed: the episode cannot be judged."""
 
 
 def new_http_client() -> LeanHttp:
@@ -40,10 +37,10 @@ class EnvControl:
     async def _request(self, method: str, path: str, body: Any = None) -> Any:
         try:
             response = await self.http.request(method, self.base + path, body, self.headers)
-        except HttpError as e:
-            raise InfraError(f"{self.env_id}: {e}") from None
+        except TransportError as e:
+            raise TransportError(f"{self.env_id}: {e}") from None
         if response.status >= 400:
-            raise InfraError(f"{self.env_id}: {method} {path} -> {response.status}: {response.text[:300]}")
+            raise EnvServerError(f"{self.env_id}: {method} {path} -> {response.status}: {response.text[:300]}", response.status)
         return response.json()
 
     async def scenarios(self) -> list[ScenarioRef]:
@@ -65,7 +62,7 @@ class EnvControl:
     async def end(self, episode_id: str) -> None:
         try:
             await self.http.request("DELETE", self.base + f"/episodes/{episode_id}", None, self.headers)
-        except HttpError:
+        except TransportError:
             pass  # the server expires idle episodes itself
 
 
@@ -84,11 +81,12 @@ class McpTools:
         body = {"jsonrpc": "2.0", "id": next(self._ids), "method": method, "params": {**params, "_meta": _META}}
         try:
             response = await self.http.request("POST", self.url, body, headers)
-        except HttpError as e:
-            raise InfraError(f"MCP {method}: {e}") from None
+        except TransportError as e:
+            raise TransportError(f"MCP {method}: {e}") from None
         payload = response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
         if "error" in payload or response.status != 200:
-            raise InfraError(f"MCP {method} at {self.url} -> {response.status}: {payload.get('error') or response.text[:300]}")
+            raise EnvServerError(f"MCP {method} at {self.url} -> {response.status}: {payload.get('error') or response.text[:300]}",
+                                 response.status)
         return payload["result"]
 
     async def list_tools(self) -> list[dict[str, Any]]:

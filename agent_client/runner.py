@@ -21,8 +21,10 @@ import anyio
 from agent_client.agents import Agent, EpisodeContext
 from agent_client.llm import LlmEndpoint
 from agent_client.http import LeanHttp
-from agent_client.models import AgentResult, FarmCatalog, HarnessError, Record, ScenarioRef
-from agent_client.remote import EnvControl, InfraError, McpTools, new_http_client, parse_trajectory, parse_validation
+from agent_client.errors import HarnessError
+from agent_client.models import AgentResult, FarmCatalog, Record, ScenarioRef
+from agent_client.remote import EnvControl, McpTools, new_http_client, parse_trajectory, parse_validation
+from envscaler.errors import InfraError
 from agent_client.user import SimulatedUser
 
 

@@ -2,7 +2,8 @@
 
 The core defines ``catalog`` and ``import``. Other packages add their commands (``serve``, ``farm``,
 ``run``, ...) through the ``envscaler.commands`` entry point group, so this package imports none of
-them. Exit codes: 0 success, 1 the work ran and found failures, 2 bad usage or input, 130 interrupted.
+them. Exit codes: 0 success, 1 the work ran and found failures, 2 bad usage or input, 130 interrupted;
+an error that ends a command exits with its class's ``exit_code`` (see ``envscaler.errors``).
 """
 
 from __future__ import annotations
@@ -16,13 +17,11 @@ from pathlib import Path
 from subprocess import TimeoutExpired
 
 from envscaler.bundle import default_catalog, find_bundles, load_bundles
-from envscaler.errors import EnvScalerError
+from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EnvScalerError
 from envscaler.gates import GATES, EnvReport, GateResult
 from envscaler.importer import import_envscaler
 from envscaler.runtime import EnvRuntime
 from envscaler.sandbox import run_module
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def _catalog_list(args: argparse.Namespace) -> int:
@@ -166,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except EnvScalerError as e:
         print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

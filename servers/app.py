@@ -21,8 +21,8 @@ from envscaler.bundle import describe_validation_error
 from envscaler.errors import ChecklistError
 from envscaler.models import CheckItem
 from servers.asgi import json_bytes, read_body, send_json
-from servers.calls import CallAbandoned
-from servers.episodes import EpisodeStore, LimitReached, LiveEpisode, UnknownEpisode, UnknownScenario
+from servers.episodes import EpisodeStore, LiveEpisode
+from servers.errors import CallAbandoned, ErrorReply, LimitReached, UnknownEpisode, UnknownScenario
 from servers.mcp_endpoint import McpEndpoint
 
 log = logging.getLogger("envscaler.server")
@@ -64,15 +64,6 @@ class ValidateRequest(_Body):
     checklist: list[CheckItem] | None = None
 
 
-class HttpError(Exception):
-    """Ends a request with this status and a JSON ``{"error": message}`` body."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
 class EnvServerApp:
     """The ASGI application serving one bundle."""
 
@@ -100,7 +91,7 @@ class EnvServerApp:
             return
         try:
             await self._route(scope, receive, send)
-        except HttpError as e:
+        except ErrorReply as e:
             await send_json(send, e.status, json_bytes({"error": e.message}))
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
@@ -147,7 +138,7 @@ class EnvServerApp:
         elif len(parts) in (2, 3) and parts[0] == "episodes":
             result, status = await self._episode_route(parts, method, receive), 200
         else:
-            raise HttpError(404, f"no route {method} {path}")
+            raise ErrorReply(404, f"no route {method} {path}")
         await send_json(send, status, json_bytes(result))
 
     async def _episode_route(self, parts: list[str], method: str, receive: Any) -> Any:
@@ -170,11 +161,11 @@ class EnvServerApp:
             try:
                 result = await self.store.validate(live, request.checklist)
             except ChecklistError as e:
-                raise HttpError(409, f"{e}; pass a checklist in the body or create the episode from a scenario") from None
+                raise ErrorReply(409, f"{e}; pass a checklist in the body or create the episode from a scenario") from None
             except CallAbandoned:
-                raise HttpError(504, f"the checks outlived their limit of {self.config.check_timeout_s:g} s each and were abandoned") from None
+                raise ErrorReply(504, f"the checks outlived their limit of {self.config.check_timeout_s:g} s each and were abandoned") from None
             return {**result.model_dump(mode="json"), **live.counts()}
-        raise HttpError(404 if action not in (None, "state", "trajectory", "reset", "validate") else 405, f"no route {method} /episodes/{{id}}/{action or ''}")
+        raise ErrorReply(404 if action not in (None, "state", "trajectory", "reset", "validate") else 405, f"no route {method} /episodes/{{id}}/{action or ''}")
 
     # -- control handlers ------------------------------------------------------------------------
 
@@ -182,48 +173,48 @@ class EnvServerApp:
         for name, value in scope["headers"]:
             if name == b"authorization" and hmac.compare_digest(value, self._token):
                 return
-        raise HttpError(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'")
+        raise ErrorReply(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'")
 
     async def _body(self, receive: Any, model: type[BaseModel]) -> Any:
         raw = await self._read_body(receive)
         try:
             data = json.loads(raw) if raw.strip() else {}
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise HttpError(400, f"malformed JSON body: {e}") from None
+            raise ErrorReply(400, f"malformed JSON body: {e}") from None
         try:
             return model.model_validate(data)
         except ValidationError as e:
-            raise HttpError(422, f"invalid body: {describe_validation_error(e)}") from None
+            raise ErrorReply(422, f"invalid body: {describe_validation_error(e)}") from None
 
     async def _read_body(self, receive: Any) -> bytes:
         body = await read_body(receive, self.config.max_body_bytes)
         if body is None:
-            raise HttpError(413, f"request body is larger than the limit of {self.config.max_body_bytes} bytes")
+            raise ErrorReply(413, f"request body is larger than the limit of {self.config.max_body_bytes} bytes")
         return body
 
     def _live(self, episode_id: str) -> LiveEpisode:
         try:
             return self.store.get(episode_id)
         except UnknownEpisode as e:
-            raise HttpError(404, str(e)) from None
+            raise ErrorReply(404, str(e)) from None
 
     @staticmethod
     def _check_episode_request(request: EpisodeRequest) -> None:
         if request.scenario_id is None and request.init_config is None:
-            raise HttpError(422, "give either scenario_id or init_config")
+            raise ErrorReply(422, "give either scenario_id or init_config")
         if request.scenario_id is not None and request.init_config is not None:
-            raise HttpError(422, "give scenario_id or init_config, not both")
+            raise ErrorReply(422, "give scenario_id or init_config, not both")
 
     async def _guard(self, action: Awaitable[T]) -> T:
         """Await a store action, turning its errors into HTTP statuses."""
         try:
             return await action
         except (UnknownScenario, UnknownEpisode) as e:
-            raise HttpError(404, str(e)) from None
+            raise ErrorReply(404, str(e)) from None
         except LimitReached as e:
-            raise HttpError(429, str(e)) from None
+            raise ErrorReply(429, str(e)) from None
         except EnvScalerError as e:
-            raise HttpError(500, f"environment error: {e}") from None
+            raise ErrorReply(500, f"environment error: {e}") from None
 
     async def _create(self, scope: Scope, request: EpisodeRequest) -> dict[str, Any]:
         self._check_episode_request(request)
@@ -288,7 +279,7 @@ class EnvServerApp:
     def _scenario(self, task_id: str) -> dict[str, Any]:
         scenario = self.store.scenarios.get(task_id)
         if scenario is None:
-            raise HttpError(404, f"{self.bundle.env_id} has no scenario {task_id!r}; GET /scenarios lists them")
+            raise ErrorReply(404, f"{self.bundle.env_id} has no scenario {task_id!r}; GET /scenarios lists them")
         return scenario.model_dump(mode="json", exclude_none=True)
 
     # -- MCP -----------------------------------------------------------------------------------
@@ -297,7 +288,7 @@ class EnvServerApp:
         version = None
         for name, value in scope["headers"]:
             if name == b"origin" and value.decode() not in self.config.allowed_origins and "*" not in self.config.allowed_origins:
-                raise HttpError(403, f"origin {value.decode()!r} is not allowed (see --allowed-origin)")
+                raise ErrorReply(403, f"origin {value.decode()!r} is not allowed (see --allowed-origin)")
             if name == b"mcp-protocol-version":
                 version = value.decode()
         if scope["method"] != "POST":

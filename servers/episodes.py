@@ -25,27 +25,16 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from envscaler import Bundle, EnvCodeError, EnvRuntime, Episode, EnvScalerError, Scenario, ToolOutcome, ValidationResult
+from envscaler import Bundle, EnvCodeError, EnvRuntime, Episode, Scenario, ToolOutcome, ValidationResult
 from envscaler.guard import Preempted, can_preempt
 from envscaler.models import CheckItem
-from servers.calls import CallAbandoned, CallRunner
+from servers.calls import CallRunner
+from servers.errors import CallAbandoned, LimitReached, UnknownEpisode, UnknownScenario
 
 log = logging.getLogger("envscaler.server")
 
 # Grace period past the limit (the guard in the call stops it then) before the server stops waiting.
 _ABANDON_GRACE_S = 0.5
-
-
-class LimitReached(EnvScalerError):
-    """The server already holds its maximum number of live episodes."""
-
-
-class UnknownEpisode(EnvScalerError):
-    """No live episode has this id (never created, ended, or expired)."""
-
-
-class UnknownScenario(EnvScalerError):
-    """The environment has no scenario with this id."""
 
 
 class Trajectory(BaseModel):

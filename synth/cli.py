@@ -14,13 +14,12 @@ import anyio
 from pydantic import ValidationError
 
 from envscaler.bundle import describe_validation_error, find_bundles, read_json
+from envscaler.errors import EXIT_FAILED, EXIT_OK
 from envscaler.logs import configure
 from synth.errors import LlmUnavailable, SynthError
 from synth.models import RunReport, SynthConfig
 from synth.pipeline import REPORT_FILE, Synthesis, bundled_seeds, load_seeds, synthesis
 from synth.prompts import STAGES
-
-EXIT_OK, EXIT_FAILED = 0, 1
 
 
 def _logs(level: str) -> None:

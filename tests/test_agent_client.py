@@ -189,3 +189,14 @@ def test_episode_commands_hand_an_episode_to_a_person(farm, tmp_path):
     assert gone.returncode == 2 and "404" in gone.stderr
     unknown = envscaler("episode", "new", "--farm", str(farm), "--scenario", "nope/x")
     assert unknown.returncode == 2 and "not in" in unknown.stderr
+
+
+def test_an_environment_server_that_does_not_answer_ends_the_command_with_exit_1(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    catalog = tmp_path / "farm.json"
+    catalog.write_text(json.dumps({"envs": {"counter": {"url": dead, "token": "t"}}}))
+    new = envscaler("episode", "new", "--farm", str(catalog), "--scenario", "counter/counter_001")
+    assert new.returncode == 1 and "Traceback" not in new.stderr
+    assert new.stderr.startswith("error: counter:") and dead.removeprefix("http://") in new.stderr

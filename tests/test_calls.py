@@ -8,7 +8,8 @@ import time
 import anyio
 import pytest
 
-from servers.calls import CallAbandoned, CallRunner
+from servers.calls import CallRunner
+from servers.errors import CallAbandoned
 
 pytestmark = pytest.mark.anyio
 

@@ -21,10 +21,11 @@ import time
 from pathlib import Path
 
 from envscaler.bundle import default_catalog, find_bundles, load_bundle
+from envscaler.errors import EXIT_FAILED, EXIT_OK
+from servers.errors import FarmError
 from servers.farm.models import (
     Backend,
     EnvPlan,
-    FarmError,
     FarmPaths,
     FarmPlan,
     FarmState,
@@ -35,7 +36,6 @@ from servers.farm.models import (
 from servers.farm.process import FARM_ID_VARIABLE, describe_exit, farm_processes
 
 DEFAULT_CATALOG = ".envscaler/farm.json"
-EXIT_OK, EXIT_FAILED = 0, 1
 
 
 def docker_answers() -> bool:

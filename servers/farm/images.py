@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from envscaler.bundle import load_bundle
-from servers.farm.models import FarmError
+from servers.errors import FarmError
 
 RUNTIME_REPOSITORY = "envscaler-runtime"
 OFFICIAL_BASE = "python:3.11-slim"

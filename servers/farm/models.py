@@ -16,16 +16,12 @@ from typing import Literal, TypeVar
 from pydantic import BaseModel, Field, ValidationError
 
 from envscaler.bundle import describe_validation_error
-from envscaler.errors import EnvScalerError
+from servers.errors import FarmError
 
 Backend = Literal["docker", "process"]
 EnvStatusName = Literal["starting", "healthy", "unhealthy", "restarting", "failed"]
 
 M = TypeVar("M", bound=BaseModel)
-
-
-class FarmError(EnvScalerError):
-    """The farm cannot do what was asked (bad input, missing engine, unreadable farm files)."""
 
 
 class Limits(BaseModel):
