@@ -22,9 +22,10 @@ from typing import Any, Protocol
 import anyio
 
 from agent_client.llm import LlmEndpoint, complete
-from agent_client.models import AgentResult, EpisodeInfo
+from agent_client.models import AgentResult
 from agent_client.remote import EnvControl, McpTools
 from agent_client.user import SimulatedUser
+from envscaler.wire import EpisodeCreated
 
 SYSTEM_PROMPT = (
     "You are an agent operating the following system through its tools.\n\n{introduction}\n\n"
@@ -38,7 +39,7 @@ class EpisodeContext:
 
     env_id: str
     task_id: str
-    info: EpisodeInfo
+    info: EpisodeCreated
     tools: McpTools
     control: EnvControl
     max_steps: int

@@ -19,7 +19,7 @@ from agent_client.export import export, read_records
 from agent_client.llm import LlmEndpoint
 from agent_client.errors import HarnessError
 from agent_client.models import load_farm_catalog
-from agent_client.remote import EnvControl, new_http_client, parse_validation
+from agent_client.remote import EnvControl, new_http_client
 from agent_client.runner import RunOptions, run
 from agent_client.summary import render, summarize
 from envscaler.errors import EXIT_FAILED, EXIT_OK
@@ -106,7 +106,7 @@ def _episode_validate(args: argparse.Namespace) -> int:
 
     async def go():
         async with new_http_client() as http:
-            return parse_validation(await _control(args, env_id, http).validate(episode_id))
+            return await _control(args, env_id, http).validate(episode_id)
 
     result = anyio.run(go)
     for check in result.checks:

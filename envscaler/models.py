@@ -159,22 +159,3 @@ class ValidationResult(BaseModel):
     checks: list[CheckResult]
     state_hash: str
     check_errors: int = 0
-
-
-class EnvEndpoint(_Open):
-    """Where one environment server answers, and its control token."""
-
-    url: str
-    token: str
-
-
-class FarmCatalog(_Open):
-    """The catalog file ``envscaler farm up`` writes and ``envscaler run`` reads: the contract between them.
-
-    ``{"envs": {env_id: {"url", "token"}}, "gateway": url, ...}``; fields may be added, none renamed.
-    """
-
-    envs: dict[str, EnvEndpoint]
-    gateway: str | None = None
-    backend: str | None = None
-    farm_id: str | None = None

@@ -23,11 +23,10 @@ import secrets
 import time
 from typing import Any
 
-from pydantic import BaseModel
-
 from envscaler import Bundle, EnvCodeError, EnvRuntime, Episode, Scenario, ToolOutcome, ValidationResult
 from envscaler.guard import Preempted, can_preempt
 from envscaler.models import CheckItem
+from envscaler.wire import Trajectory
 from servers.calls import CallRunner
 from servers.errors import CallAbandoned, LimitReached, UnknownEpisode, UnknownScenario
 
@@ -35,18 +34,6 @@ log = logging.getLogger("envscaler.server")
 
 # Grace period past the limit (the guard in the call stops it then) before the server stops waiting.
 _ABANDON_GRACE_S = 0.5
-
-
-class Trajectory(BaseModel):
-    """The server-side record of one episode."""
-
-    episode_id: str
-    env_id: str
-    scenario_id: str | None
-    calls: list[ToolOutcome]
-    agent_errors: int
-    env_errors: int
-    timeouts: int
 
 
 class LiveEpisode:

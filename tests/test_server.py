@@ -15,6 +15,18 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
 from envscaler import EnvRuntime, default_catalog, load_bundle
+from envscaler.wire import (
+    EpisodeCreated,
+    EpisodeEnded,
+    EpisodeIds,
+    EpisodeReset,
+    EpisodeState,
+    EpisodeValidation,
+    Health,
+    ScenarioListing,
+    ServerInfo,
+    Trajectory,
+)
 from tests.support.bundles import counter_bundle, counter_scenario, second_scenario
 from tests.support.server import serve
 
@@ -337,3 +349,28 @@ def test_scenarios_listing(counter_server):
         listing = http.get("/scenarios").json()
     assert [s["task_id"] for s in listing["scenarios"]] == ["counter_001", "counter_002"]
     assert listing["scenarios"][0]["task"] == counter_scenario()["task"]
+
+
+def test_every_control_reply_is_exactly_its_wire_model(counter_server):
+    """Each reply parses as its envscaler.wire model and dumps back to the same JSON: no field the model lacks."""
+    with counter_server.client() as http:
+        created = http.post("/episodes", json={"scenario_id": "counter_001"}).json()
+        path = f"/episodes/{created['episode_id']}"
+        http.post(created["mcp_path"], json={"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                                             "params": {"name": "add", "arguments": {"item_id": "a"}}})
+        replies = [
+            (EpisodeCreated, created),
+            (Health, http.get("/healthz").json()),
+            (ServerInfo, http.get("/info").json()),
+            (ScenarioListing, http.get("/scenarios").json()),
+            (EpisodeIds, http.get("/episodes").json()),
+            (EpisodeState, http.get(f"{path}/state").json()),
+            (Trajectory, http.get(f"{path}/trajectory").json()),
+            (EpisodeValidation, http.post(f"{path}/validate").json()),
+            (EpisodeReset, http.post(f"{path}/reset", json={"scenario_id": "counter_002"}).json()),
+            (EpisodeEnded, http.delete(path).json()),
+        ]
+    for model, reply in replies:
+        assert model.model_validate(reply).model_dump(mode="json") == reply, model.__name__
+    assert {"episode_id", "mcp_url", "task", "env_introduction", "tools"} <= set(created)
+    assert {"score", "checks", "state_hash"} <= set(replies[7][1])

@@ -21,7 +21,7 @@ import httpx
 import uvicorn
 
 from envscaler import logs
-from envscaler.models import EnvEndpoint, FarmCatalog
+from envscaler.wire import EnvEndpoint, FarmCatalog
 from servers.farm.board import Board
 from servers.farm.gateway import Gateway
 from servers.errors import FarmError
