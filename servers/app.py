@@ -36,7 +36,7 @@ from envscaler.wire import (
 from servers.asgi import json_bytes, read_body, send_json
 from servers.episodes import EpisodeStore, LiveEpisode
 from servers.errors import CallAbandoned, ErrorReply, LimitReached, UnknownEpisode, UnknownScenario
-from servers.mcp_endpoint import McpEndpoint
+from servers.mcp_endpoint import ROUTING_HEADERS, McpEndpoint, parse_error
 
 log = logging.getLogger("envscaler.server")
 
@@ -284,12 +284,12 @@ class EnvServerApp:
     # -- MCP -----------------------------------------------------------------------------------
 
     async def _mcp(self, scope: Scope, receive: Any, send: Any, episode_id: str) -> None:
-        version = None
+        routing = []
         for name, value in scope["headers"]:
             if name == b"origin" and value.decode() not in self.config.allowed_origins and "*" not in self.config.allowed_origins:
                 raise ErrorReply(403, f"origin {value.decode()!r} is not allowed (see --allowed-origin)")
-            if name == b"mcp-protocol-version":
-                version = value.decode()
+            if name in ROUTING_HEADERS:
+                routing.append((name, value))
         if scope["method"] != "POST":
             await send_json(send, 405, json_bytes({"error": "this MCP endpoint answers POST only (no SSE stream, no sessions)"}), [(b"allow", b"POST")])
             return
@@ -298,7 +298,7 @@ class EnvServerApp:
         try:
             message = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            await send_json(send, 400, json_bytes({"jsonrpc": "2.0", "id": None, "error": {"code": -32700, "message": f"parse error: {e}"}}))
+            await send_json(send, 400, json_bytes(parse_error(str(e))))
             return
-        status, body = await self.mcp.handle(live, message, version)
+        status, body = await self.mcp.handle(live, message, routing)
         await send_json(send, status, json_bytes(body) if body is not None else None)

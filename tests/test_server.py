@@ -374,3 +374,36 @@ def test_every_control_reply_is_exactly_its_wire_model(counter_server):
         assert model.model_validate(reply).model_dump(mode="json") == reply, model.__name__
     assert {"episode_id", "mcp_url", "task", "env_introduction", "tools"} <= set(created)
     assert {"score", "checks", "state_hash"} <= set(replies[7][1])
+
+
+def test_mcp_routing_headers_must_agree_with_the_body_and_errors_carry_the_sdk_status(counter_server):
+    episode = create(counter_server, scenario_id="counter_001")
+    meta = {"io.modelcontextprotocol/protocolVersion": "2026-07-28", "io.modelcontextprotocol/clientCapabilities": {}}
+
+    def call(name, headers, **params):
+        body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": name, "arguments": {"item_id": "a"}, **params}}
+        return http.post(episode["mcp_path"], json=body, headers=headers)
+
+    modern = {"MCP-Protocol-Version": "2026-07-28"}
+    with httpx.Client(base_url=counter_server.url, timeout=30) as http:
+        agreeing = call("add", {**modern, "Mcp-Method": "tools/call", "Mcp-Name": "add"}, _meta=meta)
+        assert agreeing.status_code == 200 and agreeing.json()["result"]["isError"] is False
+        encoded = call("add", {**modern, "Mcp-Method": "tools/call", "Mcp-Name": "=?base64?YWRk?="}, _meta=meta)
+        assert encoded.status_code == 200 and encoded.json()["result"]["isError"] is False
+        for headers in ({**modern, "Mcp-Method": "tools/list"}, {**modern, "Mcp-Name": "get_item"},
+                        {"MCP-Protocol-Version": "2025-06-18", "Mcp-Method": "tools/call"}):
+            refused = call("add", headers, _meta=meta)
+            assert refused.status_code == 400 and refused.json()["error"]["code"] == -32020, headers
+        twice = http.post(episode["mcp_path"], headers=[("MCP-Protocol-Version", "2026-07-28"), ("Mcp-Method", "tools/call"),
+                                                        ("Mcp-Method", "tools/call"), ("Content-Type", "application/json")],
+                          content=json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "add"}}))
+        assert twice.status_code == 400 and "more than once" in twice.json()["error"]["message"]
+        # A parameter error gets the SDK's 400 in the sessionless era, 200 in the handshake era.
+        nameless = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"arguments": {}}}
+        modern_error = http.post(episode["mcp_path"], json=nameless, headers=modern)
+        assert modern_error.status_code == 400 and modern_error.json()["error"]["code"] == -32602
+        legacy_error = http.post(episode["mcp_path"], json=nameless, headers={"MCP-Protocol-Version": "2025-06-18"})
+        assert legacy_error.status_code == 200 and legacy_error.json()["error"]["code"] == -32602
+    with counter_server.client() as control:
+        calls = control.get(f"/episodes/{episode['episode_id']}/trajectory").json()["calls"]
+    assert [c["name"] for c in calls] == ["add", "add"], "refused requests never reach the environment"
