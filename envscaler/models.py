@@ -139,9 +139,14 @@ class ToolOutcome(BaseModel):
     latency_s: float = 0.0
     diff: list[StateChange] | None = None
 
-    @property
-    def is_error(self) -> bool:
-        return self.error is not None
+    @classmethod
+    def failure(cls, name: str, arguments: Any, kind: ErrorKind, message: str, latency_s: float = 0.0) -> ToolOutcome:
+        """A failed call, recording its arguments however malformed: a non-object as ``{"_raw": value}``."""
+        if arguments is None:
+            arguments = {}
+        elif not isinstance(arguments, dict):
+            arguments = {"_raw": arguments}
+        return cls(name=name, arguments=arguments, error=message, error_kind=kind, latency_s=latency_s)
 
 
 class CheckResult(BaseModel):

@@ -24,7 +24,7 @@ from envscaler.checks import run_checks, score
 from envscaler.errors import EnvCodeError
 from envscaler.guard import Preempted, TimeLimitExceeded, call_preemptibly, call_with_limit
 from envscaler.loader import code_filename, load_class
-from envscaler.models import CheckItem, EnvSpec, ErrorKind, StateChange, ToolOutcome, ToolSchema, ValidationResult
+from envscaler.models import CheckItem, EnvSpec, StateChange, ToolOutcome, ToolSchema, ValidationResult
 from envscaler.schema import validate
 from envscaler.state import diff, public_attributes, snapshot, state_hash, to_json_text
 from envscaler.tools import derive_tools, public_methods
@@ -146,12 +146,12 @@ class Episode:
         tool = runtime.tools.get(name)
         if tool is None:
             known = ", ".join(runtime.tools)
-            return _failed(name, arguments, "agent", f"Unknown tool {name!r}. Available tools: {known}")
+            return ToolOutcome.failure(name, arguments, "agent", f"Unknown tool {name!r}. Available tools: {known}")
         if not isinstance(arguments, dict):
-            return _failed(name, arguments, "agent", f"Arguments of {name!r} must be a JSON object")
+            return ToolOutcome.failure(name, arguments, "agent", f"Arguments of {name!r} must be a JSON object")
         problems = validate(arguments, tool.parameters)
         if problems:
-            return _failed(name, arguments, "agent", f"Invalid arguments for {name!r}: " + "; ".join(problems))
+            return ToolOutcome.failure(name, arguments, "agent", f"Invalid arguments for {name!r}: " + "; ".join(problems))
         saved = self._save() if track_diff or inline_budget_s is not None else None
         if inline_budget_s is not None and saved is None:
             raise Preempted()
@@ -169,10 +169,10 @@ class Episode:
             raise
         except TimeLimitExceeded:
             message = f"Tool {name!r} ran longer than {runtime.call_timeout_s:g} s and was stopped"
-            outcome = _failed(name, arguments, "timeout", message, time.perf_counter() - started)
+            outcome = ToolOutcome.failure(name, arguments, "timeout", message, time.perf_counter() - started)
         except Exception as e:  # noqa: BLE001 - environment code is untrusted; report, keep the episode
             message = f"Environment error in {name!r}: {runtime.describe_exception(e)}"
-            outcome = _failed(name, arguments, "env", message, time.perf_counter() - started)
+            outcome = ToolOutcome.failure(name, arguments, "env", message, time.perf_counter() - started)
         else:
             latency = time.perf_counter() - started
             text = to_json_text(raw, ascii_only=False)[0]
@@ -226,8 +226,3 @@ class Episode:
             state_hash=state_hash(json.loads(final_text)),
             check_errors=sum(r.error is not None for r in results),
         )
-
-
-def _failed(name: str, arguments: Any, kind: ErrorKind, message: str, latency: float = 0.0) -> ToolOutcome:
-    args = arguments if isinstance(arguments, dict) else {"_raw": arguments}
-    return ToolOutcome(name=name, arguments=args, error=message, error_kind=kind, latency_s=latency)

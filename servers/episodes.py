@@ -163,7 +163,7 @@ class EpisodeStore:
         async with live.lock:
             if live.stuck:
                 message = "This episode is unusable: an earlier tool call is still stuck. It must be reset or ended."
-                return ToolOutcome(name=name, arguments=arguments if isinstance(arguments, dict) else {}, error=message, error_kind="timeout")
+                return ToolOutcome.failure(name, arguments, "timeout", message)
             episode = live.episode
             outcome = self._call_inline(live, name, arguments)
             if outcome is None:
@@ -175,9 +175,7 @@ class EpisodeStore:
                     live.stuck = True
                     self.stuck_calls += 1
                     message = f"Tool {name!r} ran longer than {self.runtime.call_timeout_s:g} s and was abandoned"
-                    outcome = ToolOutcome(
-                        name=name, arguments=arguments if isinstance(arguments, dict) else {}, error=message, error_kind="timeout"
-                    )
+                    outcome = ToolOutcome.failure(name, arguments, "timeout", message)
             live.calls.append(outcome)
             live.last_used = time.monotonic()
         if outcome.error:
