@@ -17,8 +17,7 @@ import httpx
 import pytest
 
 from envscaler import default_catalog, load_bundle
-from servers.farm.cli import docker_answers
-from servers.farm.images import LABEL_ENV, LABEL_FARM, LABEL_HASH, env_image_tag
+from servers.farm.images import LABEL_ENV, LABEL_FARM, LABEL_HASH, docker_answers, env_image_tag
 from tests.support.bundles import COUNTER_CODE, counter_scenario, counter_spec, write_bundle
 from tests.support.cli import envscaler
 from tests.support.gateway import replay_through_gateway

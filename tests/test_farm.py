@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from envscaler import default_catalog
-from servers.farm.process import farm_processes
+from servers.farm.teardown import farm_processes
 from tests.support.cli import envscaler
 from tests.support.gateway import replay_through_gateway
 

@@ -27,6 +27,19 @@ LABEL_ENV, LABEL_HASH, LABEL_RUNTIME, LABEL_FARM = "envscaler.env_id", "envscale
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
+def docker_answers() -> bool:
+    """Whether a Docker engine answers on this machine (quietly, within a few seconds)."""
+    try:
+        import docker
+
+        client = docker.from_env(timeout=3)
+        client.ping()
+        client.close()
+        return True
+    except Exception:  # noqa: BLE001 - any failure means "no usable engine"
+        return False
+
+
 def docker_client() -> Any:
     """A client of the local engine; FarmError that says what to do when none answers."""
     import docker
