@@ -185,7 +185,7 @@ def register_run(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--user-base-url", help="endpoint of the simulated user (default: --base-url)")
     parser.add_argument("--user-model", help="model of the simulated user in conversational scenarios (default: --model)")
     parser.add_argument("--retries", type=int, default=4, help="retries on 429/5xx/connection errors (default: 4)")
-    parser.add_argument("--backoff", type=float, default=1.0, help="first retry delay in seconds, doubled each time (default: 1)")
+    parser.add_argument("--backoff", type=float, default=1.0, help="first retry delay in seconds, doubled each time, plus jitter; a longer Retry-After wins (default: 1)")
     parser.add_argument("--command", help="--agent command: program template, e.g. \"python my_agent.py --url {mcp_url} --task {task}\"")
     parser.add_argument("--random-steps", type=int, default=5, help="tool calls of the random agent (default: 5)")
     parser.add_argument("--quiet", action="store_true", help="no progress line")

@@ -9,6 +9,7 @@ class carries the exit code that ``envscaler`` ends with when one reaches it (th
     ├── EnvCodeError            2   environment code does not compile, load or construct
     ├── ChecklistError          2   a scenario cannot be scored (its checklist is missing or empty)
     └── InfraError              1   something the work depends on failed: a server, the network, an LLM endpoint
+        └── LlmUnavailable      1   an LLM endpoint kept failing after every retry, or refused the request
 
     servers.errors, agent_client.errors, synth.errors: the rest of the tree, under these.
 
@@ -48,3 +49,16 @@ class InfraError(EnvScalerError):
     """A server, the network or an LLM endpoint failed: the work could not be judged, the input may be fine."""
 
     exit_code = EXIT_FAILED
+
+
+class LlmUnavailable(InfraError):
+    """An OpenAI-compatible endpoint kept failing after every retry, or refused the request (``status``).
+
+    ``attempts`` says how many requests were sent; ``status`` is the HTTP status of a refusal, None
+    when the endpoint kept failing (timeouts, connection errors, 429, 5xx).
+    """
+
+    def __init__(self, message: str, *, attempts: int = 1, status: int | None = None) -> None:
+        super().__init__(message)
+        self.attempts = attempts
+        self.status = status

@@ -4,12 +4,14 @@ Part of the tree drawn in ``envscaler.errors``; the exit code applies when one r
 
     EnvScalerError (envscaler.errors)
     ├── SynthError              2   the run cannot start: bad settings, no seed tasks, no bundles
-    │   ├── LlmUnavailable      1   the LLM endpoint kept failing (or refused the request): the run stops
     │   ├── InvalidAnswer       1   a stage's answer was still not the JSON asked for: the draft is dropped
     │   └── Rejected            1   a draft failed its checks after every repair round: the draft is dropped
+    └── InfraError (envscaler)
+        └── LlmUnavailable      1   the LLM endpoint kept failing, or refused the request: the run stops
 
 InvalidAnswer and Rejected are caught by the pipeline, which records the dropped draft in the run
-report; LlmUnavailable stops the run with exit 1 after the partial report is written.
+report; LlmUnavailable (raised by ``envscaler.llm``, given the stage's name here) stops the run
+with exit 1 after the partial report is written.
 """
 
 from __future__ import annotations
@@ -19,12 +21,6 @@ from envscaler.errors import EXIT_FAILED, EnvScalerError
 
 class SynthError(EnvScalerError):
     """Base of the errors synth raises on purpose; on its own, bad settings or input."""
-
-
-class LlmUnavailable(SynthError):
-    """The LLM endpoint kept failing (or refused the request) after every retry: the run stops."""
-
-    exit_code = EXIT_FAILED
 
 
 class InvalidAnswer(SynthError):

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from synth.cache import DiskCache
-from synth.errors import InvalidAnswer, LlmUnavailable
+from envscaler.errors import LlmUnavailable
+from synth.errors import InvalidAnswer
 from synth.llm import StageLlm, parse_object
 from synth.models import RunReport, SynthConfig, TopicAnswer
 from synth.prompts import render

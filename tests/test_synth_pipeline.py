@@ -236,7 +236,7 @@ def test_dead_endpoint_ends_the_run_with_a_partial_report(tmp_path):
         done = subprocess.run(synth_command(server, seeds, config, tmp_path / "out"), capture_output=True, text=True,
                               timeout=120)
     assert done.returncode == 1
-    assert "failed 2 time(s)" in done.stderr and "finished requests are cached" in done.stderr
+    assert "failed 2 times" in done.stderr and "finished requests are cached" in done.stderr
     assert len(server.requests) == 2
     assert json.loads((tmp_path / "out" / "synth_report.json").read_text())["stages"]["stateful"]["requests"] == 2
 
