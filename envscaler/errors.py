@@ -6,6 +6,7 @@ class carries the exit code that ``envscaler`` ends with when one reaches it (th
 
     EnvScalerError              2   the base: bad usage or input unless a subclass says otherwise
     ├── BundleError             2   a bundle or import file is malformed (names the file and field)
+    │   └── SchemaError         2   a tool schema uses a keyword the argument validator cannot enforce
     ├── EnvCodeError            2   environment code does not compile, load or construct
     ├── ChecklistError          2   a scenario cannot be scored (its checklist is missing or empty)
     └── InfraError              1   something the work depends on failed: a server, the network, an LLM endpoint
@@ -35,6 +36,10 @@ class EnvScalerError(Exception):
 
 class BundleError(EnvScalerError):
     """A bundle or import file is malformed: the message names the file and the field."""
+
+
+class SchemaError(BundleError):
+    """A tool's argument schema cannot be enforced: the message names the tool, the argument and the keyword."""
 
 
 class EnvCodeError(EnvScalerError):

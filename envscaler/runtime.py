@@ -21,11 +21,11 @@ import traceback
 from typing import Any
 
 from envscaler.checks import run_checks, score
-from envscaler.errors import EnvCodeError
+from envscaler.errors import EnvCodeError, SchemaError
 from envscaler.guard import Preempted, TimeLimitExceeded, call_preemptibly, call_with_limit
 from envscaler.loader import code_filename, load_class
 from envscaler.models import CheckItem, EnvSpec, StateChange, ToolOutcome, ToolSchema, ValidationResult
-from envscaler.schema import validate
+from envscaler.schema import schema_problems, validate
 from envscaler.state import diff, public_attributes, snapshot, state_hash, to_json_text
 from envscaler.tools import derive_tools, public_methods
 
@@ -53,6 +53,10 @@ class EnvRuntime:
         schemas = listed if listed is not None else derive_tools(self.env_class)
         # The allowlist: listed tools that really are public methods, nothing else `hasattr` finds.
         self.tools: dict[str, ToolSchema] = {t.name: t for t in schemas if t.name in methods}
+        # A schema the validator cannot enforce would let arguments it promises to refuse reach the code.
+        problems = [f"tool {name!r}, {problem}" for name, tool in self.tools.items() for problem in schema_problems(tool.parameters)]
+        if problems:
+            raise SchemaError(f"{self.env_id}: " + "; ".join(problems))
         self._env_file = code_filename(spec.env_id)
 
     def tool_list(self) -> list[ToolSchema]:
