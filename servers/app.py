@@ -11,7 +11,7 @@ import json
 import logging
 from collections.abc import Awaitable
 from typing import Any, TypeVar
-from urllib.parse import unquote
+from urllib.parse import unquote_to_bytes
 
 import anyio
 from pydantic import BaseModel, Field, ValidationError
@@ -114,7 +114,9 @@ class EnvServerApp:
     async def _route(self, scope: Scope, receive: Any, send: Any) -> None:
         path: str = scope["path"]
         method: str = scope["method"]
-        parts = [unquote(p) for p in path.strip("/").split("/")]
+        # Split the raw path, then decode each segment exactly once: an id may hold "%" or "/".
+        raw_path: bytes = scope.get("raw_path") or path.encode()
+        parts = [unquote_to_bytes(p).decode(errors="replace") for p in raw_path.strip(b"/").split(b"/")]
         if len(parts) == 3 and parts[0] == "episodes" and parts[2] == "mcp":
             await self._mcp(scope, receive, send, parts[1])
             return

@@ -14,6 +14,8 @@ import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
+from agent_client.http import LeanHttp
+from agent_client.remote import EnvControl
 from envscaler import EnvRuntime, default_catalog, load_bundle
 from envscaler.wire import (
     EpisodeCreated,
@@ -21,13 +23,14 @@ from envscaler.wire import (
     EpisodeIds,
     EpisodeReset,
     EpisodeState,
+    EnvEndpoint,
     EpisodeValidation,
     Health,
     ScenarioListing,
     ServerInfo,
     Trajectory,
 )
-from tests.support.bundles import counter_bundle, counter_scenario, second_scenario
+from tests.support.bundles import counter_bundle, counter_scenario, counter_spec, second_scenario, write_bundle
 from tests.support.server import serve
 
 pytestmark = pytest.mark.anyio
@@ -407,3 +410,16 @@ def test_mcp_routing_headers_must_agree_with_the_body_and_errors_carry_the_sdk_s
     with counter_server.client() as control:
         calls = control.get(f"/episodes/{episode['episode_id']}/trajectory").json()["calls"]
     assert [c["name"] for c in calls] == ["add", "add"], "refused requests never reach the environment"
+
+
+async def test_ids_with_percent_and_slash_are_decoded_once(tmp_path):
+    odd = "odd%41/1"  # a literal "%41" (not "A") and a slash
+    bundle = write_bundle(tmp_path, counter_spec(), [counter_scenario(task_id=odd)])
+    with serve(bundle) as server:
+        with server.client() as http:
+            assert http.get("/scenarios/odd%2541%2F1").json()["task_id"] == odd
+            assert http.get("/scenarios/oddA%2F1").status_code == 404
+        async with LeanHttp() as lean:
+            control = EnvControl(lean, "counter", EnvEndpoint(url=server.url, token=server.token))
+            assert (await control.scenario(odd)).task_id == odd
+            assert (await control.create(odd)).scenario_id == odd
