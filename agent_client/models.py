@@ -72,10 +72,6 @@ class Record(BaseModel):
     duration_s: float
 
     @property
-    def key(self) -> tuple[str, str, int]:
-        return (self.env_id, self.task_id, self.repeat)
-
-    @property
     def infra_failed(self) -> bool:
         """The episode could not be judged: nothing here says anything about the agent."""
         return self.termination == "infra_error"

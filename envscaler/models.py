@@ -104,14 +104,6 @@ class Bundle(BaseModel):
     def env_id(self) -> str:
         return self.spec.env_id
 
-    def scenario(self, task_id: str) -> Scenario:
-        """The scenario with this id; KeyError naming the known ids otherwise."""
-        for scenario in self.scenarios:
-            if scenario.task_id == task_id:
-                return scenario
-        known = ", ".join(s.task_id for s in self.scenarios[:10]) or "none"
-        raise KeyError(f"{self.env_id} has no scenario {task_id!r} (known: {known})")
-
 
 ErrorKind = Literal["agent", "env", "timeout"]
 """Who is to blame for a failed tool call: the caller's arguments, the environment's code, or a hang."""

@@ -35,7 +35,13 @@ from envscaler.wire import (
 )
 from servers.asgi import json_bytes, read_body, send_json
 from servers.episodes import EpisodeStore, LiveEpisode
-from servers.errors import CallAbandoned, ErrorReply, LimitReached, UnknownEpisode, UnknownScenario
+from servers.errors import (
+    CallAbandoned,
+    ErrorReply,
+    LimitReached,
+    UnknownEpisode,
+    UnknownScenario,
+)
 from servers.mcp_endpoint import ROUTING_HEADERS, McpEndpoint, parse_error
 
 log = logging.getLogger("envscaler.server")

@@ -18,19 +18,25 @@ from agent_client.http import LeanHttp
 from agent_client.remote import EnvControl
 from envscaler import EnvRuntime, default_catalog, load_bundle
 from envscaler.wire import (
+    EnvEndpoint,
     EpisodeCreated,
     EpisodeEnded,
     EpisodeIds,
     EpisodeReset,
     EpisodeState,
-    EnvEndpoint,
     EpisodeValidation,
     Health,
     ScenarioListing,
     ServerInfo,
     Trajectory,
 )
-from tests.support.bundles import counter_bundle, counter_scenario, counter_spec, second_scenario, write_bundle
+from tests.support.bundles import (
+    counter_bundle,
+    counter_scenario,
+    counter_spec,
+    second_scenario,
+    write_bundle,
+)
 from tests.support.server import serve
 
 pytestmark = pytest.mark.anyio
