@@ -51,7 +51,7 @@ def _user_endpoint(args: argparse.Namespace) -> LlmEndpoint | None:
 def _run(args: argparse.Namespace) -> int:
     catalog = load_farm_catalog(args.farm)
     options = RunOptions(repeats=args.repeats, concurrency=args.concurrency, max_steps=args.max_steps,
-                         time_limit_s=args.time_limit, user=_user_endpoint(args), progress=not args.quiet)
+                         time_limit_s=args.time_limit, user_endpoint=_user_endpoint(args), progress=not args.quiet)
     make_agent = _agent_factory(args)
     out = Path(args.out)
     anyio.run(partial(run, catalog, make_agent, out, patterns=args.scenario, options=options))

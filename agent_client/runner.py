@@ -35,7 +35,7 @@ class RunOptions:
     concurrency: int = 8
     max_steps: int = 30
     time_limit_s: float = 300.0
-    user: LlmEndpoint | None = None
+    user_endpoint: LlmEndpoint | None = None
     progress: bool = True
 
 
@@ -110,8 +110,8 @@ async def run_episode(http: LeanHttp, control: EnvControl, scenario: ScenarioSum
         return record
     record.episode_id, record.tools = info.episode_id, info.tools
     user = None
-    if info.user_profile and options.user is not None and agent.name == "openai":
-        user = SimulatedUser(options.user, info.task, info.user_profile)
+    if info.user_profile and options.user_endpoint is not None and agent.converses:
+        user = SimulatedUser(options.user_endpoint, info.task, info.user_profile)
     ctx = EpisodeContext(env_id=scenario.env_id, task_id=scenario.task_id, info=info, tools=McpTools(http, info.mcp_url),
                          control=control, max_steps=options.max_steps, user=user, seed=repeat)
     try:
