@@ -240,7 +240,7 @@ async def run(args: argparse.Namespace) -> int:
         legacy = Target("baseline-handshake", process, ready["url"], "/mcp", legacy=True)
         targets += [base, legacy]
         env = {**os.environ, "ENVSCALER_TOKEN": TOKEN}
-        process, ready = start([sys.executable, "-m", "servers.farm.launch", args.env, "--port", "0", "--log-level", "warning"], env)
+        process, ready = start([sys.executable, "-m", "servers.launch", args.env, "--port", "0", "--log-level", "warning"], env)
         ours = Target("ours", process, ready["url"], "")
         targets.append(ours)
         idle = {t.name: t.rss_mb() for t in targets}

@@ -2,7 +2,8 @@
 
 The core defines ``catalog`` and ``import``. Other packages add their commands (``serve``, ``farm``,
 ``run``, ...) through the ``envscaler.commands`` entry point group, so this package imports none of
-them. Exit codes: 0 success, 1 the work ran and found failures, 2 bad usage or input, 130 interrupted.
+them. Exit codes: 0 success, 1 the work ran and found failures, 2 bad usage or input, 130 interrupted;
+an error that ends a command exits with its class's ``exit_code`` (see ``envscaler.errors``).
 """
 
 from __future__ import annotations
@@ -13,16 +14,12 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import entry_points
 from pathlib import Path
-from subprocess import TimeoutExpired
 
 from envscaler.bundle import default_catalog, find_bundles, load_bundles
-from envscaler.errors import EnvScalerError
-from envscaler.gates import GATES, EnvReport, GateResult
+from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EnvScalerError
+from envscaler.gates import GATES, EnvReport, check_isolated
 from envscaler.importer import import_envscaler
 from envscaler.runtime import EnvRuntime
-from envscaler.sandbox import run_module
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def _catalog_list(args: argparse.Namespace) -> int:
@@ -39,29 +36,6 @@ def _catalog_list(args: argparse.Namespace) -> int:
         print(f"{bundle.env_id:<28} {len(runtime.tools):>5} {len(bundle.scenarios):>9} {conversational:>5}  {summary}")
     print(f"{len(bundles)} environments, {totals[1]} scenarios ({totals[2]} conversational), {totals[0]} tools")
     return EXIT_OK
-
-
-def check_isolated(directory: Path, timeout_s: float) -> EnvReport:
-    """Run every gate on one bundle in a limited child process."""
-    try:
-        done = run_module("envscaler.check_worker", [str(directory)], timeout_s=timeout_s)
-    except TimeoutExpired:
-        return _broken(directory.name, f"the check did not finish within {timeout_s:g} s")
-    lines = done.stdout.strip().splitlines()
-    try:
-        payload = json.loads(lines[-1]) if lines else None
-    except json.JSONDecodeError:
-        payload = None
-    if not isinstance(payload, dict):
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return _broken(directory.name, f"the checker process failed (exit {done.returncode}): {tail}")
-    if "error" in payload:
-        return _broken(directory.name, payload["error"])
-    return EnvReport.model_validate(payload)
-
-
-def _broken(env_id: str, detail: str) -> EnvReport:
-    return EnvReport(env_id=env_id, env_gates=[GateResult(gate="class_loads", passed=False, detail=detail)])
 
 
 def _catalog_check(args: argparse.Namespace) -> int:
@@ -166,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except EnvScalerError as e:
         print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -6,12 +6,16 @@ check passes on the reference's final state; at least one check cleanly fails (r
 error) on the untouched initial state; checks give the same answers twice; a do-nothing agent
 scores below 1.0.
 
-``python -m envscaler.check_worker BUNDLE_DIR`` checks one bundle in its own process; the CLI does
-this so that untrusted code never runs in the process that drives the check.
+:func:`check_isolated` runs them in a limited child process (``python -m envscaler.check_worker
+BUNDLE_DIR``), so that untrusted code never runs in the process that drives the check; ``envscaler
+catalog check`` and synthesis use it.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from subprocess import TimeoutExpired
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -19,6 +23,7 @@ from pydantic import BaseModel, Field
 from envscaler.errors import EnvScalerError
 from envscaler.models import Bundle, Scenario
 from envscaler.runtime import EnvRuntime, Episode
+from envscaler.sandbox import run_module
 from envscaler.tools import signature_problems
 
 GATES = (
@@ -182,3 +187,26 @@ def _replay(
         if changing_tools is not None and outcome.diff:
             changing_tools.add(call.name)
     return episode, None
+
+
+def check_isolated(directory: Path, timeout_s: float) -> EnvReport:
+    """Every gate on one bundle, run in a limited child process; a checker that dies or hangs fails class_loads."""
+    try:
+        done = run_module("envscaler.check_worker", [str(directory)], timeout_s=timeout_s)
+    except TimeoutExpired:
+        return _broken(directory.name, f"the check did not finish within {timeout_s:g} s")
+    lines = done.stdout.strip().splitlines()
+    try:
+        payload = json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        payload = None
+    if not isinstance(payload, dict):
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return _broken(directory.name, f"the checker process failed (exit {done.returncode}): {tail}")
+    if "error" in payload:
+        return _broken(directory.name, payload["error"])
+    return EnvReport.model_validate(payload)
+
+
+def _broken(env_id: str, detail: str) -> EnvReport:
+    return EnvReport(env_id=env_id, env_gates=[GateResult(gate="class_loads", passed=False, detail=detail)])

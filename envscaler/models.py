@@ -121,14 +121,6 @@ class Bundle(BaseModel):
     def env_id(self) -> str:
         return self.spec.env_id
 
-    def scenario(self, task_id: str) -> Scenario:
-        """The scenario with this id; KeyError naming the known ids otherwise."""
-        for scenario in self.scenarios:
-            if scenario.task_id == task_id:
-                return scenario
-        known = ", ".join(s.task_id for s in self.scenarios[:10]) or "none"
-        raise KeyError(f"{self.env_id} has no scenario {task_id!r} (known: {known})")
-
 
 ErrorKind = Literal["agent", "env", "timeout", "tool"]
 """Why a tool call failed: the caller's arguments, an exception in the environment's code, a hang, or
@@ -160,6 +152,15 @@ class ToolOutcome(BaseModel):
     latency_s: float = 0.0
     diff: list[StateChange] | None = None
 
+    @classmethod
+    def failure(cls, name: str, arguments: Any, kind: ErrorKind, message: str, latency_s: float = 0.0) -> ToolOutcome:
+        """A failed call, recording its arguments however malformed: a non-object as ``{"_raw": value}``."""
+        if arguments is None:
+            arguments = {}
+        elif not isinstance(arguments, dict):
+            arguments = {"_raw": arguments}
+        return cls(name=name, arguments=arguments, error=message, error_kind=kind, latency_s=latency_s)
+
     @property
     def agent_text(self) -> str:
         """What the agent is shown: the result's text, or the error message when there is no result."""
@@ -169,7 +170,7 @@ class ToolOutcome(BaseModel):
 
 
 def _result_text(result: Any) -> str:
-    return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
+    return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, separators=(",", ":"))
 
 
 class CheckResult(BaseModel):
@@ -187,22 +188,3 @@ class ValidationResult(BaseModel):
     checks: list[CheckResult]
     state_hash: str
     check_errors: int = 0
-
-
-class EnvEndpoint(_Open):
-    """Where one environment server answers, and its control token."""
-
-    url: str
-    token: str
-
-
-class FarmCatalog(_Open):
-    """The catalog file ``envscaler farm up`` writes and ``envscaler run`` reads: the contract between them.
-
-    ``{"envs": {env_id: {"url", "token"}}, "gateway": url, ...}``; fields may be added, none renamed.
-    """
-
-    envs: dict[str, EnvEndpoint]
-    gateway: str | None = None
-    backend: str | None = None
-    farm_id: str | None = None

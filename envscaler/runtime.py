@@ -28,13 +28,12 @@ from collections.abc import Callable
 from typing import Any
 
 from envscaler.checks import run_checks, score
-from envscaler.errors import EnvCodeError
+from envscaler.errors import EnvCodeError, SchemaError
 from envscaler.guard import GuardSignal, Preempted, TimeLimitExceeded, call_preemptibly, call_with_limit
 from envscaler.loader import code_filename, load_class
 from envscaler.models import (
     CheckItem,
     EnvSpec,
-    ErrorKind,
     StateChange,
     ToolErrorPolicy,
     ToolOutcome,
@@ -42,7 +41,7 @@ from envscaler.models import (
     ValidationResult,
 )
 from envscaler.overlay import MISSING, NotNative, Overlay, SharedState, plain, value_changes
-from envscaler.schema import validate
+from envscaler.schema import schema_problems, validate
 from envscaler.state import diff, public_attributes, snapshot, state_hash, to_json_text
 from envscaler.tools import derive_tools, public_methods
 
@@ -78,6 +77,10 @@ class EnvRuntime:
         schemas = listed if listed is not None else derive_tools(self.env_class)
         # The allowlist: listed tools that really are public methods, nothing else `hasattr` finds.
         self.tools: dict[str, ToolSchema] = {t.name: t for t in schemas if t.name in methods}
+        # A schema the validator cannot enforce would let arguments it promises to refuse reach the code.
+        problems = [f"tool {name!r}, {problem}" for name, tool in self.tools.items() for problem in schema_problems(tool.parameters)]
+        if problems:
+            raise SchemaError(f"{self.env_id}: " + "; ".join(problems))
         self._parameters = {name: _accepted_parameters(methods[name]) for name in self.tools}
         self._env_file = code_filename(spec.env_id)
         self._shared: OrderedDict[str, SharedState | NotNative] = OrderedDict()
@@ -342,7 +345,7 @@ class Episode:
         runtime = self.runtime
         problem = runtime.check_arguments(name, arguments)
         if problem is not None:
-            return failed(name, arguments, "agent", problem)
+            return ToolOutcome.failure(name, arguments, "agent", problem)
         if inline_budget_s is not None and not self.preemptible:
             raise Preempted()
         limit = runtime.call_timeout_s if limit_s is None else limit_s
@@ -359,11 +362,11 @@ class Episode:
             raise
         except TimeLimitExceeded:
             message = f"Tool {name!r} ran longer than {limit:g} s and was stopped"
-            outcome = failed(name, arguments, "timeout", message)
+            outcome = ToolOutcome.failure(name, arguments, "timeout", message)
         except GuardSignal:
             raise
         except BaseException as e:  # noqa: BLE001 - environment code is untrusted; report, keep the episode
-            outcome = failed(name, arguments, "env", f"Environment error in {name!r}: {runtime.describe_exception(e)}")
+            outcome = ToolOutcome.failure(name, arguments, "env", f"Environment error in {name!r}: {runtime.describe_exception(e)}")
         outcome.latency_s = time.perf_counter() - started
         outcome.diff = self._finish(before, deleted)
         return outcome
@@ -479,8 +482,3 @@ def _private_copy(runtime: EnvRuntime, shared: SharedState | None) -> Any:
     instance.__dict__.update({k: plain(v) for k, v in shared.attributes.items()})
     return instance
 
-
-def failed(name: str, arguments: Any, kind: ErrorKind, message: str, latency: float = 0.0) -> ToolOutcome:
-    """The outcome of a call that did not produce a result."""
-    return ToolOutcome(name=name, arguments=arguments if isinstance(arguments, dict) else {"_raw": arguments},
-                       error=message, error_kind=kind, latency_s=latency)

@@ -24,42 +24,17 @@ import secrets
 import time
 from typing import Any
 
-from pydantic import BaseModel
-
-from envscaler import Bundle, EnvCodeError, EnvRuntime, Episode, EnvScalerError, Scenario, ToolOutcome, ValidationResult
+from envscaler import Bundle, EnvCodeError, EnvRuntime, Episode, Scenario, ToolOutcome, ValidationResult
 from envscaler.guard import Preempted, can_preempt
 from envscaler.models import CheckItem
-from servers.calls import CallAbandoned, CallRunner
+from envscaler.wire import Trajectory
+from servers.calls import CallRunner
+from servers.errors import CallAbandoned, LimitReached, UnknownEpisode, UnknownScenario
 
 log = logging.getLogger("envscaler.server")
 
 # Grace period past the limit (the guard in the call stops it then) before the server stops waiting.
 _ABANDON_GRACE_S = 0.5
-
-
-class LimitReached(EnvScalerError):
-    """The server already holds its maximum number of live episodes."""
-
-
-class UnknownEpisode(EnvScalerError):
-    """No live episode has this id (never created, ended, or expired)."""
-
-
-class UnknownScenario(EnvScalerError):
-    """The environment has no scenario with this id."""
-
-
-class Trajectory(BaseModel):
-    """The server-side record of one episode."""
-
-    episode_id: str
-    env_id: str
-    scenario_id: str | None
-    calls: list[ToolOutcome]
-    agent_errors: int
-    env_errors: int
-    timeouts: int
-    tool_errors: int = 0
 
 
 class LiveEpisode:
@@ -198,7 +173,7 @@ class EpisodeStore:
         async with live.lock:
             if live.stuck:
                 message = "This episode is unusable: an earlier tool call is still stuck. It must be reset or ended."
-                return ToolOutcome(name=name, arguments=arguments if isinstance(arguments, dict) else {}, error=message, error_kind="timeout")
+                return ToolOutcome.failure(name, arguments, "timeout", message)
             episode = live.episode
             outcome = self._call_inline(live, name, arguments)
             if outcome is None:
@@ -210,9 +185,7 @@ class EpisodeStore:
                     live.stuck = True
                     self.stuck_calls += 1
                     message = f"Tool {name!r} ran longer than {self.runtime.call_timeout_s:g} s and was abandoned"
-                    outcome = ToolOutcome(
-                        name=name, arguments=arguments if isinstance(arguments, dict) else {}, error=message, error_kind="timeout"
-                    )
+                    outcome = ToolOutcome.failure(name, arguments, "timeout", message)
             live.calls.append(outcome)
             live.last_used = time.monotonic()
         if outcome.error:

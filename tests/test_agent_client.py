@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.bundles import counter_scenario, counter_spec, second_scenario, write_bundle
+from tests.support.cli import envscaler
 from tests.support.openai_replay import ReplayServer
 from tests.support.server import serve
 
@@ -27,10 +28,6 @@ def farm(tmp_path_factory):
         catalog = root / "farm.json"
         catalog.write_text(json.dumps({"envs": {"counter": {"url": server.url, "token": server.token}}, "gateway": server.url}))
         yield catalog
-
-
-def envscaler(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "envscaler.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def records(path: Path) -> list[dict]:
@@ -192,6 +189,17 @@ def test_episode_commands_hand_an_episode_to_a_person(farm, tmp_path):
     assert gone.returncode == 2 and "404" in gone.stderr
     unknown = envscaler("episode", "new", "--farm", str(farm), "--scenario", "nope/x")
     assert unknown.returncode == 2 and "not in" in unknown.stderr
+
+
+def test_an_environment_server_that_does_not_answer_ends_the_command_with_exit_1(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    catalog = tmp_path / "farm.json"
+    catalog.write_text(json.dumps({"envs": {"counter": {"url": dead, "token": "t"}}}))
+    new = envscaler("episode", "new", "--farm", str(catalog), "--scenario", "counter/counter_001")
+    assert new.returncode == 1 and "Traceback" not in new.stderr
+    assert new.stderr.startswith("error: counter:") and dead.removeprefix("http://") in new.stderr
 
 
 KINDS_CODE = '''

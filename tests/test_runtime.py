@@ -78,7 +78,7 @@ def test_bad_arguments_are_agent_errors_the_model_can_act_on(runtime):
     missing = episode.call("add", {})
     assert missing.error == "Invalid arguments for 'add': missing required argument 'item_id'"
     not_object = episode.call("add", ["a"])
-    assert "must be a JSON object" in not_object.error
+    assert "must be a JSON object" in not_object.error and not_object.arguments == {"_raw": ["a"]}
     boolean = episode.call("add", {"item_id": "a", "amount": True})
     assert "expected integer, got boolean" in boolean.error
     assert episode.state()["items"]["a"]["count"] == 0

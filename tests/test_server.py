@@ -14,18 +14,34 @@ import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
+from agent_client.http import LeanHttp
+from agent_client.remote import EnvControl
 from envscaler import EnvRuntime, default_catalog, load_bundle
-from tests.support.bundles import counter_bundle, counter_scenario, second_scenario
+from envscaler.wire import (
+    EnvEndpoint,
+    EpisodeCreated,
+    EpisodeEnded,
+    EpisodeIds,
+    EpisodeReset,
+    EpisodeState,
+    EpisodeValidation,
+    Health,
+    ScenarioListing,
+    ServerInfo,
+    Trajectory,
+)
+from tests.support.bundles import (
+    counter_bundle,
+    counter_scenario,
+    counter_spec,
+    second_scenario,
+    write_bundle,
+)
 from tests.support.server import serve
 
 pytestmark = pytest.mark.anyio
 
 CATALOG_ENV = default_catalog() / "library_circulation"
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
 
 
 @pytest.fixture(scope="module")
@@ -342,3 +358,74 @@ def test_scenarios_listing(counter_server):
         listing = http.get("/scenarios").json()
     assert [s["task_id"] for s in listing["scenarios"]] == ["counter_001", "counter_002"]
     assert listing["scenarios"][0]["task"] == counter_scenario()["task"]
+
+
+def test_every_control_reply_is_exactly_its_wire_model(counter_server):
+    """Each reply parses as its envscaler.wire model and dumps back to the same JSON: no field the model lacks."""
+    with counter_server.client() as http:
+        created = http.post("/episodes", json={"scenario_id": "counter_001"}).json()
+        path = f"/episodes/{created['episode_id']}"
+        http.post(created["mcp_path"], json={"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                                             "params": {"name": "add", "arguments": {"item_id": "a"}}})
+        replies = [
+            (EpisodeCreated, created),
+            (Health, http.get("/healthz").json()),
+            (ServerInfo, http.get("/info").json()),
+            (ScenarioListing, http.get("/scenarios").json()),
+            (EpisodeIds, http.get("/episodes").json()),
+            (EpisodeState, http.get(f"{path}/state").json()),
+            (Trajectory, http.get(f"{path}/trajectory").json()),
+            (EpisodeValidation, http.post(f"{path}/validate").json()),
+            (EpisodeReset, http.post(f"{path}/reset", json={"scenario_id": "counter_002"}).json()),
+            (EpisodeEnded, http.delete(path).json()),
+        ]
+    for model, reply in replies:
+        assert model.model_validate(reply).model_dump(mode="json") == reply, model.__name__
+    assert {"episode_id", "mcp_url", "task", "env_introduction", "tools"} <= set(created)
+    assert {"score", "checks", "state_hash"} <= set(replies[7][1])
+
+
+def test_mcp_routing_headers_must_agree_with_the_body_and_errors_carry_the_sdk_status(counter_server):
+    episode = create(counter_server, scenario_id="counter_001")
+    meta = {"io.modelcontextprotocol/protocolVersion": "2026-07-28", "io.modelcontextprotocol/clientCapabilities": {}}
+
+    def call(name, headers, **params):
+        body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": name, "arguments": {"item_id": "a"}, **params}}
+        return http.post(episode["mcp_path"], json=body, headers=headers)
+
+    modern = {"MCP-Protocol-Version": "2026-07-28"}
+    with httpx.Client(base_url=counter_server.url, timeout=30) as http:
+        agreeing = call("add", {**modern, "Mcp-Method": "tools/call", "Mcp-Name": "add"}, _meta=meta)
+        assert agreeing.status_code == 200 and agreeing.json()["result"]["isError"] is False
+        encoded = call("add", {**modern, "Mcp-Method": "tools/call", "Mcp-Name": "=?base64?YWRk?="}, _meta=meta)
+        assert encoded.status_code == 200 and encoded.json()["result"]["isError"] is False
+        for headers in ({**modern, "Mcp-Method": "tools/list"}, {**modern, "Mcp-Name": "get_item"},
+                        {"MCP-Protocol-Version": "2025-06-18", "Mcp-Method": "tools/call"}):
+            refused = call("add", headers, _meta=meta)
+            assert refused.status_code == 400 and refused.json()["error"]["code"] == -32020, headers
+        twice = http.post(episode["mcp_path"], headers=[("MCP-Protocol-Version", "2026-07-28"), ("Mcp-Method", "tools/call"),
+                                                        ("Mcp-Method", "tools/call"), ("Content-Type", "application/json")],
+                          content=json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "add"}}))
+        assert twice.status_code == 400 and "more than once" in twice.json()["error"]["message"]
+        # A parameter error gets the SDK's 400 in the sessionless era, 200 in the handshake era.
+        nameless = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"arguments": {}}}
+        modern_error = http.post(episode["mcp_path"], json=nameless, headers=modern)
+        assert modern_error.status_code == 400 and modern_error.json()["error"]["code"] == -32602
+        legacy_error = http.post(episode["mcp_path"], json=nameless, headers={"MCP-Protocol-Version": "2025-06-18"})
+        assert legacy_error.status_code == 200 and legacy_error.json()["error"]["code"] == -32602
+    with counter_server.client() as control:
+        calls = control.get(f"/episodes/{episode['episode_id']}/trajectory").json()["calls"]
+    assert [c["name"] for c in calls] == ["add", "add"], "refused requests never reach the environment"
+
+
+async def test_ids_with_percent_and_slash_are_decoded_once(tmp_path):
+    odd = "odd%41/1"  # a literal "%41" (not "A") and a slash
+    bundle = write_bundle(tmp_path, counter_spec(), [counter_scenario(task_id=odd)])
+    with serve(bundle) as server:
+        with server.client() as http:
+            assert http.get("/scenarios/odd%2541%2F1").json()["task_id"] == odd
+            assert http.get("/scenarios/oddA%2F1").status_code == 404
+        async with LeanHttp() as lean:
+            control = EnvControl(lean, "counter", EnvEndpoint(url=server.url, token=server.token))
+            assert (await control.scenario(odd)).task_id == odd
+            assert (await control.create(odd)).scenario_id == odd
