@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import entry_points
@@ -17,7 +18,8 @@ from pathlib import Path
 
 from envscaler.bundle import default_catalog, find_bundles, load_bundles
 from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EnvScalerError
-from envscaler.gates import GATES, EnvReport, check_isolated
+from envscaler.gate_workers import check_isolated
+from envscaler.gates import GATES, EnvReport, ScenarioReport
 from envscaler.importer import import_envscaler
 from envscaler.runtime import EnvRuntime
 
@@ -45,8 +47,15 @@ def _catalog_check(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     print(f"checking {len(directories)} environment(s) with gates: {', '.join(GATES)}", flush=True)
     reports: list[EnvReport] = []
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        for report in pool.map(lambda d: check_isolated(d, args.timeout), directories):
+    # Every process the user allowed is busy: environments side by side, each one's scenarios split.
+    parallel_envs = min(args.jobs, len(directories))
+    workers = max(1, args.jobs // parallel_envs)
+
+    def check(directory: Path) -> EnvReport:
+        return check_isolated(directory, args.timeout, workers=workers, on_scenario=_print_scenario)
+
+    with ThreadPoolExecutor(max_workers=parallel_envs) as pool:
+        for report in pool.map(check, directories):
             reports.append(report)
             _print_report(report)
     failed = [r for r in reports if not r.passed]
@@ -57,6 +66,12 @@ def _catalog_check(args: argparse.Namespace) -> int:
     verdict = "all gates pass" if not failed else f"{len(failed)} environment(s) FAIL"
     print(f"{len(reports)} environments, {scenarios} scenarios, {tools} tools: {verdict}")
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _print_scenario(env_id: str, report: ScenarioReport) -> None:
+    """Progress on stderr as each scenario's gates finish (the report on stdout comes per environment)."""
+    failed = [g.gate for g in report.gates if not g.passed]
+    print(f"  {env_id}/{report.task_id}: {'FAIL ' + ', '.join(failed) if failed else 'ok'}", file=sys.stderr, flush=True)
 
 
 def _print_report(report: EnvReport) -> None:
@@ -105,8 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Each environment is checked in its own limited process. Gates: " + ", ".join(GATES),
     )
     check.add_argument("dir", nargs="?", default=str(default_catalog()), help="bundle or folder of bundles (default: the bundled catalog)")
-    check.add_argument("--jobs", type=int, default=2, help="environments checked at once (default: 2)")
-    check.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per environment (default: 300)")
+    check.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 2,
+        help="worker processes at once, over environments and their scenarios (default: one per core)",
+    )
+    check.add_argument(
+        "--timeout", type=float, default=300.0,
+        help="seconds allowed per scenario (and for loading each environment): a scenario that runs longer, or "
+        "kills its worker, fails alone under the gate it was in, and the others go on (default: 300)",
+    )
     check.add_argument("--json", metavar="FILE", help="also write the full report as JSON")
     check.set_defaults(func=_catalog_check)
 

@@ -6,16 +6,14 @@ check passes on the reference's final state; at least one check cleanly fails (r
 error) on the untouched initial state; checks give the same answers twice; a do-nothing agent
 scores below 1.0.
 
-:func:`check_isolated` runs them in a limited child process (``python -m envscaler.check_worker
-BUNDLE_DIR``), so that untrusted code never runs in the process that drives the check; ``envscaler
-catalog check`` and synthesis use it.
+:func:`envscaler.gate_workers.check_isolated` runs them in limited child processes, with a time
+limit per scenario, so that untrusted code never runs in the process that drives the check;
+``envscaler catalog check`` and synthesis use it.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from subprocess import TimeoutExpired
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -23,7 +21,6 @@ from pydantic import BaseModel, Field
 from envscaler.errors import EnvScalerError
 from envscaler.models import Bundle, Scenario
 from envscaler.runtime import EnvRuntime, Episode
-from envscaler.sandbox import run_module
 from envscaler.tools import signature_problems
 
 GATES = (
@@ -77,19 +74,10 @@ class EnvReport(BaseModel):
 
 
 def check_bundle(bundle: Bundle, *, call_timeout_s: float = 5.0, check_timeout_s: float = 2.0) -> EnvReport:
-    """Run every gate on every scenario of ``bundle``."""
-    report = EnvReport(env_id=bundle.env_id)
-    try:
-        runtime = EnvRuntime(bundle.spec, call_timeout_s=call_timeout_s, check_timeout_s=check_timeout_s)
-    except EnvScalerError as e:
-        report.env_gates.append(GateResult(gate="class_loads", passed=False, detail=str(e)))
+    """Run every gate on every scenario of ``bundle``, in this process (see ``envscaler.gate_workers``)."""
+    report, runtime = check_environment(bundle, call_timeout_s=call_timeout_s, check_timeout_s=check_timeout_s)
+    if runtime is None:
         return report
-    listed = bundle.spec.listed_tools()
-    problems = signature_problems(runtime.env_class, listed) if listed is not None else []
-    if not runtime.tools:
-        problems.append("the class has no tools")
-    report.tools = len(runtime.tools)
-    report.env_gates.append(GateResult(gate="class_loads", passed=not problems, detail="; ".join(problems)))
     changing: set[str] = set()
     for scenario in bundle.scenarios:
         report.scenarios.append(check_scenario(runtime, scenario, changing))
@@ -97,10 +85,41 @@ def check_bundle(bundle: Bundle, *, call_timeout_s: float = 5.0, check_timeout_s
     return report
 
 
-def check_scenario(runtime: EnvRuntime, scenario: Scenario, changing_tools: set[str] | None = None) -> ScenarioReport:
-    """Run the per-scenario gates, stopping at the first gate the later ones depend on."""
+def check_environment(
+    bundle: Bundle, *, call_timeout_s: float = 5.0, check_timeout_s: float = 2.0
+) -> tuple[EnvReport, EnvRuntime | None]:
+    """The environment-wide gate (``class_loads``), and the runtime to check scenarios with (None if it cannot load)."""
+    report = EnvReport(env_id=bundle.env_id)
+    try:
+        runtime = EnvRuntime(bundle.spec, call_timeout_s=call_timeout_s, check_timeout_s=check_timeout_s)
+    except EnvScalerError as e:
+        report.env_gates.append(GateResult(gate="class_loads", passed=False, detail=str(e)))
+        return report, None
+    listed = bundle.spec.listed_tools()
+    problems = signature_problems(runtime.env_class, listed) if listed is not None else []
+    if not runtime.tools:
+        problems.append("the class has no tools")
+    report.tools = len(runtime.tools)
+    report.env_gates.append(GateResult(gate="class_loads", passed=not problems, detail="; ".join(problems)))
+    return report, runtime
+
+
+def check_scenario(
+    runtime: EnvRuntime,
+    scenario: Scenario,
+    changing_tools: set[str] | None = None,
+    *,
+    on_gate: Callable[[str], None] | None = None,
+) -> ScenarioReport:
+    """Run the per-scenario gates, stopping at the first gate the later ones depend on.
+
+    ``on_gate`` hears each gate's name as it starts, so that a driver that stops a hung check can
+    name the gate that hung.
+    """
+    started = on_gate or (lambda gate: None)
     report = ScenarioReport(task_id=scenario.task_id)
     gates = report.gates
+    started("instantiates")
     try:
         start = runtime.new_episode(scenario.init_config, scenario_key=scenario.task_id)
     except EnvScalerError as e:
@@ -111,11 +130,13 @@ def check_scenario(runtime: EnvRuntime, scenario: Scenario, changing_tools: set[
         report.skipped = "unscored scenario (no checklist): only instantiation is checked"
         return report
 
+    started("reference_runs")
     first, problem = _replay(runtime, scenario, changing_tools)
     gates.append(GateResult(gate="reference_runs", passed=problem is None, detail=problem or ""))
     if first is None or problem is not None:
         return report
 
+    started("checks_pass_on_reference")
     on_reference = first.validate(scenario.checklist_with_func)
     failed = [f"{c.check_item!r}" + (f" ({c.error})" if c.error else "") for c in on_reference.checks if not c.passed]
     gates.append(
@@ -126,6 +147,7 @@ def check_scenario(runtime: EnvRuntime, scenario: Scenario, changing_tools: set[
         )
     )
 
+    started("check_fails_on_initial")
     on_initial = start.validate(scenario.checklist_with_func)
     # A check that crashes on the initial state proves nothing about the task: require a clean False.
     clean_failures = [c for c in on_initial.checks if not c.passed and not c.error]
@@ -136,6 +158,7 @@ def check_scenario(runtime: EnvRuntime, scenario: Scenario, changing_tools: set[
         detail += ("; errored instead: " + "; ".join(errored)) if errored else ": every check already passes"
     gates.append(GateResult(gate="check_fails_on_initial", passed=bool(clean_failures), detail=detail))
 
+    started("deterministic")
     second, _ = _replay(runtime, scenario, None, fresh=True)
     answers = [
         _verdicts(first.validate(scenario.checklist_with_func)),
@@ -188,25 +211,3 @@ def _replay(
             changing_tools.add(call.name)
     return episode, None
 
-
-def check_isolated(directory: Path, timeout_s: float) -> EnvReport:
-    """Every gate on one bundle, run in a limited child process; a checker that dies or hangs fails class_loads."""
-    try:
-        done = run_module("envscaler.check_worker", [str(directory)], timeout_s=timeout_s)
-    except TimeoutExpired:
-        return _broken(directory.name, f"the check did not finish within {timeout_s:g} s")
-    lines = done.stdout.strip().splitlines()
-    try:
-        payload = json.loads(lines[-1]) if lines else None
-    except json.JSONDecodeError:
-        payload = None
-    if not isinstance(payload, dict):
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return _broken(directory.name, f"the checker process failed (exit {done.returncode}): {tail}")
-    if "error" in payload:
-        return _broken(directory.name, payload["error"])
-    return EnvReport.model_validate(payload)
-
-
-def _broken(env_id: str, detail: str) -> EnvReport:
-    return EnvReport(env_id=env_id, env_gates=[GateResult(gate="class_loads", passed=False, detail=detail)])

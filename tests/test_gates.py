@@ -191,4 +191,4 @@ def test_catalog_check_cli_survives_a_bundle_that_kills_its_checker(tmp_path):
     write_bundle(tmp_path, counter_spec(env_class_code=code), [counter_scenario()])
     result = envscaler("catalog", "check", str(tmp_path))
     assert result.returncode == 1
-    assert "checker process failed (exit 3)" in result.stdout
+    assert "class_loads: loading the environment killed its checker process (exit 3)" in result.stdout
