@@ -136,6 +136,17 @@ class ScenarioListing(BaseModel):
     scenarios: list[ScenarioSummary]
 
 
+class MemoryStatus(BaseModel):
+    """The server's memory: what it uses, its tightest limit, and what is left under that limit."""
+
+    rss_mb: float
+    limit_mb: float | None = None
+    used_mb: float | None = None
+    headroom_mb: float | None = None
+    limited_by: str | None = None
+    """``cgroup`` (a container's memory limit) or ``address space`` (RLIMIT_AS); None when unlimited."""
+
+
 class ServerInfo(BaseModel):
     """Reply of ``GET /info``: what the server holds, its limits and its load."""
 
@@ -150,6 +161,7 @@ class ServerInfo(BaseModel):
     call_threads: int
     threaded_tools: list[str]
     expired_episodes: int
+    memory: MemoryStatus | None = None
 
 
 class Health(BaseModel):

@@ -39,10 +39,12 @@ from servers.errors import (
     CallAbandoned,
     ErrorReply,
     LimitReached,
+    OutOfMemory,
     UnknownEpisode,
     UnknownScenario,
 )
 from servers.mcp_endpoint import ROUTING_HEADERS, McpEndpoint, parse_error
+from servers.memory import memory_status
 
 log = logging.getLogger("envscaler.server")
 
@@ -65,6 +67,7 @@ class ServerConfig(BaseModel):
     worker_threads: int = Field(default=32, ge=1)
     inline_budget_s: float = Field(default=0.02, ge=0)
     allowed_origins: list[str] = Field(default_factory=list)
+    memory_reserve_mb: float = Field(default=32.0, ge=0)
 
 
 class EnvServerApp:
@@ -81,6 +84,7 @@ class EnvServerApp:
             idle_ttl_s=config.idle_ttl_s,
             worker_threads=config.worker_threads,
             inline_budget_s=config.inline_budget_s,
+            memory_reserve_mb=config.memory_reserve_mb,
         )
         self.mcp = McpEndpoint(self.store, f"envscaler-{bundle.env_id}", bundle.spec.environment_introduction)
         self._token = f"Bearer {config.token}".encode()
@@ -159,6 +163,10 @@ class EnvServerApp:
             return live.trajectory()
         if action == "reset" and method == "POST":
             request = await self._body(receive, EpisodeStart)
+            if request.scenario_id is None and request.init_config is None:
+                # No body: back to where this episode started.
+                request = EpisodeStart(scenario_id=live.scenario.task_id if live.scenario else None,
+                                       init_config=None if live.scenario else live.init_config)
             self._check_episode_start(request)
             await self._guard(self.store.reset(live, request.scenario_id, request.init_config))
             return EpisodeReset(episode_id=live.episode_id, scenario_id=request.scenario_id, task=live.scenario.task if live.scenario else "")
@@ -219,6 +227,8 @@ class EnvServerApp:
             raise ErrorReply(404, str(e)) from None
         except LimitReached as e:
             raise ErrorReply(429, str(e)) from None
+        except OutOfMemory as e:
+            raise ErrorReply(507, str(e)) from None
         except EnvScalerError as e:
             raise ErrorReply(500, f"environment error: {e}") from None
 
@@ -264,6 +274,7 @@ class EnvServerApp:
             call_threads=self.store.runner.threads,
             threaded_tools=sorted(self.store.threaded_tools),
             expired_episodes=self.store.expired,
+            memory=memory_status(),
         )
 
     def _scenarios(self) -> ScenarioListing:

@@ -29,7 +29,8 @@ from envscaler.guard import Preempted, can_preempt
 from envscaler.models import CheckItem
 from envscaler.wire import Trajectory
 from servers.calls import CallRunner
-from servers.errors import CallAbandoned, LimitReached, UnknownEpisode, UnknownScenario
+from servers.errors import CallAbandoned, LimitReached, OutOfMemory, UnknownEpisode, UnknownScenario
+from servers.memory import memory_status
 
 log = logging.getLogger("envscaler.server")
 
@@ -40,19 +41,22 @@ _ABANDON_GRACE_S = 0.5
 class LiveEpisode:
     """One episode with its scenario, lock, counters and call record."""
 
-    def __init__(self, episode_id: str, episode: Episode, scenario: Scenario | None) -> None:
+    def __init__(self, episode_id: str, episode: Episode, scenario: Scenario | None, init_config: dict[str, Any] | None) -> None:
         self.episode_id = episode_id
         self.episode = episode
         self.scenario = scenario
+        # A raw episode's state (no scenario): what a reset with no body goes back to.
+        self.init_config = init_config
         self.lock = asyncio.Lock()
         self.calls: list[ToolOutcome] = []
         self.last_used = time.monotonic()
         self.stuck = False
 
-    def reset(self, episode: Episode, scenario: Scenario | None) -> None:
+    def reset(self, episode: Episode, scenario: Scenario | None, init_config: dict[str, Any] | None) -> None:
         self.episode.close()
         self.episode = episode
         self.scenario = scenario
+        self.init_config = init_config
         self.calls = []
         self.stuck = False
         self.last_used = time.monotonic()
@@ -89,6 +93,7 @@ class EpisodeStore:
         idle_ttl_s: float,
         worker_threads: int,
         inline_budget_s: float,
+        memory_reserve_mb: float = 0.0,
     ) -> None:
         self.bundle = bundle
         self.runtime = runtime
@@ -98,6 +103,7 @@ class EpisodeStore:
         self.scenarios = {s.task_id: s for s in bundle.scenarios}
         self.runner = CallRunner(f"env-{runtime.env_id}", max_threads=worker_threads)
         self.inline_budget_s = inline_budget_s
+        self.memory_reserve_mb = memory_reserve_mb
         # Tools that once outran the inline budget: they go to the worker thread directly.
         self.threaded_tools: set[str] = set()
         self.stuck_calls = 0
@@ -110,7 +116,28 @@ class EpisodeStore:
         return scenario
 
     async def _build(self, scenario_id: str | None, init_config: dict[str, Any] | None) -> tuple[Episode, Scenario | None]:
+        """The episode, built with room to spare. Raises UnknownScenario, OutOfMemory or EnvCodeError."""
         scenario = self._scenario(scenario_id) if scenario_id else None
+        self._check_memory()
+        try:
+            return await self._construct(scenario_id, scenario, init_config)
+        except MemoryError:
+            raise OutOfMemory(f"{self.runtime.env_id}: ran out of memory building the episode; {self._memory_advice()}") from None
+
+    def _check_memory(self) -> None:
+        if not self.memory_reserve_mb:
+            return
+        status = memory_status()
+        if status.headroom_mb is not None and status.headroom_mb < self.memory_reserve_mb:
+            raise OutOfMemory(
+                f"{self.runtime.env_id}: only {status.headroom_mb:.0f} MB of memory left under the {status.limited_by} limit of "
+                f"{status.limit_mb:.0f} MB (the server keeps {self.memory_reserve_mb:g} MB in reserve); {self._memory_advice()}"
+            )
+
+    def _memory_advice(self) -> str:
+        return f"{len(self.episodes)} episodes are live: end some (DELETE /episodes/{{id}}) or give the server more memory"
+
+    async def _construct(self, scenario_id: str | None, scenario: Scenario | None, init_config: dict[str, Any] | None) -> tuple[Episode, Scenario | None]:
         config = scenario.init_config if scenario else (init_config or {})
         if scenario_id is not None and self.runtime.shares(scenario_id):
             return self.runtime.new_episode(config, scenario_key=scenario_id), scenario  # runs no env code
@@ -125,7 +152,7 @@ class EpisodeStore:
         self._check_room()
         episode, scenario = await self._build(scenario_id, init_config)
         self._check_room()  # others may have been created while this one was built
-        live = LiveEpisode(secrets.token_urlsafe(24), episode, scenario)
+        live = LiveEpisode(secrets.token_urlsafe(24), episode, scenario, None if scenario else (init_config or {}))
         self.episodes[live.episode_id] = live
         log.info("episode created", extra={"env": self.runtime.env_id, "episode": live.episode_id, "scenario": scenario_id})
         return live
@@ -147,7 +174,7 @@ class EpisodeStore:
         """Put ``live`` back to a scenario's (or a raw) initial state; its id and URL stay."""
         episode, scenario = await self._build(scenario_id, init_config)
         async with live.lock:
-            live.reset(episode, scenario)
+            live.reset(episode, scenario, None if scenario else (init_config or {}))
         log.info("episode reset", extra={"env": self.runtime.env_id, "episode": live.episode_id, "scenario": scenario_id})
 
     def end(self, episode_id: str) -> LiveEpisode:

@@ -7,6 +7,7 @@ Part of the tree drawn in ``envscaler.errors``; the exit code applies when one r
     ├── LimitReached            -   the server already holds its maximum of live episodes (HTTP 429)
     ├── UnknownEpisode          -   no live episode has this id (HTTP 404)
     ├── UnknownScenario         -   the environment has no scenario with this id (HTTP 404)
+    ├── OutOfMemory             -   no memory is left for another episode (HTTP 507)
     ├── CallAbandoned           -   a call on a worker thread outlived its deadline and was left behind
     └── FarmError               2   the farm cannot do what was asked: bad input, no engine, unreadable farm files
 
@@ -37,6 +38,10 @@ class UnknownEpisode(EnvScalerError):
 
 class UnknownScenario(EnvScalerError):
     """The environment has no scenario with this id."""
+
+
+class OutOfMemory(EnvScalerError):
+    """The server has no memory left for another episode."""
 
 
 class CallAbandoned(EnvScalerError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import resource
 import subprocess
 import sys
 import time
@@ -37,6 +38,7 @@ from tests.support.bundles import (
     second_scenario,
     write_bundle,
 )
+from tests.support.large_state import shop_bundle
 from tests.support.server import serve
 
 pytestmark = pytest.mark.anyio
@@ -429,3 +431,52 @@ async def test_ids_with_percent_and_slash_are_decoded_once(tmp_path):
             control = EnvControl(lean, "counter", EnvEndpoint(url=server.url, token=server.token))
             assert (await control.scenario(odd)).task_id == odd
             assert (await control.create(odd)).scenario_id == odd
+
+
+async def test_reset_with_no_body_goes_back_to_the_episodes_own_start(counter_server):
+    episode = create(counter_server, scenario_id="counter_002")
+    raw = create(counter_server, init_config={"items": {"z": {"name": "Z", "count": 9}}})
+    for started in (episode, raw):
+        http, client = await mcp_session(started["mcp_url"])
+        async with http, client:
+            await client.call_tool("add", {"item_id": "a" if started is episode else "z", "amount": 5})
+    with counter_server.client() as control:
+        path = f"/episodes/{episode['episode_id']}"
+        before = control.get(f"{path}/state").json()["state"]
+        reset = control.post(f"{path}/reset")
+        assert reset.status_code == 200 and reset.json()["scenario_id"] == "counter_002"
+        assert control.get(f"{path}/state").json()["state"]["items"]["a"]["count"] == 1 != before["items"]["a"]["count"]
+        raw_path = f"/episodes/{raw['episode_id']}"
+        assert control.post(f"{raw_path}/reset").status_code == 200
+        assert control.get(f"{raw_path}/state").json()["state"]["items"] == {"z": {"name": "Z", "count": 9}}
+
+
+def test_a_server_out_of_memory_refuses_episodes_with_507_and_keeps_serving(tmp_path):
+    bundle = shop_bundle(tmp_path, 1_300_000)
+    limit = 1536 * 1024 * 1024
+    command = [sys.executable, "-m", "envscaler.cli", "serve", str(bundle), "--port", "0", "--token", "t", "--log-level", "warning"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                               preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+    try:
+        url = json.loads(process.stdout.readline())["url"]
+        with httpx.Client(base_url=url, headers={"Authorization": "Bearer t"}, timeout=60) as http:
+            memory = http.get("/info").json()["memory"]
+            assert memory["limited_by"] == "address space" and memory["limit_mb"] == 1536 and memory["headroom_mb"] > 32
+            first = http.post("/episodes", json={"scenario_id": "move_1"})
+            assert first.status_code == 201
+            config = {"seed": 3, "user_count": 2400}  # raw episodes: each builds its own ~2.5 MB of JSON state
+            for _ in range(400):
+                refused = http.post("/episodes", json={"init_config": config})
+                if refused.status_code != 201:
+                    break
+            assert refused.status_code == 507, refused.text
+            reason = refused.json()["error"]
+            assert "memory" in reason and "end some" in reason
+            assert http.get("/info").json()["memory"]["headroom_mb"] < 32 + 40
+            # Still serving: the live episodes answer, and the health check is fine.
+            assert http.get("/healthz").status_code == 200
+            validation = http.post(f"/episodes/{first.json()['episode_id']}/validate")
+            assert validation.status_code == 200 and validation.json()["score"] < 1.0
+    finally:
+        process.terminate()
+        process.wait(10)
