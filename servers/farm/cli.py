@@ -18,6 +18,7 @@ from pathlib import Path
 
 from envscaler.bundle import default_catalog, find_bundles
 from envscaler.errors import EXIT_FAILED, EXIT_OK
+from envscaler.wire import DEFAULT_FARM_CATALOG
 from servers.errors import FarmError
 from servers.farm.images import docker_answers
 from servers.farm.models import Backend, FarmPaths, FarmPlan, FarmState, Limits, read_json, write_json
@@ -25,7 +26,7 @@ from servers.farm.plan import plan_farm
 from servers.farm.process import FARM_ID_VARIABLE, describe_exit
 from servers.farm.teardown import pid_alive, tear_down
 
-DEFAULT_CATALOG = ".envscaler/farm.json"
+DEFAULT_CATALOG = DEFAULT_FARM_CATALOG
 
 
 def _state(paths: FarmPaths) -> FarmState | None:
