@@ -23,7 +23,7 @@ from agent_client.remote import EnvControl, new_http_client
 from agent_client.runner import RunOptions, run
 from agent_client.summary import infra_reasons, render, summarize
 from envscaler.arguments import examples, non_negative_float, non_negative_int, positive_float, positive_int
-from envscaler.errors import EXIT_FAILED, EXIT_OK
+from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from envscaler.llm import check_endpoint
 from envscaler.wire import DEFAULT_FARM_CATALOG
 
@@ -140,35 +140,52 @@ def _episode_end(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _envscaler(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "envscaler.cli", *args], text=True, stdout=subprocess.PIPE)
+def _envscaler(*args: str, quiet: bool = False) -> subprocess.CompletedProcess[str]:
+    """``envscaler ARGS`` in a child of its own session: Ctrl-C is the demo's to handle, not the child's too."""
+    process = subprocess.Popen([sys.executable, "-m", "envscaler.cli", *args], text=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL if quiet else None, start_new_session=True)
+    try:
+        stdout, _ = process.communicate()
+    except BaseException:
+        process.kill()  # the demo tears the farm down itself
+        process.wait()
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout)
 
 
 def _demo(args: argparse.Namespace) -> int:
-    started = time.monotonic()
     out_dir = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="envscaler-demo-") as scratch:
         catalog = os.path.join(scratch, "farm.json")
-        print("demo: starting a process farm of the bundled catalog", file=sys.stderr)
-        up = _envscaler("farm", "up", *args.env_dirs, "--backend", "process", "--catalog", catalog)
-        if up.returncode != 0:
-            print("error: the farm did not start (see the lines above)", file=sys.stderr)
-            return EXIT_FAILED
         try:
-            farm = load_farm_catalog(catalog)
-            results = {}
-            for name, make_agent in (("replay", ReplayAgent), ("random", RandomAgent)):
-                path = out_dir / f"{name}.jsonl"
-                path.unlink(missing_ok=True)
-                print(f"demo: running the {name} agent over MCP on every scenario", file=sys.stderr)
-                options = RunOptions(concurrency=args.concurrency)
-                anyio.run(partial(run, farm, make_agent, path, options=options))
-                results[name] = read_records(path)
-                print()
-                print(render(summarize(results[name], 1), f"{name} agent ({path})"))
+            return _demo_on_farm(args, out_dir, catalog)
+        except KeyboardInterrupt:
+            print("demo: interrupted; its farm is stopped and its temporary files removed", file=sys.stderr)
+            return EXIT_INTERRUPTED
         finally:
-            _envscaler("farm", "down", "--catalog", catalog)
+            _envscaler("farm", "down", "--catalog", catalog, quiet=True)
+
+
+def _demo_on_farm(args: argparse.Namespace, out_dir: Path, catalog: str) -> int:
+    """The demo's work on a farm whose catalog goes to ``catalog`` (the caller stops the farm)."""
+    started = time.monotonic()
+    print("demo: starting a process farm of the bundled catalog", file=sys.stderr)
+    up = _envscaler("farm", "up", *args.env_dirs, "--backend", "process", "--catalog", catalog)
+    if up.returncode != 0:
+        print("error: the farm did not start (see the lines above)", file=sys.stderr)
+        return EXIT_FAILED
+    farm = load_farm_catalog(catalog)
+    results = {}
+    for name, make_agent in (("replay", ReplayAgent), ("random", RandomAgent)):
+        path = out_dir / f"{name}.jsonl"
+        path.unlink(missing_ok=True)
+        print(f"demo: running the {name} agent over MCP on every scenario", file=sys.stderr)
+        options = RunOptions(concurrency=args.concurrency)
+        anyio.run(partial(run, farm, make_agent, path, options=options))
+        results[name] = read_records(path)
+        print()
+        print(render(summarize(results[name], 1), f"{name} agent ({path})"))
     replay = results["replay"]
     perfect = sum(r.reward == 1.0 for r in replay)
     print(f"\ndemo: {perfect}/{len(replay)} replays scored 1.0; trajectories in {out_dir}/; {time.monotonic() - started:.1f} s")

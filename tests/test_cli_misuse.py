@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -133,3 +134,55 @@ def test_ctrl_c_during_run_ends_the_live_episodes(tmp_path):
             _, stderr = process.communicate(timeout=60)
             assert process.returncode == 130 and "Traceback" not in stderr
             assert http.get("/episodes").json()["episodes"] == []
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(cmdline)
+    return found
+
+
+@pytest.mark.parametrize("moment", ["demo: starting a process farm", "demo: running the replay agent"])
+def test_ctrl_c_during_demo_leaves_nothing_behind_and_says_one_line(tmp_path, moment):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch), "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "envscaler.cli", "demo", "--out", str(tmp_path / "out")], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines = []
+    for line in process.stderr:  # type: ignore[union-attr]
+        lines.append(line)
+        if moment in line:
+            break
+    time.sleep(1.0)
+    os.killpg(process.pid, signal.SIGINT)
+    rest = process.stderr.read()  # type: ignore[union-attr]
+    process.wait(120)
+    assert process.returncode == 130, "".join(lines) + rest
+    assert "Traceback" not in rest and rest.count("interrupted") == 1, rest
+    assert list(scratch.iterdir()) == []
+    assert _processes_mentioning(str(scratch)) == []
+
+
+def test_ctrl_c_during_farm_up_stops_what_it_started(tmp_path):
+    catalog = tmp_path / "farm" / "farm.json"
+    process = subprocess.Popen([sys.executable, "-m", "envscaler.cli", "farm", "up", "--backend", "process", "--catalog", str(catalog)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    for line in process.stderr:  # type: ignore[union-attr]
+        if "farm: starting" in line:
+            break
+    time.sleep(1.5)
+    os.killpg(process.pid, signal.SIGINT)
+    rest = process.stderr.read()  # type: ignore[union-attr]
+    process.wait(120)
+    assert process.returncode == 130 and "Traceback" not in rest and "stopped everything it had started" in rest, rest
+    deadline = time.monotonic() + 30
+    while _processes_mentioning(str(catalog)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _processes_mentioning(str(catalog)) == []
