@@ -206,3 +206,12 @@ def test_resume_reruns_infra_errors_and_refuses_another_agents_file(tmp_path):
         assert [json.loads(line)["termination"] for line in out.read_text().splitlines()].count("infra_error") == 0
         other = envscaler("run", "--farm", str(catalog), "--out", str(out), "--agent", "random", "--quiet")
         assert_usage_error(other, "agent 'replay', not 'random'", "another --out")
+
+
+def test_a_class_that_cannot_load_fails_build_and_farm_up_at_once(tmp_path):
+    broken = write_bundle(tmp_path, counter_spec(env_class_code="class Counter(:\n    pass\n"), [])
+    for command in (["build", str(broken)], ["farm", "up", str(broken), "--backend", "process", "--catalog", str(tmp_path / "f.json")]):
+        done = envscaler(*command, timeout=60)
+        assert_usage_error(done, "counter: syntax error in class code, line 1")
+    renamed = write_bundle(tmp_path / "other", counter_spec(env_class_code="class Other:\n    pass\n"), [])
+    assert_usage_error(envscaler("build", str(renamed)), "no class 'Counter'", "Other")

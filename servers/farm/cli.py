@@ -16,8 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from envscaler.bundle import default_catalog, find_bundles
+from envscaler.bundle import default_catalog, find_bundles, load_bundle
 from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
+from envscaler.loader import precheck_class
 from envscaler.wire import DEFAULT_FARM_CATALOG
 from servers.errors import FarmError
 from servers.farm.images import docker_answers
@@ -197,6 +198,8 @@ def _build(args: argparse.Namespace) -> int:
     bundle_dirs = [Path(d) for root in (args.env_dirs or []) for d in find_bundles(root)]
     if not bundle_dirs and not args.runtime_only:
         raise FarmError("name at least one ENV_DIR (or pass --runtime-only)")
+    for directory in bundle_dirs:
+        precheck_class(load_bundle(directory).spec)  # before minutes of image building, not in a crash loop after
     results = build_images(bundle_dirs, runtime_only=args.runtime_only, base=args.base_image)
     if args.runtime_only:
         print("built the runtime image (envscaler-runtime:latest)", file=sys.stderr)
