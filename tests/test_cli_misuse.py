@@ -215,3 +215,19 @@ def test_a_class_that_cannot_load_fails_build_and_farm_up_at_once(tmp_path):
         assert_usage_error(done, "counter: syntax error in class code, line 1")
     renamed = write_bundle(tmp_path / "other", counter_spec(env_class_code="class Other:\n    pass\n"), [])
     assert_usage_error(envscaler("build", str(renamed)), "no class 'Counter'", "Other")
+
+
+def test_status_of_a_farm_whose_daemon_died_reports_nothing_healthy(tmp_path):
+    catalog = tmp_path / "farm.json"
+    up = envscaler("farm", "up", str(counter_bundle(tmp_path)), "--backend", "process", "--catalog", str(catalog), timeout=180)
+    assert up.returncode == 0, up.stderr
+    try:
+        daemon = json.loads(envscaler("farm", "status", "--catalog", str(catalog), "--json").stdout)["daemon_pid"]
+        os.kill(daemon, signal.SIGKILL)
+        time.sleep(0.5)
+        status = envscaler("farm", "status", "--catalog", str(catalog))
+        assert status.returncode == 1 and "NOT RUNNING" in status.stdout
+        assert "healthy" not in status.stdout.split("\n", 1)[1] and "farm down" in status.stderr
+    finally:
+        envscaler("farm", "down", "--catalog", str(catalog))
+    assert _processes_mentioning(str(catalog)) == []

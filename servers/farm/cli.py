@@ -143,7 +143,12 @@ def farm_status(args: argparse.Namespace) -> int:
         print(f"{'env_id':<28} {'status':<11} {'restarts':>8}  {'url':<24} last exit")
         for record in state.envs.values():
             oom = " (out of memory)" if record.oom_killed else ""
-            print(f"{record.env_id:<28} {record.status:<11} {record.restarts:>8}  {record.url:<24} {record.last_exit or ''}{oom}")
+            # Without its daemon nobody watches the servers: their last known status says nothing now.
+            status = record.status if alive else "unknown"
+            print(f"{record.env_id:<28} {status:<11} {record.restarts:>8}  {record.url:<24} {record.last_exit or ''}{oom}")
+        if not alive:
+            print(f"the farm's daemon is gone: run 'envscaler farm down --catalog {args.catalog}' to stop what it left running",
+                  file=sys.stderr)
     healthy = alive and all(r.status == "healthy" for r in state.envs.values())
     return EXIT_OK if healthy else EXIT_FAILED
 
