@@ -37,7 +37,11 @@ class RunOptions:
 
 
 def read_done(path: Path) -> set[tuple[str, str, int]]:
-    """Keys of the records already in ``path``; a torn last line (from a kill) is dropped."""
+    """Keys of the records already in ``path``; a torn last line (from a kill) is dropped.
+
+    So are infra errors: those episodes could not be judged (their environment instance died, say),
+    so a rerun runs them again and its records take their place.
+    """
     done: set[tuple[str, str, int]] = set()
     if not path.exists():
         return done
@@ -46,6 +50,8 @@ def read_done(path: Path) -> set[tuple[str, str, int]]:
     for line in lines:
         try:
             item = json.loads(line)
+            if item.get("termination") == "infra_error":
+                continue
             done.add((item["env_id"], item["task_id"], item["repeat"]))
             good.append(line if line.endswith("\n") else line + "\n")
         except (json.JSONDecodeError, KeyError, TypeError):

@@ -22,6 +22,7 @@ from envscaler.errors import ChecklistError
 from envscaler.models import CheckItem
 from servers.asgi import json_bytes, read_body, send_json
 from servers.calls import CallAbandoned
+from servers.episode_ids import REPLICA_ID_PATTERN
 from servers.episodes import EpisodeStore, LimitReached, LiveEpisode, UnknownEpisode, UnknownScenario
 from servers.mcp_endpoint import McpEndpoint
 
@@ -45,6 +46,8 @@ class ServerConfig(BaseModel):
     worker_threads: int = Field(default=32, ge=1)
     inline_budget_s: float = Field(default=0.02, ge=0)
     allowed_origins: list[str] = Field(default_factory=list)
+    # Set when this server is one replica of many: episode ids then name it (servers.episode_ids).
+    replica_id: str | None = Field(default=None, pattern=REPLICA_ID_PATTERN)
 
 
 class _Body(BaseModel):
@@ -87,6 +90,7 @@ class EnvServerApp:
             idle_ttl_s=config.idle_ttl_s,
             worker_threads=config.worker_threads,
             inline_budget_s=config.inline_budget_s,
+            replica_id=config.replica_id,
         )
         self.mcp = McpEndpoint(self.store, f"envscaler-{bundle.env_id}", bundle.spec.environment_introduction)
         self._token = f"Bearer {config.token}".encode()
@@ -131,7 +135,8 @@ class EnvServerApp:
             await self._mcp(scope, receive, send, parts[1])
             return
         if path == "/healthz":
-            await send_json(send, 200, json_bytes({"status": "ok", "env_id": self.bundle.env_id, "episodes": len(self.store.episodes)}))
+            health = {"status": "ok", "env_id": self.bundle.env_id, "episodes": len(self.store.episodes), "replica": self.config.replica_id}
+            await send_json(send, 200, json_bytes(health))
             return
         self._authorize(scope)
         if parts == ["info"] and method == "GET":

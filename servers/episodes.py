@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from typing import Any
 
@@ -29,6 +28,7 @@ from envscaler import Bundle, EnvCodeError, EnvRuntime, Episode, EnvScalerError,
 from envscaler.guard import Preempted, can_preempt
 from envscaler.models import CheckItem
 from servers.calls import CallAbandoned, CallRunner
+from servers.episode_ids import new_episode_id
 
 log = logging.getLogger("envscaler.server")
 
@@ -106,8 +106,11 @@ class EpisodeStore:
         idle_ttl_s: float,
         worker_threads: int,
         inline_budget_s: float,
+        replica_id: str | None = None,
     ) -> None:
         self.bundle = bundle
+        # Prefixes every episode id when this server is one replica of many (servers.episode_ids).
+        self.replica_id = replica_id
         self.runtime = runtime
         self.max_episodes = max_episodes
         self.idle_ttl_s = idle_ttl_s
@@ -140,7 +143,7 @@ class EpisodeStore:
         self._check_room()
         episode, scenario = await self._build(scenario_id, init_config)
         self._check_room()  # others may have been created while this one was built
-        live = LiveEpisode(secrets.token_urlsafe(24), episode, scenario)
+        live = LiveEpisode(new_episode_id(self.replica_id), episode, scenario)
         self.episodes[live.episode_id] = live
         log.info("episode created", extra={"env": self.runtime.env_id, "episode": live.episode_id, "scenario": scenario_id})
         return live
