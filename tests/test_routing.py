@@ -90,6 +90,13 @@ def create(http: httpx.Client, base: str) -> dict:
     return response.json()
 
 
+def episode_on_r2(http: httpx.Client, base: str) -> dict:
+    """Once the gateway sees replicas r1 and r2, create one episode on each; the one r2 holds."""
+    wait_until(lambda: seen_replicas(base) == 2)
+    episodes = [create(http, base) for _ in range(2)]
+    return next(e for e in episodes if e["episode_id"].startswith("r2."))
+
+
 def call_tool(http: httpx.Client, mcp_url: str, name: str, arguments: dict) -> httpx.Response:
     body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": name, "arguments": arguments}}
     return http.post(mcp_url, json=body, headers=MCP_HEADERS)
@@ -145,9 +152,7 @@ def test_creation_goes_to_the_least_loaded_replica_and_each_episode_to_its_holde
 
 def test_a_dead_replica_answers_gone_never_a_score_and_creation_goes_elsewhere():
     with replicas("r1", "r2") as servers, gateway({ENV: [s.url for s in servers]}) as base, httpx.Client(timeout=30) as http:
-        wait_until(lambda: seen_replicas(base) == 2)
-        episodes = [create(http, base) for _ in range(2)]
-        lost = next(e for e in episodes if e["episode_id"].startswith("r2."))
+        lost = episode_on_r2(http, base)
         servers[1].process.send_signal(signal.SIGKILL)
         servers[1].process.wait()
         called = call_tool(http, lost["mcp_url"], SCENARIO.reference_solution[0].name, SCENARIO.reference_solution[0].arguments)
@@ -160,9 +165,7 @@ def test_a_dead_replica_answers_gone_never_a_score_and_creation_goes_elsewhere()
 
 def test_a_request_waiting_on_a_replica_that_stops_answering_is_cut_short():
     with replicas("r1", "r2") as servers, gateway({ENV: [s.url for s in servers]}) as base, httpx.Client(timeout=60) as http:
-        wait_until(lambda: seen_replicas(base) == 2)
-        episodes = [create(http, base) for _ in range(2)]
-        stalled = next(e for e in episodes if e["episode_id"].startswith("r2."))
+        stalled = episode_on_r2(http, base)
         servers[1].process.send_signal(signal.SIGSTOP)
         try:
             started = time.monotonic()

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 
+from envscaler.wire import GatewayHealth
 from servers.asgi import json_bytes, read_body, send_json
 from servers.farm.routing import ReplicaRouter, RouteError
 
@@ -61,10 +62,8 @@ class Gateway:
         raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
         path = raw_path.split(b"?", 1)[0]
         if path == b"/healthz":
-            health: dict[str, Any] = {"status": "ok", "envs": len(self.routes)}
-            if self.router is not None:
-                health["replicas"] = self.router.health()
-            await send_json(send, 200, json_bytes(health))
+            replicas = self.router.health() if self.router is not None else None
+            await send_json(send, 200, json_bytes(GatewayHealth(envs=len(self.routes), replicas=replicas)))
             return
         if path in (b"/envs", b"/envs/") and scope["method"] == "GET":
             await send_json(send, 200, json_bytes({"envs": sorted(self.routes)}))

@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 
 import anyio
 import httpx
+from pydantic import ValidationError
 
+from envscaler.wire import Health
 from servers.episode_ids import replica_of
 
 log = logging.getLogger("envscaler.farm")
@@ -166,11 +168,11 @@ class ReplicaRouter:
 
     async def _probe(self, address: str, answers: dict[str, tuple[str, int]]) -> None:
         try:
-            health = (await self.http.get(address + "/healthz")).json()
-        except (httpx.HTTPError, ValueError):
+            health = Health.model_validate_json((await self.http.get(address + "/healthz")).content)
+        except (httpx.HTTPError, ValidationError):
             return
-        if isinstance(health, dict) and isinstance(health.get("replica"), str):
-            answers[address] = (health["replica"], int(health.get("episodes") or 0))
+        if health.replica is not None:
+            answers[address] = (health.replica, health.episodes)
 
     def _lose(self, env_id: str, replica: Replica, reason: str) -> None:
         env = self.envs[env_id]

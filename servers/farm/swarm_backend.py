@@ -34,12 +34,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
-from envscaler.models import EnvEndpoint, FarmCatalog
+from envscaler.errors import EXIT_FAILED, EXIT_OK
+from envscaler.wire import EnvEndpoint, FarmCatalog, GatewayHealth
+from servers.errors import FarmError
 from servers.farm.docker_backend import SERVER_PORT, SERVER_USER
 from servers.farm.images import LABEL_ENV, LABEL_FARM, build_env_image, current_runtime, docker_client
-from servers.farm.models import EnvPlan, FarmError, FarmPaths, FarmPlan, read_json, write_json
+from servers.farm.models import EnvPlan, FarmPaths, FarmPlan, read_json, write_json
 from servers.farm.swarm_gateway import GATEWAY_PORT, GatewayRoutes
 
 PublishMode = Literal["ingress", "host"]
@@ -266,20 +268,20 @@ def _up(args: argparse.Namespace, paths: FarmPaths, plan: FarmPlan) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         remove_swarm_farm(paths, farm_id)
-        return 1
+        return EXIT_FAILED
     catalog = FarmCatalog(envs={env.env_id: EnvEndpoint(url=f"{farm.gateway}/envs/{env.env_id}", token=env.token) for env in plan.envs},
                           gateway=farm.gateway, backend="swarm", farm_id=farm_id)
     write_json(paths.catalog, catalog)
     print(f"farm: ready after {time.monotonic() - started:.1f} s; catalog {paths.catalog}, gateway {farm.gateway}", file=sys.stderr)
     print(paths.catalog)
-    return 0
+    return EXIT_OK
 
 
 def _gateway_view(gateway: str) -> dict[str, int] | None:
     """env_id -> replicas the gateway sees answering; None while it does not answer."""
     try:
-        return httpx.get(gateway + "/healthz", timeout=2.0, trust_env=False).json().get("replicas")
-    except (httpx.HTTPError, ValueError):
+        return GatewayHealth.model_validate_json(httpx.get(gateway + "/healthz", timeout=2.0, trust_env=False).content).replicas
+    except (httpx.HTTPError, ValidationError):
         return None
 
 
@@ -340,7 +342,7 @@ def _status(paths: FarmPaths, as_json: bool) -> int:
     farm = read_json(swarm_file(paths), SwarmFarm)
     if farm is None:
         print(f"no swarm farm at {paths.catalog}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     client = _client(farm.docker_host)
     nodes = {node["ID"]: node["Description"]["Hostname"] for node in client.api.nodes()}
     view = _gateway_view(farm.gateway) or {}

@@ -20,9 +20,9 @@ from pydantic import BaseModel, Field, ValidationError
 from envscaler import logs
 from envscaler.bundle import describe_validation_error
 from servers.farm.gateway import Gateway
-from servers.farm.launch import no_new_privileges
 from servers.farm.routing import ReplicaRouter, dns_discovery
 from servers.http_server import HttpServer
+from servers.launch import no_new_privileges
 from servers.serve import _loop_factory, bind
 
 GATEWAY_PORT = 8080
