@@ -99,6 +99,9 @@ def farm_up(args: argparse.Namespace) -> int:
     existing = _state(paths)
     if existing and pid_alive(existing.daemon_pid):
         raise FarmError(f"a farm is already running for {paths.catalog} (daemon pid {existing.daemon_pid}); run 'envscaler farm down --catalog {args.catalog}' first")
+    previous = read_json(paths.plan, FarmPlan)
+    if previous and previous.backend == "swarm" and paths.catalog.exists():
+        raise FarmError(f"a swarm farm is already running for {paths.catalog}; run 'envscaler farm down --catalog {args.catalog}' first")
     if paths.dir.exists():
         # Leftovers of a farm whose daemon was killed: remove them before starting over.
         tear_down(paths)
@@ -106,6 +109,10 @@ def farm_up(args: argparse.Namespace) -> int:
     limits = Limits(memory_mb=args.memory_mb, cpus=args.cpus, pids=args.pids)
     plan = plan_farm(args.env_dirs or [str(default_catalog())], backend, paths.catalog, limits, args.gateway_port)
     print(f"farm: starting {len(plan.envs)} environment(s) with the {backend} backend (farm {plan.farm_id})", file=sys.stderr)
+    if backend == "swarm":
+        from servers.farm.swarm_backend import swarm_up
+
+        return swarm_up(args, paths, plan)
     try:
         daemon = _spawn_daemon(plan, paths)
         state, problem = _wait_ready(daemon, paths, len(plan.envs), args.timeout)
@@ -130,6 +137,11 @@ def farm_up(args: argparse.Namespace) -> int:
 
 def farm_status(args: argparse.Namespace) -> int:
     paths = FarmPaths(args.catalog)
+    plan = read_json(paths.plan, FarmPlan)
+    if plan and plan.backend == "swarm":
+        from servers.farm.swarm_backend import swarm_status
+
+        return swarm_status(paths, args.json)
     state = _state(paths)
     if state is None:
         print(f"no farm at {paths.catalog}", file=sys.stderr)
@@ -177,14 +189,26 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
         description="Starts a detached farm daemon and returns once every server answers /healthz.",
     )
     up.add_argument("env_dirs", nargs="*", metavar="ENV_DIR", help="bundles or folders of bundles (default: the bundled catalog)")
-    up.add_argument("--backend", choices=["docker", "process"],
-                    help="docker (hardened containers) or process (local subprocesses); default: docker when an engine answers, else process")
+    up.add_argument("--backend", choices=["docker", "process", "swarm"],
+                    help="docker (hardened containers), process (local subprocesses) or swarm (services of the Docker Swarm "
+                         "that DOCKER_HOST or the local engine manages); default: docker when an engine answers, else process")
     catalog_flag(up)
-    up.add_argument("--gateway-port", type=int, default=0, help="port of the gateway on 127.0.0.1 (default: a free one)")
+    up.add_argument("--gateway-port", type=int, default=0,
+                    help="port of the gateway: on 127.0.0.1 (default: a free one); swarm: the published port (default: "
+                         "Swarm's choice on the ingress, or one derived from the farm id with --gateway-publish host)")
     up.add_argument("--memory-mb", type=int, default=256, help="memory limit per server in MB (default: 256)")
-    up.add_argument("--cpus", type=float, default=1.0, help="CPU limit per server, docker backend (default: 1.0)")
-    up.add_argument("--pids", type=int, default=128, help="process/thread limit per server, docker backend (default: 128)")
+    up.add_argument("--cpus", type=float, default=1.0, help="CPU limit per server, docker and swarm backends (default: 1.0)")
+    up.add_argument("--pids", type=int, default=128, help="process/thread limit per server, docker and swarm backends (default: 128)")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for every server to be healthy (default: 120)")
+    swarm = up.add_argument_group("swarm backend")
+    swarm.add_argument("--registry", metavar="HOST:PORT", help="registry the farm's images are pushed to and every node pulls from (required)")
+    swarm.add_argument("--replicas", type=int, default=1, help="servers per environment, spread over the nodes (default: 1)")
+    swarm.add_argument("--gateway-publish", choices=["ingress", "host"], default="ingress",
+                       help="ingress: --gateway-replicas gateways behind Swarm's routing mesh; host: one gateway on every "
+                            "node, on the same port (for kernels without IPVS) (default: ingress)")
+    swarm.add_argument("--gateway-replicas", type=int, default=2, help="gateways with --gateway-publish ingress (default: 2)")
+    swarm.add_argument("--gateway-host", metavar="HOST",
+                       help="address the catalog names for the gateway (default: the manager's advertised address)")
     up.set_defaults(func=farm_up)
 
     status = actions.add_parser("status", help="show each environment's health and restarts; exit 1 unless all are healthy")
