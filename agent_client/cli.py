@@ -22,7 +22,7 @@ from agent_client.models import load_farm_catalog
 from agent_client.remote import EnvControl, new_http_client
 from agent_client.runner import RunOptions, run
 from agent_client.summary import infra_reasons, render, summarize
-from envscaler.arguments import examples, non_negative_float, non_negative_int, positive_float, positive_int
+from envscaler.arguments import non_negative_float, non_negative_int, positive_float, positive_int, with_examples
 from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from envscaler.llm import check_endpoint
 from envscaler.wire import DEFAULT_FARM_CATALOG
@@ -199,10 +199,9 @@ def register_run(commands: argparse._SubParsersAction) -> None:
         "run", help="run an agent over MCP on a farm's scenarios; score and record every episode",
         description="Each episode: create, hand the MCP URL to the agent, validate, fetch the server trajectory, "
                     "append one JSONL record, end. Records already in --out are skipped (resume).",
-        epilog=examples("envscaler run --agent replay --out runs/replay.jsonl",
+        **with_examples("envscaler run --agent replay --out runs/replay.jsonl",
                         "envscaler run --agent openai --base-url http://localhost:8000/v1 --model qwen3-8b --out runs/qwen.jsonl --repeats 4",
-                        "envscaler run --agent command --command 'python my_agent.py --url {mcp_url} --task {task}' --out runs/mine.jsonl"),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        "envscaler run --agent command --command 'python my_agent.py --url {mcp_url} --task {task}' --out runs/mine.jsonl")
     )
     parser.add_argument("--farm", default=DEFAULT_FARM_CATALOG, metavar="CATALOG",
                         help=f"catalog file written by 'envscaler farm up' (default: {DEFAULT_FARM_CATALOG})")
@@ -233,8 +232,7 @@ def register_export(commands: argparse._SubParsersAction) -> None:
     """Add ``envscaler export``."""
     parser = commands.add_parser(
         "export", help="turn run records into SFT files",
-        epilog=examples("envscaler export --in runs/replay.jsonl --out sft.jsonl --min-reward 1.0"),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **with_examples("envscaler export --in runs/replay.jsonl --out sft.jsonl --min-reward 1.0")
     )
     parser.add_argument("--in", dest="input", required=True, metavar="FILE", help="records written by 'envscaler run'")
     parser.add_argument("--out", metavar="FILE", help="output JSONL (default: next to the input)")
@@ -247,14 +245,12 @@ def register_episode(commands: argparse._SubParsersAction) -> None:
     """Add ``envscaler episode new / validate / end``."""
     parser = commands.add_parser(
         "episode", help="a hand-driven episode for any MCP-capable agent",
-        epilog=examples("envscaler episode new --scenario online_retail/online_retail_001"),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **with_examples("envscaler episode new --scenario online_retail/online_retail_001")
     )
     actions = parser.add_subparsers(dest="episode_command", metavar="ACTION", required=True)
     new = actions.add_parser(
         "new", help="create an episode; print its MCP URL, task and a client config snippet",
-        epilog=examples("envscaler episode new --scenario online_retail/online_retail_001"),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **with_examples("envscaler episode new --scenario online_retail/online_retail_001")
     )
     new.add_argument("--farm", default=DEFAULT_FARM_CATALOG, metavar="CATALOG",
                      help=f"catalog file written by 'envscaler farm up' (default: {DEFAULT_FARM_CATALOG})")
@@ -264,8 +260,7 @@ def register_episode(commands: argparse._SubParsersAction) -> None:
     for name, func, text in (("validate", _episode_validate, "score the episode's current state; exit 1 below 1.0"),
                              ("end", _episode_end, "end the episode")):
         action = actions.add_parser(
-            name, help=text, epilog=examples(f"envscaler episode {name} online_retail/EPISODE_ID"),
-            formatter_class=argparse.RawDescriptionHelpFormatter,
+            name, help=text, **with_examples(f"envscaler episode {name} online_retail/EPISODE_ID")
         )
         action.add_argument("--farm", default=DEFAULT_FARM_CATALOG, metavar="CATALOG",
                             help=f"catalog file written by 'envscaler farm up' (default: {DEFAULT_FARM_CATALOG})")
@@ -278,8 +273,7 @@ def register_demo(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "demo", help="the main job: a process farm of the bundled catalog, replay and random agents over MCP, scores",
         description="Needs no Docker and no API key. Exit 1 unless every replay scores 1.0.",
-        epilog=examples("envscaler demo", "envscaler demo --out runs/demo"),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **with_examples("envscaler demo", "envscaler demo --out runs/demo")
     )
     parser.add_argument("env_dirs", nargs="*", metavar="ENV_DIR", help="bundles to use (default: the bundled catalog)")
     parser.add_argument("--out", metavar="DIR", help="where trajectories go (default: runs/demo-TIMESTAMP)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import Any
 
 
 def _number(parse: Callable[[str], float], what: str, minimum: float, inclusive: bool) -> Callable[[str], float]:
@@ -24,9 +25,10 @@ def _number(parse: Callable[[str], float], what: str, minimum: float, inclusive:
     return convert
 
 
-def examples(*lines: str) -> str:
-    """An ``--help`` epilog of example command lines (use with ``RawDescriptionHelpFormatter``)."""
-    return "examples:\n" + "\n".join(f"  {line}" for line in lines)
+def with_examples(*lines: str) -> dict[str, Any]:
+    """``add_parser`` arguments that end a command's ``--help`` with example command lines."""
+    epilog = "examples:\n" + "\n".join(f"  {line}" for line in lines)
+    return {"epilog": epilog, "formatter_class": argparse.RawDescriptionHelpFormatter}
 
 
 positive_int: Callable[[str], int] = _number(int, "a whole number", 1, True)  # type: ignore[assignment]

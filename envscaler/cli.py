@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import PackageNotFoundError, entry_points, version
 from pathlib import Path
 
-from envscaler.arguments import examples, positive_float, positive_int
+from envscaler.arguments import positive_float, positive_int, with_examples
 from envscaler.bundle import default_catalog, find_bundles, load_bundles
 from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EnvScalerError
 from envscaler.gate_workers import check_isolated
@@ -126,8 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="envscaler",
         description="Synthesized tool environments as isolated, resettable, scorable MCP servers.",
-        epilog=examples("envscaler demo", "envscaler catalog scenarios online_retail", "envscaler farm up && envscaler run --agent replay --out runs/replay.jsonl"),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **with_examples("envscaler demo", "envscaler catalog scenarios online_retail", "envscaler farm up && envscaler run --agent replay --out runs/replay.jsonl")
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -136,14 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     catalog_commands = catalog.add_subparsers(dest="catalog_command", metavar="ACTION", required=True)
     listing = catalog_commands.add_parser(
         "list", help="show each bundle's tools and scenarios",
-        epilog=examples("envscaler catalog list", "envscaler catalog list my_bundles/"), formatter_class=argparse.RawDescriptionHelpFormatter,
+        **with_examples("envscaler catalog list", "envscaler catalog list my_bundles/")
     )
     listing.add_argument("dir", nargs="?", default=str(default_catalog()), help="bundle or folder of bundles (default: the bundled catalog)")
     listing.set_defaults(func=_catalog_list)
     scenarios = catalog_commands.add_parser(
         "scenarios", help="list task ids with their tasks (what 'run --scenario' and 'episode new --scenario' take)",
-        epilog=examples("envscaler catalog scenarios online_retail", "envscaler catalog scenarios my_bundles/"),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **with_examples("envscaler catalog scenarios online_retail", "envscaler catalog scenarios my_bundles/")
     )
     scenarios.add_argument("where", nargs="?", default=str(default_catalog()), metavar="DIR|ENV",
                            help="bundle, folder of bundles, or an env_id of the bundled catalog (default: the bundled catalog)")
@@ -152,8 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         "check",
         help="run every quality gate on every scenario; exit 1 if any fails",
         description="Gates run in limited worker processes. Gates: " + ", ".join(GATES),
-        epilog=examples("envscaler catalog check", "envscaler catalog check my_bundles/ --timeout 60 --json report.json"),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **with_examples("envscaler catalog check", "envscaler catalog check my_bundles/ --timeout 60 --json report.json")
     )
     check.add_argument("dir", nargs="?", default=str(default_catalog()), help="bundle or folder of bundles (default: the bundled catalog)")
     check.add_argument(
@@ -172,8 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     sources = importer.add_subparsers(dest="source", metavar="SOURCE", required=True)
     envscaler = sources.add_parser(
         "envscaler", help="EnvScaler's env metadata and scenario files",
-        epilog=examples("envscaler import envscaler --envs env_metadata.json --scenarios tasks.json --out bundles/"),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **with_examples("envscaler import envscaler --envs env_metadata.json --scenarios tasks.json --out bundles/")
     )
     envscaler.add_argument("--envs", required=True, metavar="FILE", help="*_env_metadata.json (object keyed by env_id)")
     envscaler.add_argument("--scenarios", required=True, nargs="+", metavar="FILE", help="scenario lists (JSON list or JSONL)")

@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from envscaler import EnvScalerError, logs
+from envscaler.arguments import with_examples
 from servers.app import ServerConfig
 from servers.episode_ids import new_replica_id
 
@@ -85,6 +86,8 @@ def register_serve(commands: Any) -> None:
             "token; each episode's agent endpoint is /episodes/{id}/mcp. Prints one JSON line with the URL "
             "(and the token, when it was generated) once listening."
         ),
+        **with_examples("envscaler serve envscaler/catalog/online_retail --port 8000 --token secret",
+                        "envscaler serve my_bundles/shop --host 0.0.0.0 --public-url http://shop.example:8000"),
     )
     parser.add_argument("env_dir", help="bundle directory (env.json + scenarios.jsonl)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")

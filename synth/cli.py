@@ -13,7 +13,7 @@ from typing import Any
 import anyio
 from pydantic import ValidationError
 
-from envscaler.arguments import non_negative_float, non_negative_int, positive_int
+from envscaler.arguments import non_negative_float, non_negative_int, positive_int, with_examples
 from envscaler.bundle import describe_validation_error, find_bundles, read_json
 from envscaler.errors import EXIT_FAILED, EXIT_OK, LlmUnavailable
 from envscaler.llm import check_endpoint
@@ -80,24 +80,28 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 def register_synth(subparsers: Any) -> None:
     """Add ``synth skeleton``, ``synth scenarios`` and ``synth all`` to the envscaler command line."""
-    synth = subparsers.add_parser("synth", help="synthesize environments and gated scenarios with an LLM")
+    synth = subparsers.add_parser("synth", help="synthesize environments and gated scenarios with an LLM",
+                                  **with_examples("envscaler synth all --base-url http://localhost:8000/v1 --model qwen3-32b --out new_envs/"))
     actions = synth.add_subparsers(dest="synth_command", metavar="ACTION", required=True)
     seeds_help = f"seed tasks: a JSONL file or a folder of them (default: the bundled corpus, {bundled_seeds()})"
 
-    skeleton = actions.add_parser("skeleton", help="seed tasks -> environment bundles (SkelBuilder)")
+    skeleton = actions.add_parser("skeleton", help="seed tasks -> environment bundles (SkelBuilder)",
+                                  **with_examples("envscaler synth skeleton --base-url http://localhost:8000/v1 --model qwen3-32b --out new_envs/ --limit 5"))
     skeleton.add_argument("--tasks", default=str(bundled_seeds()), help=seeds_help)
     skeleton.add_argument("--out", required=True, metavar="DIR", help="folder to write one bundle per environment into")
     skeleton.add_argument("--limit", type=positive_int, help="use only the first N seed tasks")
     _add_common(skeleton)
     skeleton.set_defaults(func=_skeleton)
 
-    scenarios = actions.add_parser("scenarios", help="append gated scenarios to bundles (ScenGenerator)")
+    scenarios = actions.add_parser("scenarios", help="append gated scenarios to bundles (ScenGenerator)",
+                                   **with_examples("envscaler synth scenarios --env new_envs/ --n 5 --base-url http://localhost:8000/v1 --model qwen3-32b"))
     scenarios.add_argument("--env", required=True, metavar="DIR", help="a bundle, or a folder of bundles")
     scenarios.add_argument("--n", type=positive_int, default=3, help="scenarios to add per environment (default: 3)")
     _add_common(scenarios)
     scenarios.set_defaults(func=_scenarios)
 
-    everything = actions.add_parser("all", help="skeleton, then scenarios for every accepted environment")
+    everything = actions.add_parser("all", help="skeleton, then scenarios for every accepted environment",
+                                    **with_examples("envscaler synth all --base-url http://localhost:8000/v1 --model qwen3-32b --out new_envs/"))
     everything.add_argument("--tasks", default=str(bundled_seeds()), help=seeds_help)
     everything.add_argument("--out", required=True, metavar="DIR", help="folder to write the bundles into")
     everything.add_argument("--limit", type=positive_int, help="use only the first N seed tasks")

@@ -93,7 +93,9 @@ def test_catalog_scenarios_lists_task_ids_by_env_id_or_folder(tmp_path):
 @pytest.mark.parametrize(
     "command",
     [[], ["run"], ["export"], ["demo"], ["episode"], ["episode", "new"], ["episode", "validate"], ["catalog", "list"],
-     ["catalog", "scenarios"], ["catalog", "check"], ["import", "envscaler"]],
+     ["catalog", "scenarios"], ["catalog", "check"], ["import", "envscaler"], ["serve"], ["build"], ["farm"], ["farm", "up"],
+     ["farm", "status"], ["farm", "down"], ["synth"], ["synth", "skeleton"], ["synth", "scenarios"], ["synth", "all"],
+     ["episode", "end"]],
 )
 def test_every_help_has_an_example(command):
     done = envscaler(*command, "--help")

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from envscaler.arguments import with_examples
 from envscaler.bundle import default_catalog, find_bundles, load_bundle
 from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from envscaler.loader import precheck_class
@@ -177,7 +178,8 @@ def farm_down(args: argparse.Namespace) -> int:
 
 def register_farm(commands: argparse._SubParsersAction) -> None:
     """Add ``envscaler farm up / status / down``."""
-    farm = commands.add_parser("farm", help="run many environment servers behind one gateway")
+    farm = commands.add_parser("farm", help="run many environment servers behind one gateway",
+                               **with_examples("envscaler farm up", "envscaler farm status", "envscaler farm down"))
     actions = farm.add_subparsers(dest="farm_command", metavar="ACTION", required=True)
 
     def catalog_flag(parser: argparse.ArgumentParser) -> None:
@@ -187,6 +189,8 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
     up = actions.add_parser(
         "up", help="start one server per environment, wait until all are healthy, write the catalog",
         description="Starts a detached farm daemon and returns once every server answers /healthz.",
+        **with_examples("envscaler farm up", "envscaler farm up my_bundles/ --backend process --memory-mb 512",
+                        "envscaler farm up --backend swarm --registry 10.0.0.5:5000 --replicas 2"),
     )
     up.add_argument("env_dirs", nargs="*", metavar="ENV_DIR", help="bundles or folders of bundles (default: the bundled catalog)")
     up.add_argument("--backend", choices=["docker", "process", "swarm"],
@@ -211,12 +215,14 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
                        help="address the catalog names for the gateway (default: the manager's advertised address)")
     up.set_defaults(func=farm_up)
 
-    status = actions.add_parser("status", help="show each environment's health and restarts; exit 1 unless all are healthy")
+    status = actions.add_parser("status", help="show each environment's health and restarts; exit 1 unless all are healthy",
+                                **with_examples("envscaler farm status", "envscaler farm status --catalog runs/farm.json --json"))
     catalog_flag(status)
     status.add_argument("--json", action="store_true", help="print the daemon's full state as JSON")
     status.set_defaults(func=farm_status)
 
-    down = actions.add_parser("down", help="stop the farm and remove every process, container and network it started")
+    down = actions.add_parser("down", help="stop the farm and remove every process, container and network it started",
+                              **with_examples("envscaler farm down", "envscaler farm down --catalog runs/farm.json"))
     catalog_flag(down)
     down.set_defaults(func=farm_down)
 
@@ -243,6 +249,7 @@ def register_build(commands: argparse._SubParsersAction) -> None:
         "build", help="build one image per environment (runtime image + bundle), tagged by spec hash",
         description="Rebuilding an unchanged environment is a no-op. The runtime image (top-level Dockerfile) is "
                     "built first when missing, from wheels made on this host, so no registry or index is needed.",
+        **with_examples("envscaler build envscaler/catalog", "envscaler build --runtime-only"),
     )
     build.add_argument("env_dirs", nargs="*", metavar="ENV_DIR", help="bundles or folders of bundles")
     build.add_argument("--runtime-only", action="store_true", help="(re)build the runtime image only (and ENV_DIRs if given)")
