@@ -155,7 +155,7 @@ class EnvRuntime:
             return f"Arguments of {name!r} must be a JSON object"
         problems = validate(arguments, tool.parameters)
         accepted = self._parameters[name]
-        if accepted is not None:
+        if accepted is not None and tool.parameters.get("additionalProperties") is not False:
             problems += [f"unexpected argument {key!r} (allowed: {', '.join(sorted(accepted)) or 'none'})"
                          for key in arguments if key not in accepted and key not in (tool.parameters.get("properties") or {})]
         if problems:
