@@ -53,6 +53,9 @@ M = TypeVar("M", bound=BaseModel)
 
 Scope = dict[str, Any]
 
+_CONTROL_ROOTS = ("info", "scenarios", "episodes")
+"""First path segments of the routes that need the bearer token."""
+
 
 class ServerConfig(BaseModel):
     """Limits and addresses of one environment server; all of them are reported by ``GET /info``."""
@@ -133,6 +136,9 @@ class EnvServerApp:
         if path == "/healthz":
             await send_json(send, 200, json_bytes(Health(env_id=self.bundle.env_id, episodes=len(self.store.episodes))))
             return
+        if parts[0] not in _CONTROL_ROOTS or len(parts) > 3:
+            # Not a control route: no token could help (a strict client would read 401 as "OAuth here").
+            raise ErrorReply(404, f"no route {method} {path}")
         self._authorize(scope)
         result: BaseModel | dict[str, Any]
         if parts == ["info"] and method == "GET":
