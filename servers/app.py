@@ -34,6 +34,7 @@ from envscaler.wire import (
     ValidationRequest,
 )
 from servers.asgi import json_bytes, read_body, send_json
+from servers.cors import CorsPolicy, request_origin
 from servers.episodes import EpisodeStore, LiveEpisode
 from servers.errors import (
     CallAbandoned,
@@ -91,6 +92,7 @@ class EnvServerApp:
         )
         self.mcp = McpEndpoint(self.store, f"envscaler-{bundle.env_id}", bundle.spec.environment_introduction)
         self._token = f"Bearer {config.token}".encode()
+        self.cors = CorsPolicy(config.allowed_origins)
         self._tools_openai = [tool.openai() for tool in self.runtime.tool_list()]
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
@@ -99,6 +101,13 @@ class EnvServerApp:
             return
         if scope["type"] != "http":
             return
+        origin = request_origin(scope)
+        if origin is not None and self.cors.enabled:
+            if scope["method"] == "OPTIONS":
+                await self.cors.preflight(scope, origin, send)
+                return
+            if self.cors.allows(origin):
+                send = self.cors.wrap(origin, send)
         try:
             await self._route(scope, receive, send)
         except ErrorReply as e:
@@ -311,7 +320,7 @@ class EnvServerApp:
     async def _mcp(self, scope: Scope, receive: Any, send: Any, episode_id: str) -> None:
         routing = []
         for name, value in scope["headers"]:
-            if name == b"origin" and value.decode() not in self.config.allowed_origins and "*" not in self.config.allowed_origins:
+            if name == b"origin" and not self.cors.allows(value.decode()):
                 raise ErrorReply(403, f"origin {value.decode()!r} is not allowed (see --allowed-origin)")
             if name in ROUTING_HEADERS:
                 routing.append((name, value))

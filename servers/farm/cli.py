@@ -103,6 +103,7 @@ def farm_up(args: argparse.Namespace) -> int:
     backend: Backend = args.backend or ("docker" if docker_answers() else "process")
     limits = Limits(memory_mb=args.memory_mb, cpus=args.cpus, pids=args.pids)
     plan = plan_farm(args.env_dirs or [str(default_catalog())], backend, paths.catalog, limits, args.gateway_port)
+    plan.allowed_origins = args.allowed_origin or []
     print(f"farm: starting {len(plan.envs)} environment(s) with the {backend} backend (farm {plan.farm_id})", file=sys.stderr)
     daemon = _spawn_daemon(plan, paths)
     state, problem = _wait_ready(daemon, paths, len(plan.envs), args.timeout)
@@ -172,6 +173,8 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--memory-mb", type=int, default=256, help="memory limit per server in MB (default: 256)")
     up.add_argument("--cpus", type=float, default=1.0, help="CPU limit per server, docker backend (default: 1.0)")
     up.add_argument("--pids", type=int, default=128, help="process/thread limit per server, docker backend (default: 128)")
+    up.add_argument("--allowed-origin", action="append", metavar="ORIGIN",
+                    help="browser Origin the gateway answers with CORS headers (repeatable; '*' for any)")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for every server to be healthy (default: 120)")
     up.set_defaults(func=farm_up)
 
