@@ -11,7 +11,7 @@ import json
 import logging
 from collections.abc import Awaitable
 from typing import Any, TypeVar
-from urllib.parse import unquote_to_bytes
+from urllib.parse import parse_qs, unquote_to_bytes
 
 import anyio
 from pydantic import BaseModel, Field, ValidationError
@@ -46,6 +46,7 @@ from servers.errors import (
 )
 from servers.mcp_endpoint import ROUTING_HEADERS, McpEndpoint, parse_error
 from servers.memory import memory_status
+from servers.sse import SseSessions
 
 log = logging.getLogger("envscaler.server")
 
@@ -93,6 +94,7 @@ class EnvServerApp:
         self.mcp = McpEndpoint(self.store, f"envscaler-{bundle.env_id}", bundle.spec.environment_introduction)
         self._token = f"Bearer {config.token}".encode()
         self.cors = CorsPolicy(config.allowed_origins)
+        self.sse = SseSessions()
         self._tools_openai = [tool.openai() for tool in self.runtime.tool_list()]
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
@@ -141,6 +143,9 @@ class EnvServerApp:
         parts = [unquote_to_bytes(p).decode(errors="replace") for p in raw_path.strip(b"/").split(b"/")]
         if len(parts) == 3 and parts[0] == "episodes" and parts[2] == "mcp":
             await self._mcp(scope, receive, send, parts[1])
+            return
+        if len(parts) == 3 and parts[0] == "episodes" and parts[2] in ("sse", "messages"):
+            await self._legacy_sse(scope, receive, send, parts[1], parts[2])
             return
         if path == "/healthz":
             await send_json(send, 200, json_bytes(Health(env_id=self.bundle.env_id, episodes=len(self.store.episodes))))
@@ -336,3 +341,29 @@ class EnvServerApp:
             return
         status, body = await self.mcp.handle(live, message, routing)
         await send_json(send, status, json_bytes(body) if body is not None else None)
+
+    async def _legacy_sse(self, scope: Scope, receive: Any, send: Any, episode_id: str, action: str) -> None:
+        """The 2024-11-05 HTTP+SSE transport: ``GET .../sse`` streams answers to ``POST .../messages`` (servers/sse.py)."""
+        origin = request_origin(scope)
+        if origin is not None and not self.cors.allows(origin):
+            raise ErrorReply(403, f"origin {origin!r} is not allowed (see --allowed-origin)")
+        live = self._live(episode_id)
+        if action == "sse":
+            if scope["method"] != "GET":
+                raise ErrorReply(405, "GET opens the event stream; POST messages to the URL its endpoint event names")
+            await self.sse.stream(live.episode_id, receive, send)
+            return
+        if scope["method"] != "POST":
+            raise ErrorReply(405, "POST one JSON-RPC message here; its answer comes on the event stream")
+        session_id = parse_qs((scope.get("query_string") or b"").decode("latin-1")).get("session_id", [""])[0]
+        if self.sse.episode_of(session_id) != live.episode_id:
+            raise ErrorReply(404, f"no open event stream {session_id!r} for episode {live.episode_id}: GET .../sse first")
+        raw = await self._read_body(receive)
+        try:
+            message = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ErrorReply(400, f"malformed JSON-RPC message: {e}") from None
+        _, body = await self.mcp.handle(live, message, [])
+        if body is not None:
+            await self.sse.deliver(session_id, body)
+        await send_json(send, 202, None)
