@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.support.bundles import counter_bundle
-from tests.support.cli import envscaler
+from tests.support.farm import counter_farm
 from tests.support.server import serve
 
 CHROMIUM = shutil.which("chromium")
@@ -108,12 +108,8 @@ def test_preflight_and_cors_headers_on_serve(tmp_path):
 
 def test_a_chromium_page_calls_an_episode_directly_and_through_the_gateway(tmp_path):
     bundle = counter_bundle(tmp_path / "bundles")
-    catalog = tmp_path / "farm.json"
     # The page is served from 127.0.0.1 on a port chosen later: '*' allows it, and the gateway echoes it back.
-    up = envscaler("farm", "up", str(bundle), "--backend", "process", "--catalog", str(catalog), "--allowed-origin", "*")
-    assert up.returncode == 0, up.stderr
-    try:
-        farm = json.loads(catalog.read_text())
+    with counter_farm(tmp_path / "farm", "--allowed-origin", "*") as farm:
         headers = {"Authorization": f"Bearer {farm['envs']['counter']['token']}"}
         through_gateway = httpx.post(f"{farm['gateway']}/envs/counter/episodes", headers=headers,
                                      json={"scenario_id": "counter_001"}).json()["mcp_url"]
@@ -122,8 +118,6 @@ def test_a_chromium_page_calls_an_episode_directly_and_through_the_gateway(tmp_p
         with serve(bundle, "--allowed-origin", "*") as open_server, serve(bundle) as closed_server:
             results = open_in_chromium(tmp_path, {"direct": new_episode(open_server), "gateway": through_gateway,
                                                   "closed": new_episode(closed_server)})
-    finally:
-        envscaler("farm", "down", "--catalog", str(catalog))
     for name in ("direct", "gateway"):
         result = results[name]
         assert "add" in result["tools"] and result["readOnly"] is True, result

@@ -9,20 +9,15 @@ import pytest
 from mcp import Client
 from mcp.client.sse import sse_client
 
-from tests.support.bundles import counter_bundle
-from tests.support.cli import envscaler
+from tests.support.farm import counter_farm
 
 pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture(scope="module")
 def farm(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sse")
-    catalog = root / "farm.json"
-    up = envscaler("farm", "up", str(counter_bundle(root / "bundles")), "--backend", "process", "--catalog", str(catalog))
-    assert up.returncode == 0, up.stderr
-    yield json.loads(catalog.read_text())
-    envscaler("farm", "down", "--catalog", str(catalog))
+    with counter_farm(tmp_path_factory.mktemp("sse")) as catalog:
+        yield catalog
 
 
 def control(farm, via: str) -> httpx.Client:
