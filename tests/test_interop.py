@@ -1,8 +1,10 @@
 """Real MCP clients of other stacks against episodes, directly and through the gateway, over both transports.
 
 Each client (tests/interop/) lists the tools, reads, writes, sends invalid arguments and meets a
-``success: false`` answer; the episode is then validated. ``.ci/run`` installs the TypeScript SDK
-(npm, Debian's nodejs) and a venv with the ``mcp`` 1.x SDK.
+``success: false`` answer; the episode is then validated. One of them is an agent framework,
+pydantic-ai, whose scripted model (FunctionModel) makes the calls and sees the errors as retries.
+``.ci/run`` installs the TypeScript SDK (npm, Debian's nodejs) and a venv with the ``mcp`` 1.x SDK
+and pydantic-ai.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ CLIENTS = {
     "typescript-sdk": ["node", str(INTEROP / "ts" / "client.mjs")],
     "python-mcp-1.x": [str(INTEROP / "mcp1-venv" / "bin" / "python"), str(INTEROP / "mcp1_client.py")],
     "python-mcp-2.x": [sys.executable, str(INTEROP / "mcp2_client.py")],
+    "pydantic-ai": [str(INTEROP / "mcp1-venv" / "bin" / "python"), str(INTEROP / "pydantic_ai_agent.py")],
 }
 INSTALLED = {
     "typescript-sdk": INTEROP / "ts" / "node_modules" / "@modelcontextprotocol" / "sdk",
     "python-mcp-1.x": INTEROP / "mcp1-venv" / "bin" / "python",
+    "pydantic-ai": INTEROP / "mcp1-venv" / "bin" / "python",
 }
 
 
