@@ -11,6 +11,7 @@ import tempfile
 import time
 from functools import partial
 from pathlib import Path
+from urllib.parse import quote
 
 import anyio
 
@@ -102,9 +103,12 @@ def _episode_new(args: argparse.Namespace) -> int:
             return await _control(args, env_id, http).create(task_id)
 
     info = anyio.run(go)
-    config = {"mcpServers": {f"envscaler-{env_id}": {"type": "http", "url": info.mcp_url}}}
+    gateway = load_farm_catalog(args.farm).gateway
+    # The gateway is the farm's one public address; a server's own URL may be unreachable from the agent.
+    url = f"{gateway.rstrip('/')}/envs/{quote(env_id, safe='')}{info.mcp_path}" if gateway else info.mcp_url
+    config = {"mcpServers": {f"envscaler-{env_id}": {"type": "http", "url": url}}}
     print(f"episode:  {env_id}/{info.episode_id}")
-    print(f"MCP URL:  {info.mcp_url}")
+    print(f"MCP URL:  {url}")
     print(f"task:     {info.task}")
     if info.user_profile:
         print(f"user:     {info.user_profile}")

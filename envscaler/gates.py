@@ -27,6 +27,7 @@ GATES = (
     "class_loads",
     "instantiates",
     "reference_runs",
+    "read_only_tools",
     "checks_pass_on_reference",
     "check_fails_on_initial",
     "deterministic",
@@ -99,6 +100,8 @@ def check_environment(
     problems = signature_problems(runtime.env_class, listed) if listed is not None else []
     if not runtime.tools:
         problems.append("the class has no tools")
+    for name in sorted(set(bundle.spec.tool_annotations or {}) - set(runtime.tools)):
+        problems.append(f"tool_annotations names {name!r}, which is not a tool")
     report.tools = len(runtime.tools)
     report.env_gates.append(GateResult(gate="class_loads", passed=not problems, detail="; ".join(problems)))
     return report, runtime
@@ -131,10 +134,21 @@ def check_scenario(
         return report
 
     started("reference_runs")
-    first, problem = _replay(runtime, scenario, changing_tools)
+    changed: list[tuple[int, str]] = []
+    first, problem = _replay(runtime, scenario, changed)
     gates.append(GateResult(gate="reference_runs", passed=problem is None, detail=problem or ""))
     if first is None or problem is not None:
         return report
+    if changing_tools is not None:
+        changing_tools.update(name for _, name in changed)
+    # A client runs a read-only tool without asking: one that changes the state must not say so.
+    lying = [f"call {number} ({name})" for number, name in changed if runtime.annotations[name].readOnlyHint]
+    gates.append(GateResult(
+        gate="read_only_tools",
+        passed=not lying,
+        detail=("marked readOnlyHint but changed the state: " + ", ".join(lying)
+                + "; fix the method or set readOnlyHint false under tool_annotations in env.json") if lying else "",
+    ))
 
     started("checks_pass_on_reference")
     on_reference = first.validate(scenario.checklist_with_func)
@@ -189,9 +203,11 @@ def _verdicts(result: Any) -> list[tuple[bool, str | None]]:
 
 
 def _replay(
-    runtime: EnvRuntime, scenario: Scenario, changing_tools: set[str] | None, *, fresh: bool = False
+    runtime: EnvRuntime, scenario: Scenario, changed: list[tuple[int, str]] | None, *, fresh: bool = False
 ) -> tuple[Episode | None, str | None]:
     """Run the reference solution on a new episode: (episode, first problem or None).
+
+    ``changed`` collects (call number, tool name) of the calls that changed the state.
 
     The episode shares the scenario's constructed state, or with ``fresh`` is constructed anew, so
     that a constructor that is not deterministic shows up in the determinism gate.
@@ -207,7 +223,7 @@ def _replay(
             return episode, f"call {number} ({call.name}) failed, {outcome.error}: {outcome.agent_text[:300]}"
         if outcome.error:
             return episode, f"call {number} ({call.name}): {outcome.error}"
-        if changing_tools is not None and outcome.diff:
-            changing_tools.add(call.name)
+        if changed is not None and outcome.diff:
+            changed.append((number, call.name))
     return episode, None
 

@@ -30,9 +30,12 @@ class ToolSchema(BaseModel):
         """The tool in OpenAI's ``{"type": "function", "function": {...}}`` form."""
         return {"type": "function", "function": self.model_dump()}
 
-    def mcp(self) -> dict[str, Any]:
+    def mcp(self, annotations: ToolAnnotations | None = None) -> dict[str, Any]:
         """The tool as an MCP ``tools/list`` entry."""
-        return {"name": self.name, "description": self.description, "inputSchema": self.parameters}
+        entry = {"name": self.name, "description": self.description, "inputSchema": self.parameters}
+        if annotations is not None:
+            entry["annotations"] = annotations.mcp()
+        return entry
 
 
 class ToolErrorPolicy(BaseModel):
@@ -51,6 +54,25 @@ class ToolErrorPolicy(BaseModel):
     """A string result starting with one of these (``"Error:"``, as benchmark tools answer) is an error."""
 
 
+class ToolAnnotations(BaseModel):
+    """MCP tool annotations: hints clients use to decide whether to ask before a call.
+
+    Field names are MCP's. A field left None is not sent, so the client applies MCP's default.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    title: str | None = None
+    readOnlyHint: bool | None = None  # noqa: N815 - MCP's wire name
+    destructiveHint: bool | None = None  # noqa: N815
+    idempotentHint: bool | None = None  # noqa: N815
+    openWorldHint: bool | None = None  # noqa: N815
+
+    def mcp(self) -> dict[str, Any]:
+        """The ``annotations`` object of a ``tools/list`` entry."""
+        return self.model_dump(exclude_none=True)
+
+
 class EnvSpec(_Open):
     """One environment: EnvScaler's env metadata item."""
 
@@ -63,6 +85,8 @@ class EnvSpec(_Open):
     state_space_definition: Any = None
     tools: list[dict[str, Any]] | None = None
     tool_errors: ToolErrorPolicy | None = None
+    # Per tool, hints that override the ones derived from the code (envscaler/annotations.py).
+    tool_annotations: dict[str, ToolAnnotations] | None = None
 
     def content_hash(self) -> str:
         """A stable 16-hex-digit digest of the whole spec (image tags, caches)."""

@@ -27,6 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from envscaler.annotations import tool_annotations
 from envscaler.checks import run_checks, score
 from envscaler.errors import EnvCodeError, SchemaError
 from envscaler.guard import GuardSignal, Preempted, TimeLimitExceeded, call_preemptibly, call_with_limit
@@ -81,6 +82,7 @@ class EnvRuntime:
         problems = [f"tool {name!r}, {problem}" for name, tool in self.tools.items() for problem in schema_problems(tool.parameters)]
         if problems:
             raise SchemaError(f"{self.env_id}: " + "; ".join(problems))
+        self.annotations = tool_annotations(spec, self.env_class, list(self.tools))
         self._parameters = {name: _accepted_parameters(methods[name]) for name in self.tools}
         self._env_file = code_filename(spec.env_id)
         self._shared: OrderedDict[str, SharedState | NotNative] = OrderedDict()
@@ -153,7 +155,7 @@ class EnvRuntime:
             return f"Arguments of {name!r} must be a JSON object"
         problems = validate(arguments, tool.parameters)
         accepted = self._parameters[name]
-        if accepted is not None:
+        if accepted is not None and tool.parameters.get("additionalProperties") is not False:
             problems += [f"unexpected argument {key!r} (allowed: {', '.join(sorted(accepted)) or 'none'})"
                          for key in arguments if key not in accepted and key not in (tool.parameters.get("properties") or {})]
         if problems:

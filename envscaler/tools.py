@@ -55,10 +55,13 @@ def annotation_schema(annotation: Any) -> dict[str, Any]:
                 schema["items"] = item
         return schema
     if annotation is dict or origin is dict:
-        return {"type": "object"}
+        values = annotation_schema(args[1]) if len(args) == 2 else {}
+        return {"type": "object", "additionalProperties": values} if values else {"type": "object"}
     if typing.is_typeddict(annotation):
         hints = typing.get_type_hints(annotation)
-        return {"type": "object", "properties": {k: annotation_schema(v) for k, v in hints.items()}}
+        schema = {"type": "object", "properties": {k: annotation_schema(v) for k, v in hints.items()}, "additionalProperties": False}
+        required = [k for k in hints if k in annotation.__required_keys__]
+        return {**schema, "required": required} if required else schema
     if origin is typing.Literal:
         return {"enum": list(args)}
     if origin is typing.Union or origin is types.UnionType:
@@ -128,6 +131,9 @@ def derive_tool(name: str, function: Any) -> ToolSchema:
     parameters: dict[str, Any] = {"type": "object", "properties": properties}
     if required:
         parameters["required"] = required
+    # Strict clients (OpenAI's strict mode) need a closed object; a method taking **kwargs is open.
+    if not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
+        parameters["additionalProperties"] = False
     return ToolSchema(name=name, description=description or name.replace("_", " "), parameters=parameters)
 
 

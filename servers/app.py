@@ -11,7 +11,7 @@ import json
 import logging
 from collections.abc import Awaitable
 from typing import Any, TypeVar
-from urllib.parse import unquote_to_bytes
+from urllib.parse import parse_qs, unquote_to_bytes
 
 import anyio
 from pydantic import BaseModel, Field, ValidationError
@@ -34,6 +34,7 @@ from envscaler.wire import (
     ValidationRequest,
 )
 from servers.asgi import json_bytes, read_body, send_json
+from servers.cors import CorsPolicy, request_origin
 from servers.episode_ids import REPLICA_ID_PATTERN
 from servers.episodes import EpisodeStore, LiveEpisode
 from servers.errors import (
@@ -46,6 +47,7 @@ from servers.errors import (
 )
 from servers.mcp_endpoint import ROUTING_HEADERS, McpEndpoint, parse_error
 from servers.memory import memory_status
+from servers.sse import SseSessions
 
 log = logging.getLogger("envscaler.server")
 
@@ -53,6 +55,9 @@ T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
 
 Scope = dict[str, Any]
+
+_CONTROL_ROOTS = ("info", "scenarios", "episodes")
+"""First path segments of the routes that need the bearer token."""
 
 
 class ServerConfig(BaseModel):
@@ -92,6 +97,8 @@ class EnvServerApp:
         )
         self.mcp = McpEndpoint(self.store, f"envscaler-{bundle.env_id}", bundle.spec.environment_introduction)
         self._token = f"Bearer {config.token}".encode()
+        self.cors = CorsPolicy(config.allowed_origins)
+        self.sse = SseSessions()
         self._tools_openai = [tool.openai() for tool in self.runtime.tool_list()]
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
@@ -100,6 +107,13 @@ class EnvServerApp:
             return
         if scope["type"] != "http":
             return
+        origin = request_origin(scope)
+        if origin is not None and self.cors.enabled:
+            if scope["method"] == "OPTIONS":
+                await self.cors.preflight(scope, origin, send)
+                return
+            if self.cors.allows(origin):
+                send = self.cors.wrap(origin, send)
         try:
             await self._route(scope, receive, send)
         except ErrorReply as e:
@@ -134,10 +148,16 @@ class EnvServerApp:
         if len(parts) == 3 and parts[0] == "episodes" and parts[2] == "mcp":
             await self._mcp(scope, receive, send, parts[1])
             return
+        if len(parts) == 3 and parts[0] == "episodes" and parts[2] in ("sse", "messages"):
+            await self._legacy_sse(scope, receive, send, parts[1], parts[2])
+            return
         if path == "/healthz":
             health = Health(env_id=self.bundle.env_id, episodes=len(self.store.episodes), replica=self.config.replica_id)
             await send_json(send, 200, json_bytes(health))
             return
+        if parts[0] not in _CONTROL_ROOTS or len(parts) > 3:
+            # Not a control route: no token could help (a strict client would read 401 as "OAuth here").
+            raise ErrorReply(404, f"no route {method} {path}")
         self._authorize(scope)
         result: BaseModel | dict[str, Any]
         if parts == ["info"] and method == "GET":
@@ -310,7 +330,7 @@ class EnvServerApp:
     async def _mcp(self, scope: Scope, receive: Any, send: Any, episode_id: str) -> None:
         routing = []
         for name, value in scope["headers"]:
-            if name == b"origin" and value.decode() not in self.config.allowed_origins and "*" not in self.config.allowed_origins:
+            if name == b"origin" and not self.cors.allows(value.decode()):
                 raise ErrorReply(403, f"origin {value.decode()!r} is not allowed (see --allowed-origin)")
             if name in ROUTING_HEADERS:
                 routing.append((name, value))
@@ -326,3 +346,29 @@ class EnvServerApp:
             return
         status, body = await self.mcp.handle(live, message, routing)
         await send_json(send, status, json_bytes(body) if body is not None else None)
+
+    async def _legacy_sse(self, scope: Scope, receive: Any, send: Any, episode_id: str, action: str) -> None:
+        """The 2024-11-05 HTTP+SSE transport: ``GET .../sse`` streams answers to ``POST .../messages`` (servers/sse.py)."""
+        origin = request_origin(scope)
+        if origin is not None and not self.cors.allows(origin):
+            raise ErrorReply(403, f"origin {origin!r} is not allowed (see --allowed-origin)")
+        live = self._live(episode_id)
+        if action == "sse":
+            if scope["method"] != "GET":
+                raise ErrorReply(405, "GET opens the event stream; POST messages to the URL its endpoint event names")
+            await self.sse.stream(live.episode_id, receive, send)
+            return
+        if scope["method"] != "POST":
+            raise ErrorReply(405, "POST one JSON-RPC message here; its answer comes on the event stream")
+        session_id = parse_qs((scope.get("query_string") or b"").decode("latin-1")).get("session_id", [""])[0]
+        if self.sse.episode_of(session_id) != live.episode_id:
+            raise ErrorReply(404, f"no open event stream {session_id!r} for episode {live.episode_id}: GET .../sse first")
+        raw = await self._read_body(receive)
+        try:
+            message = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ErrorReply(400, f"malformed JSON-RPC message: {e}") from None
+        _, body = await self.mcp.handle(live, message, [])
+        if body is not None:
+            await self.sse.deliver(session_id, body)
+        await send_json(send, 202, None)

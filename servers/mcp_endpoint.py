@@ -94,7 +94,8 @@ class McpEndpoint:
         self.store = store
         self.server_info = {"name": server_name, "version": "1"}
         self.instructions = instructions
-        tools = [tool.mcp() for tool in store.runtime.tool_list()]
+        runtime = store.runtime
+        tools = [tool.mcp(runtime.annotations[tool.name]) for tool in runtime.tool_list()]
         self._tools_legacy = {"tools": tools}
         self._tools_modern = {"tools": tools, "cacheScope": "private", "ttlMs": 0, "resultType": "complete"}
 

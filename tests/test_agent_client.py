@@ -26,7 +26,7 @@ def farm(tmp_path_factory):
     bundle = write_bundle(root / "bundles", counter_spec(), [counter_scenario(), second_scenario(), conversational])
     with serve(bundle, "--call-timeout", "2") as server:
         catalog = root / "farm.json"
-        catalog.write_text(json.dumps({"envs": {"counter": {"url": server.url, "token": server.token}}, "gateway": server.url}))
+        catalog.write_text(json.dumps({"envs": {"counter": {"url": server.url, "token": server.token}}}))
         yield catalog
 
 

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from envscaler import default_catalog
+from envscaler import default_catalog, load_bundle
 from servers.farm.teardown import farm_processes
 from tests.support.cli import envscaler
 from tests.support.gateway import replay_through_gateway
@@ -62,6 +62,17 @@ def test_reference_replay_through_the_gateway_scores_one(farm):
     with httpx.Client(base_url=gateway) as http:
         assert http.get("/envs").json() == {"envs": sorted(ENVS)}
         assert http.get("/envs/nope/healthz").status_code == 404
+        # Only control routes want the token: a strict client reads 401 as "this server wants OAuth".
+        assert http.get("/envs/online_retail/.well-known/oauth-protected-resource").status_code == 404
+        assert http.get("/.well-known/oauth-protected-resource").status_code == 404
+        assert http.get("/envs/online_retail/info").status_code == 401
+    task_id = load_bundle(default_catalog() / "online_retail").scenarios[0].task_id
+    new = envscaler("episode", "new", "--farm", str(farm), "--scenario", f"online_retail/{task_id}")
+    assert new.returncode == 0, new.stderr
+    url = next(line.split(":", 1)[1].strip() for line in new.stdout.splitlines() if line.startswith("MCP URL:"))
+    assert url.startswith(f"{gateway}/envs/online_retail/episodes/")
+    listed = httpx.post(url, json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"}).json()["result"]["tools"]
+    assert {t["name"] for t in listed} >= replay.reference_tools
 
 
 def test_a_killed_server_is_restarted_and_reported(farm):

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from envscaler import ChecklistError, EnvCodeError, EnvRuntime, EnvSpec, derive_tools
+from envscaler import ChecklistError, EnvCodeError, EnvRuntime, EnvSpec, default_catalog, derive_tools, load_bundle
 from envscaler.guard import Preempted, call_preemptibly
 from envscaler.models import CheckItem
 from tests.support.bundles import CHECK_A_IS_3, COUNTER_CODE, counter_spec
@@ -56,7 +56,79 @@ def test_tools_are_derived_from_signatures_and_docstrings(runtime):
             "amount": {"type": "integer", "description": "How much to add."},
         },
         "required": ["item_id"],
+        "additionalProperties": False,
     }
+
+
+STRICT_CODE = '''
+from typing import Dict, List, TypedDict
+
+
+class Required(TypedDict):
+    product_id: str
+    quantity: int
+
+
+class Line(Required, total=False):
+    note: str
+
+
+class Shop:
+    def __init__(self, init_config: dict):
+        self.lines = []
+
+    def order(self, lines: List[Line], stock: Dict[str, int], extra: dict) -> dict:
+        self.lines.extend(lines)
+        return {"success": True}
+
+    def ping(self) -> str:
+        return "pong"
+
+    def anything(self, **options) -> dict:
+        return options
+'''
+
+
+def strict_problems(schema, where="$"):
+    """Where a schema is not what OpenAI's strict mode accepts: an open object, an array without items."""
+    problems = []
+    if schema.get("type") == "object" and schema.get("additionalProperties") is not False:
+        problems.append(where)
+    if schema.get("type") == "array" and "items" not in schema:
+        problems.append(where + "[]")
+    for key, value in schema.items():
+        if isinstance(value, dict):
+            problems += strict_problems(value, f"{where}.{key}")
+    return problems
+
+
+def test_derived_schemas_are_closed_and_typed_wherever_the_signature_says():
+    runtime = EnvRuntime(EnvSpec(env_id="shop", env_class_name="Shop", env_class_code=STRICT_CODE))
+    order = runtime.tools["order"].parameters
+    assert order["additionalProperties"] is False
+    assert order["properties"]["lines"]["items"] == {
+        "type": "object",
+        "properties": {"product_id": {"type": "string"}, "quantity": {"type": "integer"}, "note": {"type": "string"}},
+        "additionalProperties": False,
+        "required": ["product_id", "quantity"],
+    }
+    assert order["properties"]["stock"] == {"type": "object", "additionalProperties": {"type": "integer"}}
+    assert order["properties"]["extra"] == {"type": "object"}  # a bare dict says nothing more
+    assert runtime.tools["ping"].parameters == {"type": "object", "properties": {}, "additionalProperties": False}
+    assert "additionalProperties" not in runtime.tools["anything"].parameters  # **options takes any name
+    episode = runtime.new_episode({})
+    wrong = episode.call("order", {"lines": [{"product_id": "P1", "quantity": 1, "colour": "red"}], "stock": {"P1": "many"}, "extra": {}, "x": 1})
+    assert wrong.error_kind == "agent"
+    assert "unexpected field 'colour'" in wrong.error and "'stock'.P1: expected integer" in wrong.error
+    assert wrong.error.count("unexpected argument 'x'") == 1
+    assert episode.call("anything", {"a": 1}).result == {"a": 1}
+
+
+def test_every_bundled_tool_schema_is_strict_friendly():
+    for directory in sorted(p for p in default_catalog().iterdir() if (p / "env.json").exists()):
+        runtime = EnvRuntime(load_bundle(directory).spec)
+        for tool in runtime.tool_list():
+            assert strict_problems(tool.parameters) == [], (directory.name, tool.name)
 
 
 def test_only_listed_public_methods_are_tools():

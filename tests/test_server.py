@@ -262,6 +262,9 @@ def test_control_api_bad_input(counter_server):
         assert anonymous.post("/episodes", json={"scenario_id": "counter_001"}).status_code == 401
         wrong = anonymous.get("/info", headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401 and "Bearer" in wrong.json()["error"]
+        # Unknown routes are 404 with or without a token: only control routes want one.
+        for path in ("/.well-known/oauth-protected-resource", "/.well-known/oauth-authorization-server", "/register", "/"):
+            assert anonymous.get(path).status_code == 404, path
     with counter_server.client() as http:
         info = http.get("/info").json()
         assert info["limits"]["call_timeout_s"] == 0.5 and info["limits"]["max_body_bytes"] == 4096

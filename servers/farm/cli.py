@@ -109,6 +109,7 @@ def farm_up(args: argparse.Namespace) -> int:
     backend: Backend = args.backend or ("docker" if docker_answers() else "process")
     limits = Limits(memory_mb=args.memory_mb, cpus=args.cpus, pids=args.pids)
     plan = plan_farm(args.env_dirs or [str(default_catalog())], backend, paths.catalog, limits, args.gateway_port)
+    plan.allowed_origins = args.allowed_origin or []
     print(f"farm: starting {len(plan.envs)} environment(s) with the {backend} backend (farm {plan.farm_id})", file=sys.stderr)
     if backend == "swarm":
         from servers.farm.swarm_backend import swarm_up
@@ -203,6 +204,8 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--memory-mb", type=int, default=256, help="memory limit per server in MB (default: 256)")
     up.add_argument("--cpus", type=float, default=1.0, help="CPU limit per server, docker and swarm backends (default: 1.0)")
     up.add_argument("--pids", type=int, default=128, help="process/thread limit per server, docker and swarm backends (default: 128)")
+    up.add_argument("--allowed-origin", action="append", metavar="ORIGIN",
+                    help="browser Origin the gateway answers with CORS headers (repeatable; '*' for any)")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for every server to be healthy (default: 120)")
     swarm = up.add_argument_group("swarm backend")
     swarm.add_argument("--registry", metavar="HOST:PORT", help="registry the farm's images are pushed to and every node pulls from (required)")

@@ -150,7 +150,7 @@ async def run_daemon(paths: FarmPaths) -> None:
     sock = bind(plan.gateway_host, plan.gateway_port)
     board.set(gateway=f"http://{plan.gateway_host}:{sock.getsockname()[1]}")
     board.flush()
-    gateway = Gateway(LiveRoutes(board))
+    gateway = Gateway(LiveRoutes(board), allowed_origins=plan.allowed_origins)
     server = _Server(
         uvicorn.Config(
             gateway, http="httptools", lifespan="on", access_log=False, log_config=None, log_level="warning",

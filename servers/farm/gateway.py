@@ -8,13 +8,14 @@ Routes of its own: ``GET /healthz`` (open) and ``GET /envs`` (the environment id
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 
 import httpx
 
 from envscaler.wire import GatewayHealth
 from servers.asgi import json_bytes, read_body, send_json
+from servers.cors import CorsPolicy, request_origin
 from servers.farm.routing import ReplicaRouter, RouteError
 
 Scope = dict[str, Any]
@@ -30,11 +31,19 @@ _MAX_BODY = 16 * 1024 * 1024
 class Gateway:
     """ASGI proxy from ``/envs/{env_id}/rest`` to ``routes[env_id] + /rest``."""
 
-    def __init__(self, routes: Mapping[str, str], *, read_timeout_s: float = 300.0, router: ReplicaRouter | None = None) -> None:
+    def __init__(
+        self,
+        routes: Mapping[str, str],
+        *,
+        read_timeout_s: float = 300.0,
+        router: ReplicaRouter | None = None,
+        allowed_origins: Sequence[str] = (),
+    ) -> None:
         # A live mapping: a restarted container may come back at another address.
         self.routes = routes
         # Replicated environments (swarm): the router picks the replica for each request instead of ``routes``.
         self.router = router
+        self.cors = CorsPolicy(list(allowed_origins))
         # Tool calls are short; validation and long tool calls are bounded by the servers themselves.
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(read_timeout_s, connect=5.0),
@@ -59,6 +68,17 @@ class Gateway:
                 return
 
     async def _http(self, scope: Scope, receive: Any, send: Any) -> None:
+        origin = request_origin(scope)
+        if origin is not None and self.cors.enabled:
+            if scope["method"] == "OPTIONS":
+                await self.cors.preflight(scope, origin, send)
+                return
+            if not self.cors.allows(origin):
+                await send_json(send, 403, json_bytes({"error": f"origin {origin!r} is not allowed (see farm up --allowed-origin)"}))
+                return
+            # The gateway is the farm's browser boundary: the servers behind it see a checked request.
+            send = self.cors.wrap(origin, send)
+            scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k != b"origin"]}
         raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
         path = raw_path.split(b"?", 1)[0]
         if path == b"/healthz":

@@ -57,6 +57,8 @@ class FarmPlan(BaseModel):
     gateway_host: str = "127.0.0.1"
     gateway_port: int = 0
     limits: Limits = Field(default_factory=Limits)
+    # Browser origins the gateway answers with CORS headers ('*' for any).
+    allowed_origins: list[str] = Field(default_factory=list)
     envs: list[EnvPlan]
 
 

@@ -1,0 +1,289 @@
+"""MCP tool annotations (read-only, destructive, idempotent, title) read from the methods' code.
+
+Clients such as Codex run a tool unprompted only when it says it is read-only, so every tool carries
+hints. They are derived from the environment class's source: a method writes the state when it
+assigns or deletes an attribute or item of something reached from ``self`` (directly, or through a
+local name bound to such a thing), calls a mutating method on it (``append``, ``pop``, ``update``...),
+calls ``setattr``/``delattr`` on ``self``, or calls another method of the class that does. A method
+that does none of these is read-only. The hints are a best guess from the code; an explicit value in
+env.json (``tool_annotations``) wins, and the ``read_only_tools`` gate refuses a read-only tool whose
+reference-run call changed the state.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+
+from envscaler.models import EnvSpec, ToolAnnotations
+
+# Methods of list, dict and set that change the object they are called on.
+_ADDING = {"append", "extend", "insert", "add", "setdefault"}
+_REMOVING = {"pop", "popitem", "remove", "discard", "clear"}
+_REPLACING = {"update", "sort", "reverse", "difference_update", "intersection_update",
+              "symmetric_difference_update", "__setitem__", "__delitem__", "__setattr__", "__delattr__"}
+# Builtins that build a new container of the objects they are given.
+_COPYING = {"list", "tuple", "sorted", "reversed", "set", "frozenset", "dict", "filter", "enumerate", "zip", "map"}
+# What a name or expression may hold: an object of the state, or a new container of such objects
+# (sorting or appending to it changes nothing, changing one of its elements does).
+_STATE = 2
+_HOLDER = 1
+# Functions and methods whose result holds nothing of their argument that could be written through.
+_DETACHING = {"len", "str", "int", "float", "bool", "sum", "round", "abs", "isinstance", "any", "all",
+              "repr", "deepcopy", "dumps", "format", "hash", "id", "type", "count", "index", "startswith",
+              "endswith", "lower", "upper", "strip", "split", "join", "isoformat", "strftime"}
+
+
+@dataclass(frozen=True)
+class _Writes:
+    """What one method's body does to the state."""
+
+    writes: bool = False
+    removes_or_replaces: bool = False
+    accumulates: bool = False
+
+
+@dataclass
+class _MethodScan(ast.NodeVisitor):
+    """Walks one method body, noting its writes to state reached from ``self``."""
+
+    self_name: str
+    parameters: set[str]
+    aliases: dict[str, int] = field(default_factory=dict)
+    calls_own: set[str] = field(default_factory=set)
+    # Own methods called with a state object among their arguments.
+    hands_state_to: set[str] = field(default_factory=set)
+    writes: bool = False
+    removes_or_replaces: bool = False
+    accumulates: bool = False
+
+    def _level(self, node: ast.AST | None) -> int:
+        """What ``node`` may evaluate to: :data:`_STATE`, a :data:`_HOLDER` of state objects, or neither (0)."""
+        if isinstance(node, ast.Name):
+            return _STATE if node.id == self.self_name else self.aliases.get(node.id, 0)
+        if isinstance(node, (ast.Attribute, ast.Subscript, ast.Starred, ast.Await, ast.NamedExpr)):
+            return _STATE if self._level(node.value) else 0  # an element of a holder is state
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Attribute):
+                # state.get(k), state.values(), self._find(...): what a state object's method gives back.
+                if not self._level(func.value) or func.attr in _DETACHING:
+                    return 0
+                return _HOLDER if func.attr == "copy" else _STATE
+            if isinstance(func, ast.Name) and func.id not in _DETACHING:
+                if not any(self._level(a) for a in [*node.args, *(k.value for k in node.keywords)]):
+                    return 0
+                # list(...) and sorted(...) build a new list of the same objects; next(...) or a helper may give one back.
+                return _HOLDER if func.id in _COPYING else _STATE
+            return 0
+        if isinstance(node, ast.BoolOp):
+            return max(self._level(v) for v in node.values)
+        if isinstance(node, ast.IfExp):
+            return max(self._level(node.body), self._level(node.orelse))
+        if isinstance(node, ast.BinOp):
+            return _HOLDER if self._level(node.left) or self._level(node.right) else 0
+        if isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
+            for generator in node.generators:
+                self._bind(generator.target, _STATE if self._level(generator.iter) else 0)
+            element = node.value if isinstance(node, ast.DictComp) else node.elt  # keys are immutable
+            return _HOLDER if self._level(element) else 0
+        # Literals, comparisons, f-strings and new containers built from parts hold no state object.
+        return 0
+
+    def _bind(self, target: ast.AST, level: int) -> None:
+        for node in ast.walk(target):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and level:
+                self.aliases[node.id] = max(level, self.aliases.get(node.id, 0))
+
+    def _store(self, target: ast.AST, *, augmented: bool = False) -> None:
+        if isinstance(target, (ast.Tuple, ast.List)):
+            for element in target.elts:
+                self._store(element, augmented=augmented)
+            return
+        if isinstance(target, (ast.Attribute, ast.Subscript)) and self._level(target.value) == _STATE:
+            self.writes = True
+            if augmented:
+                self.accumulates = True
+            # self.records[key] = new: an addition; anything deeper, or a whole attribute, replaces.
+            additive = (isinstance(target, ast.Subscript) and isinstance(target.value, ast.Attribute)
+                        and isinstance(target.value.value, ast.Name) and target.value.value.id == self.self_name)
+            if augmented or not additive:
+                self.removes_or_replaces = True
+            elif not (isinstance(target.slice, ast.Name) and target.slice.id in self.parameters):
+                self.accumulates = True  # a key the method makes up (a new id) adds a record per call
+        elif isinstance(target, ast.Starred):
+            self._store(target.value, augmented=augmented)
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        level = self._level(node.value)
+        for target in node.targets:
+            self._store(target)
+            self._bind(target, level)
+        self.generic_visit(node)
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
+        if node.value is not None:
+            self._store(node.target)
+            self._bind(node.target, self._level(node.value))
+        self.generic_visit(node)
+
+    def visit_AugAssign(self, node: ast.AugAssign) -> None:
+        self._store(node.target, augmented=True)
+        self.generic_visit(node)
+
+    def visit_NamedExpr(self, node: ast.NamedExpr) -> None:
+        self._bind(node.target, self._level(node.value))
+        self.generic_visit(node)
+
+    def visit_Delete(self, node: ast.Delete) -> None:
+        for target in node.targets:
+            if isinstance(target, (ast.Attribute, ast.Subscript)) and self._level(target.value) == _STATE:
+                self.writes = self.removes_or_replaces = True
+        self.generic_visit(node)
+
+    def _loop_target(self, target: ast.AST, iterable: ast.AST) -> None:
+        self._bind(target, _STATE if self._level(iterable) else 0)
+
+    def visit_For(self, node: ast.For) -> None:
+        self._loop_target(node.target, node.iter)
+        self.generic_visit(node)
+
+    def visit_comprehension(self, node: ast.comprehension) -> None:
+        self._loop_target(node.target, node.iter)
+        self.generic_visit(node)
+
+    def visit_With(self, node: ast.With) -> None:
+        for item in node.items:
+            if item.optional_vars is not None:
+                self._bind(item.optional_vars, self._level(item.context_expr))
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        func = node.func
+        if isinstance(func, ast.Attribute):
+            if isinstance(func.value, ast.Name) and func.value.id == self.self_name:
+                self.calls_own.add(func.attr)
+                if any(self._level(a) == _STATE for a in [*node.args, *(k.value for k in node.keywords)]):
+                    self.hands_state_to.add(func.attr)
+            elif self._level(func.value) == _STATE and func.attr in _ADDING | _REMOVING | _REPLACING:
+                self.writes = True
+                if func.attr in _REMOVING | _REPLACING:
+                    self.removes_or_replaces = True
+                if func.attr in {"append", "extend", "insert", "pop", "popitem"}:
+                    self.accumulates = True
+        elif isinstance(func, ast.Name) and func.id in ("setattr", "delattr") and node.args and self._level(node.args[0]) == _STATE:
+            self.writes = self.removes_or_replaces = True
+        self.generic_visit(node)
+
+
+@dataclass(frozen=True)
+class _MethodFacts:
+    """One method's own writes to ``self``'s state, its writes to its arguments, and the own methods it calls."""
+
+    own: _Writes
+    to_arguments: _Writes
+    calls: frozenset[str]
+    hands_state_to: frozenset[str]
+
+
+def _body_scan(function: ast.FunctionDef | ast.AsyncFunctionDef, arguments_are_state: bool) -> _MethodScan:
+    arguments = function.args.posonlyargs + function.args.args
+    names = {a.arg for a in arguments[1:] + function.args.kwonlyargs}
+    scan = _MethodScan(self_name=arguments[0].arg, parameters=names)
+    if arguments_are_state:
+        scan.self_name = ""  # only what the arguments reach counts
+        scan.aliases = dict.fromkeys(names, _STATE)
+    # Aliases found late (a loop binding used above it in a while loop) are caught by a second pass.
+    for _ in range(2):
+        for statement in function.body:
+            scan.visit(statement)
+    return scan
+
+
+def _scan(function: ast.FunctionDef | ast.AsyncFunctionDef) -> _MethodFacts:
+    if not (function.args.posonlyargs + function.args.args):
+        return _MethodFacts(_Writes(), _Writes(), frozenset(), frozenset())
+    scan = _body_scan(function, arguments_are_state=False)
+    through_arguments = _body_scan(function, arguments_are_state=True)
+    return _MethodFacts(
+        own=_Writes(scan.writes, scan.removes_or_replaces, scan.accumulates),
+        to_arguments=_Writes(through_arguments.writes, through_arguments.removes_or_replaces, through_arguments.accumulates),
+        calls=frozenset(scan.calls_own),
+        hands_state_to=frozenset(scan.hands_state_to),
+    )
+
+
+def _merge(a: _Writes, b: _Writes) -> _Writes:
+    return _Writes(a.writes or b.writes, a.removes_or_replaces or b.removes_or_replaces, a.accumulates or b.accumulates)
+
+
+def _method_defs(source: str, mro_names: list[str]) -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef]:
+    """Method name -> its definition in ``source``, the most derived class winning (``mro_names``: base last)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return {}
+    classes = {node.name: node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+    methods: dict[str, ast.FunctionDef | ast.AsyncFunctionDef] = {}
+    for name in reversed(mro_names):
+        klass = classes.get(name)
+        if klass is None:
+            continue
+        for node in klass.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                methods[node.name] = node
+    return methods
+
+
+def title_of(tool_name: str) -> str:
+    """``get_order_details`` -> ``Get order details``."""
+    words = tool_name.replace("_", " ").strip()
+    return words[:1].upper() + words[1:]
+
+
+def derive_annotations(source: str, cls: type, tool_names: list[str]) -> dict[str, ToolAnnotations]:
+    """Hints for each tool, from the code of ``cls`` (and its bases defined in ``source``).
+
+    A method whose source cannot be found is left without read-only or idempotent claims, so clients
+    treat it as the MCP defaults say (may write, may destroy).
+    """
+    defs = _method_defs(source, [klass.__name__ for klass in cls.__mro__ if klass is not object])
+    own = {name: _scan(node) for name, node in defs.items()}
+
+    def effective(name: str, seen: frozenset[str]) -> _Writes:
+        facts = own[name]
+        writes = facts.own
+        for callee in facts.calls - seen:
+            if callee in own:
+                writes = _merge(writes, effective(callee, seen | {callee}))
+                if callee in facts.hands_state_to:
+                    writes = _merge(writes, own[callee].to_arguments)
+        return writes
+
+    annotations: dict[str, ToolAnnotations] = {}
+    for name in tool_names:
+        if name not in own:
+            annotations[name] = ToolAnnotations(title=title_of(name), openWorldHint=False)
+            continue
+        writes = effective(name, frozenset({name}))
+        if not writes.writes:
+            annotations[name] = ToolAnnotations(title=title_of(name), readOnlyHint=True, destructiveHint=False,
+                                                idempotentHint=True, openWorldHint=False)
+        else:
+            annotations[name] = ToolAnnotations(
+                title=title_of(name),
+                readOnlyHint=False,
+                destructiveHint=writes.removes_or_replaces,
+                idempotentHint=not writes.accumulates,
+                openWorldHint=False,  # the environment is a closed simulation
+            )
+    return annotations
+
+
+def tool_annotations(spec: EnvSpec, cls: type, tool_names: list[str]) -> dict[str, ToolAnnotations]:
+    """Each tool's hints: derived from the code, with every field ``spec.tool_annotations`` sets winning."""
+    derived = derive_annotations(spec.env_class_code, cls, tool_names)
+    for name, explicit in (spec.tool_annotations or {}).items():
+        if name in derived:
+            derived[name] = derived[name].model_copy(update=explicit.model_dump(exclude_none=True))
+    return derived
