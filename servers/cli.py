@@ -42,7 +42,7 @@ def _serve(args: argparse.Namespace) -> int:
         problems = "; ".join(f"{_FLAGS.get(str(item['loc'][0]), item['loc'][0])}: {item['msg']}" for item in e.errors())
         raise EnvScalerError(f"serve: {problems}") from None
     logs.configure(args.log_level)
-    serve(args.env_dir, args.host, args.port, config, announce_token=generated)
+    serve(args.env_dir, args.host, args.port, config, announce_token=generated, heartbeat=args.stop_when_stale)
     return 0
 
 
@@ -120,5 +120,7 @@ def register_serve(commands: Any) -> None:
     parser.add_argument("--replica-id", metavar="ID",
                         help="this server is one replica of many: prefix episode ids with ID ('auto': a fresh random one) "
                              "so that a gateway can route each episode to the replica holding it")
+    parser.add_argument("--stop-when-stale", metavar="FILE",
+                        help="stop once FILE has not been touched for 15 s (a farm's heartbeat: no server outlives its daemon)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.set_defaults(func=_serve)

@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
+import signal
 import socket
 import sys
+import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 from envscaler import load_bundle
 from envscaler.guard import keep_alarm_handler
 from servers.app import EnvServerApp, ServerConfig
 from servers.http_server import HttpServer
+
+log = logging.getLogger("envscaler.server")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -25,9 +33,17 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(bundle_dir: str, host: str, port: int, config: ServerConfig, *, announce_token: bool) -> None:
-    """Serve ``bundle_dir`` until stopped. Prints one JSON line with the URL once listening."""
+def serve(
+    bundle_dir: str, host: str, port: int, config: ServerConfig, *, announce_token: bool, heartbeat: str | None = None
+) -> None:
+    """Serve ``bundle_dir`` until stopped. Prints one JSON line with the URL once listening.
+
+    With ``heartbeat`` (a file its supervisor touches), the server stops itself once the file has not
+    been touched for ``HEARTBEAT_STALE_S``: a farm's servers never outlive its daemon.
+    """
     bundle = load_bundle(bundle_dir)
+    if heartbeat is not None:
+        threading.Thread(target=_stop_when_stale, args=(Path(heartbeat),), name="heartbeat", daemon=True).start()
     sock = bind(host, port)
     actual_port = sock.getsockname()[1]
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{actual_port}"
@@ -45,6 +61,23 @@ def serve(bundle_dir: str, host: str, port: int, config: ServerConfig, *, announ
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(server.serve(sock, on_ready=announce))
     sys.stdout.flush()
+
+
+HEARTBEAT_STALE_S = 15.0
+
+
+def _stop_when_stale(heartbeat: Path) -> None:
+    started = time.time()
+    while True:
+        time.sleep(1.0)
+        try:
+            touched = heartbeat.stat().st_mtime
+        except OSError:
+            touched = started  # not there yet (or gone): the grace period counts from our start
+        if time.time() - max(touched, started) > HEARTBEAT_STALE_S:
+            log.warning("the supervisor's heartbeat stopped; stopping", extra={"heartbeat": str(heartbeat)})
+            os.kill(os.getpid(), signal.SIGTERM)  # the graceful stop, as if the supervisor had asked
+            return
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:

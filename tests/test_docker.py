@@ -161,6 +161,17 @@ def test_no_egress_not_even_to_the_host(farm, engine):
     assert gateway_ip and port
 
 
+def test_a_container_cannot_reach_a_sibling(farm, engine):
+    sibling = container_of(engine, farm, "it_helpdesk")
+    sibling_ip = next(iter(sibling.attrs["NetworkSettings"]["Networks"].values()))["IPAddress"]
+    probe = container_of(engine, farm, "online_retail").exec_run(["python3", "-c", (
+        "import socket\ns = socket.socket(); s.settimeout(3)\n"
+        f"try:\n    s.connect(('{sibling_ip}', 8000)); print('CONNECTED')\nexcept OSError as e:\n    print('blocked', e)")])
+    assert sibling_ip and b"blocked" in probe.output, probe.output
+    # The sibling does listen there: the daemon's proxy (on the host) reaches it.
+    assert httpx.get(json.loads(farm.read_text())["envs"]["it_helpdesk"]["url"] + "/healthz", timeout=5).status_code == 200
+
+
 def test_an_out_of_memory_container_is_restarted_while_others_answer(farm):
     catalog = json.loads(farm.read_text())
     counter = catalog["envs"]["counter"]
@@ -199,6 +210,8 @@ def test_down_leaves_nothing_also_after_kill_9(tmp_path, engine):
     label = f"{LABEL_FARM}={farm_id}"
     assert engine.containers.list(filters={"label": label}) and engine.networks.list(filters={"label": label})
     os.kill(read_state(catalog)["daemon_pid"], signal.SIGKILL)
+    # Its servers notice that the daemon's heartbeat stopped and stop themselves.
+    wait_until(lambda: engine.containers.list(filters={"label": label}) == [], timeout_s=30)
     down = envscaler("farm", "down", "--catalog", str(catalog), timeout=DOCKER_TIMEOUT_S)
     assert down.returncode == 0, down.stderr
     assert engine.containers.list(all=True, filters={"label": label}) == []

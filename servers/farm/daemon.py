@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import sys
 import time
@@ -33,6 +34,7 @@ log = logging.getLogger("envscaler.farm")
 _STARTUP_POLL_S = 0.1
 _STEADY_POLL_S = 2.0
 _ORPHAN_POLL_S = 2.0
+_HEARTBEAT_S = 3.0
 
 
 class FarmBackend(Protocol):
@@ -140,6 +142,14 @@ async def _stop_when_orphaned(paths: FarmPaths, server: uvicorn.Server) -> None:
     server.should_exit = True
 
 
+async def _beat(paths: FarmPaths) -> None:
+    """Touch the heartbeat file in place (a bind mount follows the inode, not the name)."""
+    paths.heartbeat.touch()
+    while True:
+        os.utime(paths.heartbeat)
+        await anyio.sleep(_HEARTBEAT_S)
+
+
 async def run_daemon(paths: FarmPaths) -> None:
     """Run the farm described by ``paths.plan`` until SIGTERM or SIGINT."""
     plan = read_json(paths.plan, FarmPlan)
@@ -161,6 +171,7 @@ async def run_daemon(paths: FarmPaths) -> None:
         tasks.start_soon(_stop_on_signal, server)
         tasks.start_soon(_stop_when_orphaned, paths, server)
         tasks.start_soon(board.flush_forever)
+        tasks.start_soon(_beat, paths)
         tasks.start_soon(backend.run)
         tasks.start_soon(watch_health, plan, paths, board)
         await server.serve(sockets=[sock])

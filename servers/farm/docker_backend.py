@@ -4,7 +4,9 @@ Every container: a non-root user, a read-only root filesystem (a small tmpfs at 
 capabilities dropped, no-new-privileges, memory (no swap), CPU and pids limits, and only the
 environment variables we set. The network is internal (no route out through Docker's NAT), the
 host refuses new connections coming from it and the container's default route is deleted, so a
-container can answer but never call out, not even to the host. Docker publishes no ports from an
+container can answer but never call out, not even to the host or a sibling (no inter-container
+traffic on the bridge). A container stops itself when the daemon's heartbeat file goes stale, so a
+killed daemon leaves no running server behind. Docker publishes no ports from an
 internal network, so the daemon publishes each one on 127.0.0.1 itself (``servers.farm.publish``).
 Containers and the network carry the farm's label: ``remove_farm_resources`` finds them all, also
 after the daemon was killed.
@@ -29,6 +31,7 @@ log = logging.getLogger("envscaler.farm")
 
 SERVER_PORT = 8000
 SERVER_USER = "10001:10001"
+HEARTBEAT_PATH = "/run/envscaler/heartbeat"
 _POLL_S = 0.5
 
 
@@ -121,7 +124,8 @@ class DockerBackend:
         farm_id = self.plan.farm_id
         self.network = self.client.networks.create(
             network_name(farm_id), driver="bridge", internal=True, labels={LABEL_FARM: farm_id},
-            options={"com.docker.network.bridge.name": bridge_name(farm_id)},
+            # No inter-container traffic: a container answers the daemon's proxy, never a sibling.
+            options={"com.docker.network.bridge.name": bridge_name(farm_id), "com.docker.network.bridge.enable_icc": "false"},
         )
         if not _iptables("-I", _input_rule(farm_id)):
             log.warning("cannot add the host firewall rule (needs root and iptables): containers can reach the host",
@@ -151,8 +155,12 @@ class DockerBackend:
 
     def _run_container(self, env: EnvPlan, image: str) -> Any:
         limits = self.plan.limits
+        self.paths.heartbeat.touch()  # a bind mount needs its source to exist
         return self.client.containers.run(
             image,
+            # The image's command, and: stop when the daemon's heartbeat stops (kill -9 of the daemon).
+            command=["/bundle", "--host", "0.0.0.0", "--port", str(SERVER_PORT), "--stop-when-stale", HEARTBEAT_PATH],
+            volumes={str(self.paths.heartbeat): {"bind": HEARTBEAT_PATH, "mode": "ro"}},
             name=f"envscaler-{self.plan.farm_id}-{env.env_id}",
             detach=True,
             labels={LABEL_FARM: self.plan.farm_id, LABEL_ENV: env.env_id},

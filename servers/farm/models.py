@@ -102,6 +102,8 @@ class FarmPaths:
         self.state = self.dir / "state.json"
         self.daemon_log = self.dir / "daemon.log"
         self.logs = self.dir / "logs"
+        # Touched by the daemon every few seconds; its servers stop when it goes stale (the daemon died).
+        self.heartbeat = self.dir / "heartbeat"
 
     def env_log(self, env_id: str) -> Path:
         """The log file of one environment server (process backend)."""
