@@ -6,8 +6,11 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
+from pydantic import ValidationError
+
 from agent_client.errors import HarnessError
 from agent_client.models import Record
+from envscaler.bundle import describe_validation_error
 
 ExportFormat = Literal["openai", "sharegpt"]
 
@@ -24,8 +27,9 @@ def read_records(path: Path) -> list[Record]:
             continue
         try:
             records.append(Record.model_validate_json(line))
-        except ValueError as e:
-            raise HarnessError(f"{path}:{number}: not a run record: {str(e).splitlines()[0]}") from None
+        except ValidationError as e:
+            # The whole reason, with its position: the first line of pydantic's text is only a count.
+            raise HarnessError(f"{path}:{number}: not a run record: {describe_validation_error(e)}") from None
     return records
 
 

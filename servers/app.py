@@ -322,7 +322,7 @@ class EnvServerApp:
     def _scenario(self, task_id: str) -> dict[str, Any]:
         scenario = self.store.scenarios.get(task_id)
         if scenario is None:
-            raise ErrorReply(404, f"{self.bundle.env_id} has no scenario {task_id!r}; GET /scenarios lists them")
+            raise ErrorReply(404, f"{self.bundle.env_id} has no scenario {task_id!r}; 'envscaler catalog scenarios' (or GET /scenarios) lists them")
         return scenario.model_dump(mode="json", exclude_none=True)
 
     # -- MCP -----------------------------------------------------------------------------------

@@ -115,7 +115,7 @@ class EpisodeStore:
     def _scenario(self, scenario_id: str) -> Scenario:
         scenario = self.scenarios.get(scenario_id)
         if scenario is None:
-            raise UnknownScenario(f"{self.runtime.env_id} has no scenario {scenario_id!r}; GET /scenarios lists them")
+            raise UnknownScenario(f"{self.runtime.env_id} has no scenario {scenario_id!r}; 'envscaler catalog scenarios' (or GET /scenarios) lists them")
         return scenario
 
     async def _build(self, scenario_id: str | None, init_config: dict[str, Any] | None) -> tuple[Episode, Scenario | None]:

@@ -233,3 +233,9 @@ def test_status_of_a_farm_whose_daemon_died_reports_nothing_healthy(tmp_path):
     finally:
         envscaler("farm", "down", "--catalog", str(catalog))
     assert _processes_mentioning(str(catalog)) == []
+
+
+def test_a_torn_run_file_is_named_with_the_position(tmp_path):
+    torn = tmp_path / "run.jsonl"
+    torn.write_text('{"env_id": "x", ')
+    assert_usage_error(envscaler("export", "--in", str(torn)), "run.jsonl:1", "line 1 column 16")
