@@ -24,6 +24,7 @@ from servers.asgi import json_bytes, read_body, send_json
 from servers.calls import CallAbandoned
 from servers.episodes import EpisodeStore, LimitReached, LiveEpisode, UnknownEpisode, UnknownScenario
 from servers.mcp_endpoint import McpEndpoint
+from servers.openenv_endpoint.config import OpenEnvConfig
 
 log = logging.getLogger("envscaler.server")
 
@@ -45,6 +46,8 @@ class ServerConfig(BaseModel):
     worker_threads: int = Field(default=32, ge=1)
     inline_budget_s: float = Field(default=0.02, ge=0)
     allowed_origins: list[str] = Field(default_factory=list)
+    # The OpenEnv listener (``--openenv-port``), off unless asked for.
+    openenv: OpenEnvConfig | None = None
 
 
 class _Body(BaseModel):

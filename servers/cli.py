@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from envscaler import EnvScalerError, logs
 from servers.app import ServerConfig
+from servers.openenv_endpoint.config import OpenEnvConfig
 
 # ServerConfig field -> the flag that sets it, so that a bad value is reported in the user's words.
 _FLAGS = {
@@ -23,6 +24,10 @@ _FLAGS = {
     "worker_threads": "--workers",
     "inline_budget_s": "--inline-budget",
     "allowed_origins": "--allowed-origin",
+    "openenv_port": "--openenv-port",
+    "max_sessions": "--openenv-sessions",
+    "session_idle_s": "--openenv-idle",
+    "max_steps": "--openenv-max-steps",
 }
 
 
@@ -53,6 +58,12 @@ def _config(args: argparse.Namespace, token: str) -> ServerConfig:
         worker_threads=args.workers,
         inline_budget_s=args.inline_budget,
         allowed_origins=args.allowed_origin or [],
+        openenv=None if args.openenv_port is None else OpenEnvConfig(
+            openenv_port=args.openenv_port,
+            max_sessions=args.openenv_sessions,
+            session_idle_s=args.openenv_idle,
+            max_steps=args.openenv_max_steps,
+        ),
     )
 
 
@@ -86,5 +97,14 @@ def register_serve(commands: Any) -> None:
         "0 runs every call on a worker (default: 0.02)",
     )
     parser.add_argument("--allowed-origin", action="append", help="browser Origin allowed on MCP routes (repeatable; '*' for any)")
+    parser.add_argument(
+        "--openenv-port",
+        type=int,
+        help="also serve the OpenEnv protocol (WebSocket /ws, /reset, /step, /state) on this port; 0 picks a free one "
+        "(needs the [openenv] extra; no token: bind it where only trainers reach it)",
+    )
+    parser.add_argument("--openenv-sessions", type=int, default=2048, help="OpenEnv sessions at most (default: 2048)")
+    parser.add_argument("--openenv-idle", type=float, default=600.0, help="seconds before an idle OpenEnv session is reaped (default: 600)")
+    parser.add_argument("--openenv-max-steps", type=int, default=50, help="tool calls per OpenEnv episode before it is scored and done (default: 50)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.set_defaults(func=_serve)
