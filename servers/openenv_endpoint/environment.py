@@ -149,6 +149,7 @@ class FarmEpisodeEnvironment(Environment[Action, Observation, EpisodeState]):
         self.context = context
         self._live: LiveEpisode | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
         self._state = EpisodeState(env_id=context.env_id, max_steps=context.max_steps)
 
     # -- the OpenEnv interface -------------------------------------------------------------------
@@ -167,6 +168,7 @@ class FarmEpisodeEnvironment(Environment[Action, Observation, EpisodeState]):
         ``episode_id`` is accepted as OpenEnv clients send it, but the server names episodes itself
         (``state().episode_id``): episode ids are capabilities and must be unguessable.
         """
+        self._check_open()
         if kwargs:
             raise EpisodeError(f"unknown reset parameters {sorted(kwargs)}; reset takes scenario_id or seed")
         scenario = self.context.choose(scenario_id, seed)
@@ -188,6 +190,7 @@ class FarmEpisodeEnvironment(Environment[Action, Observation, EpisodeState]):
 
     async def step_async(self, action: Action, timeout_s: float | None = None, **kwargs: Any) -> Observation:
         """List the tools, or call one (``finish`` ends and scores the episode)."""
+        self._check_open()
         if isinstance(action, ListToolsAction):
             return ListToolsObservation(tools=self.context.listed)
         if not isinstance(action, CallToolAction):
@@ -216,6 +219,7 @@ class FarmEpisodeEnvironment(Environment[Action, Observation, EpisodeState]):
 
     def close(self) -> None:
         """End the live episode. OpenEnv may call this from its executor thread: the store lives on the loop."""
+        self._closed = True
         loop = self._loop
         if self._live is None or loop is None:
             return
@@ -229,6 +233,10 @@ class FarmEpisodeEnvironment(Environment[Action, Observation, EpisodeState]):
             loop.call_soon_threadsafe(self._end_current)
 
     # -- helpers ---------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EpisodeError("this session was closed (idle past the server's limit, or shut down); open a new one")
 
     def _current(self) -> LiveEpisode:
         if self._live is None:
