@@ -245,3 +245,17 @@ def test_plain_http_routes_of_the_protocol(desk):
         assert control.get("/info").json()["limits"]["openenv"] == {
             "openenv_port": 0, "max_sessions": 3, "session_idle_s": 1.0, "max_steps": 3,
         }
+
+
+async def test_a_dead_server_is_an_error_not_a_zero_reward(tmp_path):
+    spec = {"env_id": "desk", "env_class_name": "Desk", "env_class_code": DESK_CODE, "environment_introduction": "A desk of notes."}
+    directory = write_bundle(tmp_path, spec, [desk_scenario("desk_a", ["old"])])
+    with serve_openenv([directory]) as (server,):
+        client = MCPToolClient(base_url=server.openenv_url)
+        await client.reset(scenario_id="desk_a")
+        server.process.kill()
+        server.process.wait()
+        with pytest.raises(websockets.ConnectionClosed):
+            await client.step(CallToolAction(tool_name="finish", arguments={}))
+        with pytest.raises(ConnectionError):
+            await MCPToolClient(base_url=server.openenv_url).connect()
