@@ -251,11 +251,11 @@ async def test_a_dead_server_is_an_error_not_a_zero_reward(tmp_path):
     spec = {"env_id": "desk", "env_class_name": "Desk", "env_class_code": DESK_CODE, "environment_introduction": "A desk of notes."}
     directory = write_bundle(tmp_path, spec, [desk_scenario("desk_a", ["old"])])
     with serve_openenv([directory]) as (server,):
-        client = MCPToolClient(base_url=server.openenv_url)
-        await client.reset(scenario_id="desk_a")
-        server.process.kill()
-        server.process.wait()
-        with pytest.raises(websockets.ConnectionClosed):
-            await client.step(CallToolAction(tool_name="finish", arguments={}))
+        async with MCPToolClient(base_url=server.openenv_url) as client:
+            await client.reset(scenario_id="desk_a")
+            server.process.kill()
+            server.process.wait()
+            with pytest.raises(websockets.ConnectionClosed):
+                await client.step(CallToolAction(tool_name="finish", arguments={}))
         with pytest.raises(ConnectionError):
             await MCPToolClient(base_url=server.openenv_url).connect()

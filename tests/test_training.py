@@ -80,7 +80,7 @@ def farm(lamp_server):
     return TrainingFarm.connect(FarmCatalog(envs={"lamp": EnvEndpoint(url=lamp_server.url, token=lamp_server.token)}))
 
 
-def tiny_qwen(tmp_path):
+def tiny_qwen():
     """A randomly initialised Qwen2-shaped model and a byte-level BPE tokenizer with Qwen3's chat template."""
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>", "</think>"]
     tokenizer = Tokenizer(models.BPE())
@@ -142,7 +142,7 @@ def test_a_dead_server_is_an_error_not_a_zero_reward(tmp_path):
 
 
 def test_grpo_trainer_trains_on_the_farm_with_the_validators_reward(farm, tmp_path):
-    model, tokenizer = tiny_qwen(tmp_path)
+    model, tokenizer = tiny_qwen()
     args = GRPOConfig(
         output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, max_steps=2, per_device_train_batch_size=4, num_generations=2,
         max_completion_length=12, logging_steps=1, report_to="none", save_strategy="no", max_tool_calling_iterations=2, seed=0,
