@@ -22,9 +22,10 @@ from typing import Any, Protocol
 import anyio
 
 from agent_client.llm import LlmEndpoint, complete
-from agent_client.models import AgentResult, EpisodeInfo
+from agent_client.models import AgentResult
 from agent_client.remote import EnvControl, McpTools
 from agent_client.user import SimulatedUser
+from envscaler.wire import EpisodeCreated
 
 SYSTEM_PROMPT = (
     "You are an agent operating the following system through its tools.\n\n{introduction}\n\n"
@@ -38,7 +39,7 @@ class EpisodeContext:
 
     env_id: str
     task_id: str
-    info: EpisodeInfo
+    info: EpisodeCreated
     tools: McpTools
     control: EnvControl
     max_steps: int
@@ -56,6 +57,8 @@ class EpisodeContext:
 
 class Agent(Protocol):
     name: str
+    # True when the agent holds a conversation: a scenario's simulated user then speaks to it.
+    converses: bool
 
     async def run(self, ctx: EpisodeContext) -> AgentResult:
         """Drive the episode until done; tool calls go through ``ctx.tools``."""
@@ -75,6 +78,7 @@ class ReplayAgent:
     """Runs the scenario's reference solution, one tool call per assistant turn."""
 
     name = "replay"
+    converses = False
 
     async def run(self, ctx: EpisodeContext) -> AgentResult:
         scenario = await ctx.control.scenario(ctx.task_id)
@@ -120,6 +124,7 @@ class RandomAgent:
     """Calls random tools with random, schema-valid arguments for a few steps."""
 
     name = "random"
+    converses = False
 
     def __init__(self, steps: int = 5) -> None:
         self.steps = steps
@@ -145,6 +150,7 @@ class OpenAIAgent:
     """A chat model with native tool calls; several calls per turn are run in order."""
 
     name = "openai"
+    converses = True
 
     def __init__(self, endpoint: LlmEndpoint) -> None:
         self.endpoint = endpoint
@@ -209,6 +215,7 @@ class CommandAgent:
     """
 
     name = "command"
+    converses = False
 
     def __init__(self, template: str, timeout_s: float = 600.0) -> None:
         self.template = shlex.split(template)

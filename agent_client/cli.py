@@ -17,12 +17,12 @@ import anyio
 from agent_client.agents import CommandAgent, OpenAIAgent, RandomAgent, ReplayAgent
 from agent_client.export import export, read_records
 from agent_client.llm import LlmEndpoint
-from agent_client.models import HarnessError, load_farm_catalog
-from agent_client.remote import EnvControl, new_http_client, parse_validation
+from agent_client.errors import HarnessError
+from agent_client.models import load_farm_catalog
+from agent_client.remote import EnvControl, new_http_client
 from agent_client.runner import RunOptions, run
 from agent_client.summary import render, summarize
-
-EXIT_OK, EXIT_FAILED = 0, 1
+from envscaler.errors import EXIT_FAILED, EXIT_OK
 
 
 def _agent_factory(args: argparse.Namespace):
@@ -51,7 +51,7 @@ def _user_endpoint(args: argparse.Namespace) -> LlmEndpoint | None:
 def _run(args: argparse.Namespace) -> int:
     catalog = load_farm_catalog(args.farm)
     options = RunOptions(repeats=args.repeats, concurrency=args.concurrency, max_steps=args.max_steps,
-                         time_limit_s=args.time_limit, user=_user_endpoint(args), progress=not args.quiet)
+                         time_limit_s=args.time_limit, user_endpoint=_user_endpoint(args), progress=not args.quiet)
     make_agent = _agent_factory(args)
     out = Path(args.out)
     anyio.run(partial(run, catalog, make_agent, out, patterns=args.scenario, options=options))
@@ -106,7 +106,7 @@ def _episode_validate(args: argparse.Namespace) -> int:
 
     async def go():
         async with new_http_client() as http:
-            return parse_validation(await _control(args, env_id, http).validate(episode_id))
+            return await _control(args, env_id, http).validate(episode_id)
 
     result = anyio.run(go)
     for check in result.checks:
@@ -185,7 +185,7 @@ def register_run(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--user-base-url", help="endpoint of the simulated user (default: --base-url)")
     parser.add_argument("--user-model", help="model of the simulated user in conversational scenarios (default: --model)")
     parser.add_argument("--retries", type=int, default=4, help="retries on 429/5xx/connection errors (default: 4)")
-    parser.add_argument("--backoff", type=float, default=1.0, help="first retry delay in seconds, doubled each time (default: 1)")
+    parser.add_argument("--backoff", type=float, default=1.0, help="first retry delay in seconds, doubled each time, plus jitter; a longer Retry-After wins (default: 1)")
     parser.add_argument("--command", help="--agent command: program template, e.g. \"python my_agent.py --url {mcp_url} --task {task}\"")
     parser.add_argument("--random-steps", type=int, default=5, help="tool calls of the random agent (default: 5)")
     parser.add_argument("--quiet", action="store_true", help="no progress line")

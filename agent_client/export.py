@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from agent_client.models import HarnessError, Record
+from agent_client.errors import HarnessError
+from agent_client.models import Record
 
 ExportFormat = Literal["openai", "sharegpt"]
 

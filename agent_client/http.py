@@ -5,6 +5,11 @@ Content-Length. httpx spends ~0.5 ms of CPU on each (its transport, auth and red
 client spends a tenth of that, which is what lets one harness process drive thousands of steps per
 second. It uses asyncio streams directly (the harness always runs on asyncio). ``https://`` URLs go
 to httpx, which handles TLS properly.
+
+Interim (1xx) responses are skipped, chunked bodies are read through their trailers, and a pooled
+connection the server has closed is dropped before use. When a reused connection fails as a request
+goes out, the server may already have acted on it, so only idempotent methods are sent again: a
+POST (a tool call, a new episode) fails with TransportError instead of running twice.
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from agent_client.errors import TransportError
 
-class HttpError(Exception):
-    """The request could not be sent or no complete response came back."""
+# RFC 9110 9.2.2: sending one of these twice has the effect of sending it once.
+_IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS", "TRACE"})
 
 
 class Response:
@@ -69,13 +75,13 @@ class LeanHttp:
             await self._tls.aclose()
 
     async def request(self, method: str, url: str, body: Any = None, headers: dict[str, str] | None = None) -> Response:
-        """``method url`` with ``body`` as JSON (when not None); HttpError when no response comes back."""
+        """``method url`` with ``body`` as JSON (when not None); TransportError when no response comes back."""
         parts = urlsplit(url)
         payload = b"" if body is None else json.dumps(body, separators=(",", ":")).encode()
         if parts.scheme == "https":
             return await self._via_httpx(method, url, payload, headers)
         if parts.scheme != "http" or not parts.hostname:
-            raise HttpError(f"unsupported URL {url!r}: use http:// or https://")
+            raise TransportError(f"unsupported URL {url!r}: use http:// or https://")
         key = (parts.hostname, parts.port or 80)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         lines = [f"{method} {target} HTTP/1.1", f"Host: {parts.netloc}", f"Content-Length: {len(payload)}"]
@@ -86,40 +92,49 @@ class LeanHttp:
         try:
             return await asyncio.wait_for(self._exchange(key, message, method), self.timeout_s)
         except asyncio.TimeoutError:
-            raise HttpError(f"{method} {url}: no response within {self.timeout_s:g} s") from None
+            raise TransportError(f"{method} {url}: no response within {self.timeout_s:g} s") from None
         except (OSError, asyncio.IncompleteReadError, ValueError) as e:
-            raise HttpError(f"{method} {url}: {type(e).__name__}: {e}") from None
+            raise TransportError(f"{method} {url}: {type(e).__name__}: {e}") from None
 
     async def _exchange(self, key: tuple[str, int], message: bytes, method: str) -> Response:
         idle = self._idle.setdefault(key, [])
         while idle:
             connection = idle.pop()
+            if connection.reader.at_eof() or connection.reader.exception() is not None:
+                connection.close()  # the server closed it while it sat in the pool
+                continue
             try:
                 return await self._send(key, connection, message, method)
-            except (ConnectionError, asyncio.IncompleteReadError):
-                connection.close()  # the server closed a kept-alive connection: try the next one
+            except (ConnectionError, asyncio.IncompleteReadError) as e:
+                # The server dropped a kept-alive connection as the request went out. It may have
+                # acted on the request before that, so only a request that is safe to repeat goes again.
+                if method not in _IDEMPOTENT:
+                    raise ConnectionError(f"the server closed a kept-alive connection without an answer; "
+                                          f"a {method} is not sent twice ({type(e).__name__})") from None
         connection = _Connection(*await asyncio.wait_for(asyncio.open_connection(*key), self.connect_timeout_s))
         return await self._send(key, connection, message, method)
 
     async def _send(self, key: tuple[str, int], connection: _Connection, message: bytes, method: str) -> Response:
-        connection.writer.write(message)
-        head = await connection.reader.readuntil(b"\r\n\r\n")
-        status_line, *header_lines = head.decode("latin-1").split("\r\n")
-        status = int(status_line.split(" ", 2)[1])
-        headers = {}
-        for line in header_lines:
-            if line:
-                name, _, value = line.partition(":")
-                headers[name.strip().lower()] = value.strip()
-        reusable = headers.get("connection", "").lower() != "close"
-        if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
-            body = b""
-        elif "content-length" in headers:
-            body = await connection.reader.readexactly(int(headers["content-length"]))
-        elif headers.get("transfer-encoding", "").lower() == "chunked":
-            body = await _read_chunked(connection.reader)
-        else:
-            body, reusable = await connection.reader.read(), False
+        """One request and its final response on ``connection``; it is closed when anything goes wrong."""
+        try:
+            connection.writer.write(message)
+            status, headers = await _read_head(connection.reader)
+            while 100 <= status < 200:  # interim responses (100 Continue, 103 Early Hints) precede the answer
+                if status == 101:
+                    raise ValueError("the server switched protocols, which was never asked for")
+                status, headers = await _read_head(connection.reader)
+            reusable = headers.get("connection", "").lower() != "close"
+            if method == "HEAD" or status in (204, 304):
+                body = b""
+            elif headers.get("transfer-encoding", "").lower() == "chunked":
+                body = await _read_chunked(connection.reader)
+            elif "content-length" in headers:
+                body = await connection.reader.readexactly(int(headers["content-length"]))
+            else:
+                body, reusable = await connection.reader.read(), False
+        except BaseException:
+            connection.close()
+            raise
         if reusable:
             self._idle[key].append(connection)
         else:
@@ -133,8 +148,20 @@ class LeanHttp:
             response = await self._tls.request(method, url, content=payload or None,
                                                headers={**({"Content-Type": "application/json"} if payload else {}), **(headers or {})})
         except httpx.HTTPError as e:
-            raise HttpError(f"{method} {url}: {e!r}") from None
+            raise TransportError(f"{method} {url}: {e!r}") from None
         return Response(response.status_code, {k.lower(): v for k, v in response.headers.items()}, response.content)
+
+
+async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    status = int(status_line.split(" ", 2)[1])
+    headers = {}
+    for line in header_lines:
+        if line:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+    return status, headers
 
 
 async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
@@ -142,7 +169,10 @@ async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
     while True:
         size = int((await reader.readuntil(b"\r\n")).split(b";")[0].strip(), 16)
         if size == 0:
-            await reader.readuntil(b"\r\n")
-            return b"".join(chunks)
+            break
         chunks.append(await reader.readexactly(size))
         await reader.readexactly(2)
+    # Trailer fields, if any, up to the empty line: left unread, they would be taken for the next response.
+    while await reader.readuntil(b"\r\n") != b"\r\n":
+        pass
+    return b"".join(chunks)

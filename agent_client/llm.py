@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import openai
+from openai.types.chat import ChatCompletion
 
 from agent_client.models import Usage
-from agent_client.remote import InfraError
+from envscaler.llm import RetryPolicy, chat_completion, new_client
 
 
 @dataclass
@@ -25,30 +24,21 @@ class LlmEndpoint:
     backoff_s: float = 1.0
 
     def client(self) -> openai.AsyncOpenAI:
-        key = self.api_key or os.environ.get("OPENAI_API_KEY") or "not-needed"
-        # Retries are ours (with backoff) so that an endpoint that stays down ends as an infra error.
-        return openai.AsyncOpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=120.0)
+        """A client of this endpoint (the retries are ``complete``'s, not the SDK's)."""
+        return new_client(self.base_url, self.api_key)
 
 
-async def complete(endpoint: LlmEndpoint, client: openai.AsyncOpenAI, usage: Usage, **request: Any) -> Any:
-    """One chat completion with retries on 429, 5xx and connection errors; InfraError when they run out."""
+async def complete(endpoint: LlmEndpoint, client: openai.AsyncOpenAI, usage: Usage, **request: Any) -> ChatCompletion:
+    """One chat completion, retried on 429, 5xx and connection errors, its tokens added to ``usage``.
+
+    Raises LlmUnavailable (an InfraError: the episode is recorded as an infra error) when the
+    endpoint stays down or refuses the request.
+    """
     if endpoint.temperature is not None:
         request["temperature"] = endpoint.temperature
-    delay = endpoint.backoff_s
-    for attempt in range(endpoint.retries + 1):
-        try:
-            response = await client.chat.completions.create(model=endpoint.model, **request)
-        except (openai.RateLimitError, openai.InternalServerError, openai.APIConnectionError, openai.APITimeoutError) as e:
-            if attempt == endpoint.retries:
-                raise InfraError(f"LLM endpoint {endpoint.base_url} ({endpoint.model}) failed {attempt + 1} times: {e}") from None
-            await anyio.sleep(delay)
-            delay *= 2
-            continue
-        except openai.APIStatusError as e:
-            raise InfraError(f"LLM endpoint {endpoint.base_url} ({endpoint.model}) refused the request: {e}") from None
-        if response.usage:
-            usage.add(response.usage.prompt_tokens, response.usage.completion_tokens)
-        else:
-            usage.add(0, 0)
-        return response
-    raise AssertionError("unreachable")
+    response = await chat_completion(client, RetryPolicy(endpoint.retries, endpoint.backoff_s), model=endpoint.model, **request)
+    if response.usage:
+        usage.add(response.usage.prompt_tokens, response.usage.completion_tokens)
+    else:
+        usage.add(0, 0)
+    return response

@@ -1,21 +1,21 @@
-"""The harness's contracts: the farm catalog it reads, the episodes it drives, the records it writes."""
+"""The harness's own contracts: what agents hand back and the records it writes.
+
+What crosses HTTP (the farm catalog, episodes, validation, trajectories) is in ``envscaler.wire``.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
+from agent_client.errors import HarnessError
 from envscaler.bundle import parse_model, read_json
-from envscaler.errors import EnvScalerError
-from envscaler.models import CheckResult, FarmCatalog, ToolOutcome
+from envscaler.models import CheckResult, ToolOutcome
+from envscaler.wire import FarmCatalog
 
 Termination = Literal["finished", "max_steps", "time_limit", "user_stop", "agent_error", "infra_error"]
-
-
-class HarnessError(EnvScalerError):
-    """The harness cannot start (bad catalog, unknown scenario, bad flags)."""
 
 
 def load_farm_catalog(path: str | Path) -> FarmCatalog:
@@ -24,28 +24,6 @@ def load_farm_catalog(path: str | Path) -> FarmCatalog:
     if not path.exists():
         raise HarnessError(f"{path}: no such farm catalog; start a farm with 'envscaler farm up --catalog {path}'")
     return parse_model(FarmCatalog, read_json(path), str(path))
-
-
-class ScenarioRef(BaseModel):
-    """One scenario as the environment server lists it."""
-
-    env_id: str
-    task_id: str
-    task: str = ""
-    conversational: bool = False
-
-
-class EpisodeInfo(BaseModel):
-    """What ``POST /episodes`` returned."""
-
-    model_config = ConfigDict(extra="allow")
-
-    episode_id: str
-    mcp_url: str
-    task: str = ""
-    env_introduction: str = ""
-    tools: list[dict[str, Any]] = Field(default_factory=list)
-    user_profile: str | None = None
 
 
 class Usage(BaseModel):
@@ -85,6 +63,7 @@ class Record(BaseModel):
     steps: int = 0
     env_errors: int = 0
     agent_errors: int = 0
+    tool_errors: int = 0
     messages: list[dict[str, Any]] = Field(default_factory=list)
     tools: list[dict[str, Any]] = Field(default_factory=list)
     trajectory: list[ToolOutcome] = Field(default_factory=list)
@@ -92,10 +71,6 @@ class Record(BaseModel):
     user_usage: Usage = Field(default_factory=Usage)
     started_at: float
     duration_s: float
-
-    @property
-    def key(self) -> tuple[str, str, int]:
-        return (self.env_id, self.task_id, self.repeat)
 
     @property
     def infra_failed(self) -> bool:

@@ -1,6 +1,7 @@
 """The harness's only ways into an environment: its control API and its MCP endpoint, over HTTP.
 
-One pooled LeanHttp client serves every episode. The MCP side speaks the sessionless 2026-07-28
+One pooled LeanHttp client serves every episode. Every reply is parsed into its wire model
+(``envscaler.wire``), the same one the server built. The MCP side speaks the sessionless 2026-07-28
 protocol as plain JSON-RPC POSTs: the official SDK client builds a transport, task group and session
 per connection, which costs more CPU than the tool call itself at harness scale.
 """
@@ -8,24 +9,48 @@ per connection, which costs more CPU than the tool call itself at harness scale.
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, TypeVar
+from urllib.parse import quote
 
+from pydantic import BaseModel, ValidationError
 
-from agent_client.http import HttpError, LeanHttp
-from agent_client.models import EpisodeInfo, HarnessError, ScenarioRef
-from envscaler.models import EnvEndpoint, Scenario, ToolOutcome, ValidationResult
+from agent_client.errors import EnvServerError, TransportError
+from agent_client.http import LeanHttp, Response
+from envscaler.bundle import describe_validation_error
+from envscaler.models import Scenario
+from envscaler.wire import (
+    CLIENT_CAPABILITIES_META_KEY,
+    LATEST_MODERN_VERSION,
+    MCP_METHOD_HEADER,
+    MCP_NAME_HEADER,
+    MCP_PROTOCOL_VERSION_HEADER,
+    PROTOCOL_VERSION_META_KEY,
+    EnvEndpoint,
+    EpisodeCreated,
+    EpisodeStart,
+    EpisodeValidation,
+    ScenarioListing,
+    ScenarioSummary,
+    Trajectory,
+    encode_header_value,
+)
 
-MCP_VERSION = "2026-07-28"
-_META = {"io.modelcontextprotocol/protocolVersion": MCP_VERSION, "io.modelcontextprotocol/clientCapabilities": {}}
+M = TypeVar("M", bound=BaseModel)
 
-
-class InfraError(HarnessError):
-    """An environment server, the network or an LLM endpoint failed: the episode cannot be judged."""
+_META = {PROTOCOL_VERSION_META_KEY: LATEST_MODERN_VERSION, CLIENT_CAPABILITIES_META_KEY: {}}
 
 
 def new_http_client() -> LeanHttp:
     """The one HTTP client a run shares: its connection pool serves every episode."""
     return LeanHttp()
+
+
+def _parse(model: type[M], response: Response, what: str) -> M:
+    """The reply as ``model``; EnvServerError when the server sent something else."""
+    try:
+        return model.model_validate_json(response.body)
+    except ValidationError as e:
+        raise EnvServerError(f"{what}: the reply is not a {model.__name__}: {describe_validation_error(e)}", response.status) from None
 
 
 class EnvControl:
@@ -37,36 +62,42 @@ class EnvControl:
         self.base = endpoint.url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {endpoint.token}"}
 
-    async def _request(self, method: str, path: str, body: Any = None) -> Any:
+    async def _request(self, model: type[M], method: str, path: str, body: BaseModel | None = None) -> M:
+        payload = None if body is None else body.model_dump(mode="json", exclude_none=True)
         try:
-            response = await self.http.request(method, self.base + path, body, self.headers)
-        except HttpError as e:
-            raise InfraError(f"{self.env_id}: {e}") from None
+            response = await self.http.request(method, self.base + path, payload, self.headers)
+        except TransportError as e:
+            raise TransportError(f"{self.env_id}: {e}") from None
         if response.status >= 400:
-            raise InfraError(f"{self.env_id}: {method} {path} -> {response.status}: {response.text[:300]}")
-        return response.json()
+            raise EnvServerError(f"{self.env_id}: {method} {path} -> {response.status}: {response.text[:300]}", response.status)
+        return _parse(model, response, f"{self.env_id}: {method} {path}")
 
-    async def scenarios(self) -> list[ScenarioRef]:
-        listing = await self._request("GET", "/scenarios")
-        return [ScenarioRef(env_id=self.env_id, **{k: s[k] for k in ("task_id", "task", "conversational")}) for s in listing["scenarios"]]
+    async def scenarios(self) -> list[ScenarioSummary]:
+        """Every scenario the server holds."""
+        return (await self._request(ScenarioListing, "GET", "/scenarios")).scenarios
 
     async def scenario(self, task_id: str) -> Scenario:
-        return Scenario.model_validate(await self._request("GET", f"/scenarios/{task_id}"))
+        """One whole scenario, reference solution and checklist included."""
+        return await self._request(Scenario, "GET", f"/scenarios/{quote(task_id, safe='')}")
 
-    async def create(self, task_id: str) -> EpisodeInfo:
-        return EpisodeInfo.model_validate(await self._request("POST", "/episodes", {"scenario_id": task_id}))
+    async def create(self, task_id: str) -> EpisodeCreated:
+        """A new episode of scenario ``task_id``."""
+        return await self._request(EpisodeCreated, "POST", "/episodes", EpisodeStart(scenario_id=task_id))
 
-    async def validate(self, episode_id: str) -> dict[str, Any]:
-        return await self._request("POST", f"/episodes/{episode_id}/validate", {})
+    async def validate(self, episode_id: str) -> EpisodeValidation:
+        """The scenario's checklist run on the episode's state now, with the server's error counts."""
+        return await self._request(EpisodeValidation, "POST", f"/episodes/{episode_id}/validate")
 
-    async def trajectory(self, episode_id: str) -> dict[str, Any]:
-        return await self._request("GET", f"/episodes/{episode_id}/trajectory")
+    async def trajectory(self, episode_id: str) -> Trajectory:
+        """The server's record of every tool call of the episode."""
+        return await self._request(Trajectory, "GET", f"/episodes/{episode_id}/trajectory")
 
     async def end(self, episode_id: str) -> None:
+        """End the episode; a failure is ignored, since the server expires idle episodes itself."""
         try:
             await self.http.request("DELETE", self.base + f"/episodes/{episode_id}", None, self.headers)
-        except HttpError:
-            pass  # the server expires idle episodes itself
+        except TransportError:
+            pass
 
 
 class McpTools:
@@ -78,20 +109,25 @@ class McpTools:
         self._ids = itertools.count(1)
 
     async def _rpc(self, method: str, params: dict[str, Any], name: str = "") -> dict[str, Any]:
-        headers = {"MCP-Protocol-Version": MCP_VERSION, "Mcp-Method": method}
+        headers = {MCP_PROTOCOL_VERSION_HEADER: LATEST_MODERN_VERSION, MCP_METHOD_HEADER: method}
         if name:
-            headers["Mcp-Name"] = name
+            headers[MCP_NAME_HEADER] = encode_header_value(name)
         body = {"jsonrpc": "2.0", "id": next(self._ids), "method": method, "params": {**params, "_meta": _META}}
         try:
             response = await self.http.request("POST", self.url, body, headers)
-        except HttpError as e:
-            raise InfraError(f"MCP {method}: {e}") from None
-        payload = response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
-        if "error" in payload or response.status != 200:
-            raise InfraError(f"MCP {method} at {self.url} -> {response.status}: {payload.get('error') or response.text[:300]}")
+        except TransportError as e:
+            raise TransportError(f"MCP {method}: {e}") from None
+        try:
+            payload = response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
+        except ValueError:
+            payload = {}
+        if response.status != 200 or not isinstance(payload, dict) or not isinstance(payload.get("result"), dict):
+            problem = payload.get("error") if isinstance(payload, dict) and "error" in payload else response.text[:300]
+            raise EnvServerError(f"MCP {method} at {self.url} -> {response.status}: {problem}", response.status)
         return payload["result"]
 
     async def list_tools(self) -> list[dict[str, Any]]:
+        """The episode's tools as MCP lists them (``name``, ``description``, ``inputSchema``)."""
         return (await self._rpc("tools/list", {}))["tools"]
 
     async def call(self, name: str, arguments: dict[str, Any]) -> tuple[str, bool]:
@@ -99,11 +135,3 @@ class McpTools:
         result = await self._rpc("tools/call", {"name": name, "arguments": arguments}, name)
         text = "\n".join(part.get("text", "") for part in result.get("content", []) if part.get("type") == "text")
         return text, bool(result.get("isError"))
-
-
-def parse_validation(payload: dict[str, Any]) -> ValidationResult:
-    return ValidationResult.model_validate(payload)
-
-
-def parse_trajectory(payload: dict[str, Any]) -> list[ToolOutcome]:
-    return [ToolOutcome.model_validate(call) for call in payload.get("calls", [])]

@@ -21,8 +21,11 @@ import anyio
 from agent_client.agents import Agent, EpisodeContext
 from agent_client.llm import LlmEndpoint
 from agent_client.http import LeanHttp
-from agent_client.models import AgentResult, FarmCatalog, HarnessError, Record, ScenarioRef
-from agent_client.remote import EnvControl, InfraError, McpTools, new_http_client, parse_trajectory, parse_validation
+from agent_client.errors import HarnessError
+from agent_client.models import AgentResult, Record
+from agent_client.remote import EnvControl, McpTools, new_http_client
+from envscaler.errors import InfraError
+from envscaler.wire import FarmCatalog, ScenarioSummary
 from agent_client.user import SimulatedUser
 
 
@@ -32,7 +35,7 @@ class RunOptions:
     concurrency: int = 8
     max_steps: int = 30
     time_limit_s: float = 300.0
-    user: LlmEndpoint | None = None
+    user_endpoint: LlmEndpoint | None = None
     progress: bool = True
 
 
@@ -55,7 +58,7 @@ def read_done(path: Path) -> set[tuple[str, str, int]]:
     return done
 
 
-def select(scenarios: list[ScenarioRef], patterns: list[str] | None) -> list[ScenarioRef]:
+def select(scenarios: list[ScenarioSummary], patterns: list[str] | None) -> list[ScenarioSummary]:
     """Scenarios matching ``ENV``, ``ENV/TASK`` or ``TASK`` patterns (all when none are given)."""
     if not patterns:
         return scenarios
@@ -93,7 +96,7 @@ class Progress:
             print(file=self.stream)
 
 
-async def run_episode(http: LeanHttp, control: EnvControl, scenario: ScenarioRef, repeat: int,
+async def run_episode(http: LeanHttp, control: EnvControl, scenario: ScenarioSummary, repeat: int,
                       agent: Agent, options: RunOptions) -> Record:
     """One episode from creation to end; never raises for agent or infrastructure trouble."""
     started_wall, started = time.time(), time.monotonic()
@@ -107,8 +110,8 @@ async def run_episode(http: LeanHttp, control: EnvControl, scenario: ScenarioRef
         return record
     record.episode_id, record.tools = info.episode_id, info.tools
     user = None
-    if info.user_profile and options.user is not None and agent.name == "openai":
-        user = SimulatedUser(options.user, info.task, info.user_profile)
+    if info.user_profile and options.user_endpoint is not None and agent.converses:
+        user = SimulatedUser(options.user_endpoint, info.task, info.user_profile)
     ctx = EpisodeContext(env_id=scenario.env_id, task_id=scenario.task_id, info=info, tools=McpTools(http, info.mcp_url),
                          control=control, max_steps=options.max_steps, user=user, seed=repeat)
     try:
@@ -122,12 +125,13 @@ async def run_episode(http: LeanHttp, control: EnvControl, scenario: ScenarioRef
     record.steps, record.usage, record.user_usage = result.steps, result.usage, result.user_usage
     try:
         if result.termination != "infra_error":
-            validation = parse_validation(await control.validate(info.episode_id))
+            validation = await control.validate(info.episode_id)
             record.reward, record.checks = validation.score, validation.checks
-        record.trajectory = parse_trajectory(await control.trajectory(info.episode_id))
-        record.steps = record.steps or len(record.trajectory)
-        record.env_errors = sum(c.error_kind == "env" for c in record.trajectory)
-        record.agent_errors = sum(c.error_kind == "agent" for c in record.trajectory)
+        trajectory = await control.trajectory(info.episode_id)
+        record.trajectory = trajectory.calls
+        record.steps = record.steps or len(trajectory.calls)
+        record.env_errors, record.agent_errors = trajectory.env_errors, trajectory.agent_errors
+        record.tool_errors = trajectory.tool_errors
     except InfraError as e:
         record.termination, record.error, record.reward = "infra_error", str(e), None
     finally:
@@ -145,7 +149,7 @@ async def run(catalog: FarmCatalog, make_agent: Callable[[], Agent], out: Path, 
     records: list[Record] = []
     async with new_http_client() as http:
         controls = {env_id: EnvControl(http, env_id, endpoint) for env_id, endpoint in catalog.envs.items()}
-        listed: list[ScenarioRef] = []
+        listed: list[ScenarioSummary] = []
         for control in controls.values():
             listed += await control.scenarios()
         jobs = [(s, r) for s in select(listed, patterns) for r in range(options.repeats) if (s.env_id, s.task_id, r) not in done]
@@ -156,7 +160,7 @@ async def run(catalog: FarmCatalog, make_agent: Callable[[], Agent], out: Path, 
         agent = make_agent()
         with out.open("a", encoding="utf-8") as sink:
 
-            async def one(scenario: ScenarioRef, repeat: int) -> None:
+            async def one(scenario: ScenarioSummary, repeat: int) -> None:
                 async with limiter:
                     record = await run_episode(http, controls[scenario.env_id], scenario, repeat, agent, options)
                 # Written and flushed per episode: a killed run loses at most the episodes in flight.

@@ -20,6 +20,7 @@ class Row(BaseModel):
     mean_steps: float
     tokens: int
     env_errors: int
+    tool_errors: int
     infra_errors: int
 
 
@@ -49,6 +50,7 @@ def row(name: str, records: list[Record], k: int) -> Row:
         mean_steps=sum(r.steps for r in judged) / len(judged) if judged else 0.0,
         tokens=sum(r.usage.prompt_tokens + r.usage.completion_tokens + r.user_usage.prompt_tokens + r.user_usage.completion_tokens for r in records),
         env_errors=sum(r.env_errors for r in records),
+        tool_errors=sum(r.tool_errors for r in records),
         infra_errors=sum(r.infra_failed for r in records),
     )
 
@@ -65,8 +67,8 @@ def render(rows: list[Row], title: str = "") -> str:
     """The table as text."""
     k = rows[-1].k if rows else 1
     lines = [title] if title else []
-    lines.append(f"{'environment':<24} {'episodes':>8} {'reward':>7} {'success':>8} {f'pass^{k}':>7} {'steps':>6} {'tokens':>8} {'env err':>7} {'infra':>6}")
+    lines.append(f"{'environment':<24} {'episodes':>8} {'reward':>7} {'success':>8} {f'pass^{k}':>7} {'steps':>6} {'tokens':>8} {'env err':>7} {'tool err':>8} {'infra':>6}")
     for r in rows:
         lines.append(f"{r.name:<24} {r.episodes:>8} {r.mean_reward:>7.3f} {r.success_rate:>8.1%} {r.pass_k:>7.3f} "
-                     f"{r.mean_steps:>6.1f} {r.tokens:>8} {r.env_errors:>7} {r.infra_errors:>6}")
+                     f"{r.mean_steps:>6.1f} {r.tokens:>8} {r.env_errors:>7} {r.tool_errors:>8} {r.infra_errors:>6}")
     return "\n".join(lines)

@@ -24,29 +24,32 @@ the model as ``object`` / ``array``; the server still validates every call again
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import inspect
-import itertools
 import keyword
 import re
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Union
-
-import httpx
+from typing import Any, ClassVar, Literal, TypeVar, Union
 
 from agent_client.agents import SYSTEM_PROMPT
-from agent_client.models import HarnessError, load_farm_catalog
-from agent_client.remote import MCP_VERSION, InfraError
-from envscaler.models import EnvEndpoint, FarmCatalog, ToolSchema
+from agent_client.errors import HarnessError
+from agent_client.http import LeanHttp
+from agent_client.models import load_farm_catalog
+from agent_client.remote import EnvControl, McpTools, new_http_client
+from envscaler.errors import InfraError
+from envscaler.models import ToolSchema
+from envscaler.wire import EnvEndpoint, FarmCatalog
+
+T = TypeVar("T")
 
 _RESERVED = {"reset", "get_reward"}
 _OMITTED: Any = type("Omitted", (), {"__repr__": lambda self: "<omitted>"})()
 _JSON_TYPES: dict[str, Any] = {"string": str, "integer": int, "number": float, "boolean": bool, "object": dict, "null": type(None)}
-_META = {"io.modelcontextprotocol/protocolVersion": MCP_VERSION, "io.modelcontextprotocol/clientCapabilities": {}}
 
 
 @dataclass(frozen=True)
@@ -69,46 +72,33 @@ class FarmEnvDescription:
     scenarios: list[FarmScenario]
 
 
-class _Control:
-    """The few control and MCP requests training makes, on one pooled synchronous HTTP client."""
+class _Background:
+    """One event loop on a daemon thread, running the harness's async clients for TRL's synchronous calls.
 
-    _client: ClassVar[httpx.Client | None] = None
+    Every environment instance shares it and its pooled HTTP client; TRL may call from several threads.
+    """
+
     _lock = threading.Lock()
-
-    def __init__(self, env_id: str, endpoint: EnvEndpoint, timeout_s: float = 60.0) -> None:
-        self.env_id = env_id
-        self.base = endpoint.url.rstrip("/")
-        self.headers = {"Authorization": f"Bearer {endpoint.token}"}
-        self.timeout_s = timeout_s
+    _loop: ClassVar[asyncio.AbstractEventLoop | None] = None
+    _http: ClassVar[LeanHttp | None] = None
 
     @classmethod
-    def client(cls) -> httpx.Client:
+    def http(cls) -> LeanHttp:
         with cls._lock:
-            if cls._client is None:
-                cls._client = httpx.Client(timeout=60.0, limits=httpx.Limits(max_keepalive_connections=64))
-            return cls._client
+            if cls._loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="envscaler-training", daemon=True).start()
+                cls._loop = loop
+                cls._http = new_http_client()
+            assert cls._http is not None
+            return cls._http
 
-    def request(self, method: str, path_or_url: str, body: Any = None, *, headers: dict[str, str] | None = None,
-                missing_ok: bool = False) -> Any:
-        url = path_or_url if "://" in path_or_url else self.base + path_or_url
-        try:
-            response = self.client().request(method, url, json=body, headers=headers or self.headers, timeout=self.timeout_s)
-        except httpx.HTTPError as e:
-            raise InfraError(f"{self.env_id}: {method} {url}: {type(e).__name__}: {e}; is the farm up ('envscaler farm status')?") from None
-        if missing_ok and response.status_code == 404:
-            return None
-        if response.status_code >= 400:
-            raise InfraError(f"{self.env_id}: {method} {url} -> {response.status_code}: {response.text[:300]}")
-        return response.json() if response.content else None
-
-    def call_tool(self, mcp_url: str, name: str, arguments: dict[str, Any], request_id: int) -> str:
-        """The text the model sees: the tool's result, or its error message."""
-        headers = {"MCP-Protocol-Version": MCP_VERSION, "Mcp-Method": "tools/call", "Mcp-Name": name}
-        body = {"jsonrpc": "2.0", "id": request_id, "method": "tools/call", "params": {"name": name, "arguments": arguments, "_meta": _META}}
-        payload = self.request("POST", mcp_url, body, headers=headers)
-        if "error" in payload:
-            raise InfraError(f"{self.env_id}: MCP tools/call {name}: {payload['error']}")
-        return "\n".join(part.get("text", "") for part in payload["result"].get("content", []) if part.get("type") == "text")
+    @classmethod
+    def run(cls, work: Coroutine[Any, Any, T]) -> T:
+        """``work`` run to its end on the background loop; its exception is raised here."""
+        cls.http()
+        assert cls._loop is not None
+        return asyncio.run_coroutine_threadsafe(work, cls._loop).result()
 
 
 # -- the environment classes ----------------------------------------------------------------------
@@ -122,10 +112,10 @@ class FarmEnvironment:
     _description: ClassVar[FarmEnvDescription]
 
     def __init__(self) -> None:
-        self._control = _Control(self._description.env_id, self._description.endpoint)
+        description = self._description
+        self._control = EnvControl(_Background.http(), description.env_id, description.endpoint)
         self._episode_id: str | None = None
-        self._mcp_url: str | None = None
-        self._request_ids = itertools.count(1)
+        self._tools: McpTools | None = None
         _live_instances.add(self)
 
     def reset(self, **row: Any) -> str | None:
@@ -141,28 +131,32 @@ class FarmEnvironment:
         if row.get("env_id", env_id) != env_id:
             raise HarnessError(f"row for {row['env_id']!r} given to the {env_id!r} environment; pass the dict from environment_factory()")
         self._end_episode()
-        created = self._control.request("POST", "/episodes", {"scenario_id": scenario_id})
-        self._episode_id, self._mcp_url = created["episode_id"], created["mcp_url"]
+        created = _Background.run(self._control.create(scenario_id))
+        self._episode_id = created.episode_id
+        self._tools = McpTools(self._control.http, created.mcp_url)
         if "prompt" in row:
             return None
-        return f"{self._description.introduction}\n\n{created.get('task', '')}"
+        return f"{self._description.introduction}\n\n{created.task}"
 
     def get_reward(self) -> float:
         """The validator's score of the episode's current state."""
-        if self._episode_id is None:
+        episode_id = self._episode_id
+        if episode_id is None:
             raise HarnessError(f"{self._description.env_id}: get_reward before reset: no episode to score")
-        result = self._control.request("POST", f"/episodes/{self._episode_id}/validate", {})
-        return float(result["score"])
+        return _Background.run(self._control.validate(episode_id)).score
 
     def _call(self, name: str, arguments: dict[str, Any]) -> str:
-        if self._mcp_url is None:
+        """The text the model sees: the tool's result, or its error message, as on MCP."""
+        tools = self._tools
+        if tools is None:
             raise HarnessError(f"{self._description.env_id}: tool {name} called before reset")
-        return self._control.call_tool(self._mcp_url, name, arguments, next(self._request_ids))
+        text, _is_error = _Background.run(tools.call(name, arguments))
+        return text
 
     def _end_episode(self) -> None:
-        episode_id, self._episode_id, self._mcp_url = self._episode_id, None, None
+        episode_id, self._episode_id, self._tools = self._episode_id, None, None
         if episode_id is not None:
-            self._control.request("DELETE", f"/episodes/{episode_id}", missing_ok=True)
+            _Background.run(self._control.end(episode_id))
 
 
 @atexit.register
@@ -266,15 +260,18 @@ def describe_environment(env_id: str, endpoint: EnvEndpoint) -> FarmEnvDescripti
     Tool schemas come with an episode (``POST /episodes``), so one is opened on the first scenario
     and ended at once.
     """
-    control = _Control(env_id, endpoint)
-    listing = control.request("GET", "/scenarios")["scenarios"]
-    scenarios = [FarmScenario(env_id, s["task_id"], s.get("task", "")) for s in listing if s.get("checks", 0) > 0]
-    if not scenarios:
-        raise HarnessError(f"{env_id} has no scored scenarios (with a checklist) to train on")
-    created = control.request("POST", "/episodes", {"scenario_id": scenarios[0].scenario_id})
-    control.request("DELETE", f"/episodes/{created['episode_id']}", missing_ok=True)
-    tools = [ToolSchema.model_validate(t.get("function", t)) for t in created["tools"]]
-    return FarmEnvDescription(env_id, endpoint, created.get("env_introduction", ""), tools, scenarios)
+
+    async def describe() -> FarmEnvDescription:
+        control = EnvControl(_Background.http(), env_id, endpoint)
+        scenarios = [FarmScenario(env_id, s.task_id, s.task) for s in await control.scenarios() if s.checks > 0]
+        if not scenarios:
+            raise HarnessError(f"{env_id} has no scored scenarios (with a checklist) to train on")
+        created = await control.create(scenarios[0].scenario_id)
+        await control.end(created.episode_id)
+        tools = [ToolSchema.model_validate(t.get("function", t)) for t in created.tools]
+        return FarmEnvDescription(env_id, endpoint, created.env_introduction, tools, scenarios)
+
+    return _Background.run(describe())
 
 
 class TrainingFarm:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from envscaler import default_catalog, load_bundles, save_bundle
-from servers.farm.cli import docker_answers
+from servers.farm.images import docker_answers
 
 TARGETS_S = {"process": 20.0, "docker": 60.0}
 RSS_TARGET_MB = 45.0

@@ -22,38 +22,28 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import websockets
-from openenv.core.generic_client import GenericEnvClient
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent_client.http import LeanHttp
-from envscaler import EnvRuntime, default_catalog, load_bundle
+import websockets  # noqa: E402
+from openenv.core.generic_client import GenericEnvClient  # noqa: E402
 
-TOKEN = "bench-token"
+from agent_client.http import LeanHttp  # noqa: E402
+from agent_client.remote import EnvControl, McpTools  # noqa: E402
+from benchmarks.server import read_only_call  # noqa: E402
+from envscaler import default_catalog  # noqa: E402
+from envscaler.wire import EnvEndpoint  # noqa: E402
+from tests.support.openenv_servers import serve_openenv  # noqa: E402
+
 CONCURRENCY = 16
 MAX_STEPS = 1_000_000_000  # no episode reaches the step limit during the benchmark
-META = {"io.modelcontextprotocol/protocolVersion": "2026-07-28", "io.modelcontextprotocol/clientCapabilities": {}}
 BAR_MS = 0.3
 
 Call = Callable[[], Awaitable[None]]
-
-
-def read_only_call(env_dir: Path) -> tuple[str, str, dict]:
-    """(scenario id, tool, arguments) of the first reference call that leaves the state unchanged."""
-    bundle = load_bundle(env_dir)
-    runtime = EnvRuntime(bundle.spec)
-    for scenario in bundle.scenarios:
-        episode = runtime.new_episode(scenario.init_config)
-        for call in scenario.reference_solution or []:
-            outcome = episode.call(call.name, call.arguments, track_diff=True)
-            if not outcome.error and not outcome.diff and outcome.result.get("success"):
-                return scenario.task_id, call.name, call.arguments
-    raise SystemExit(f"{env_dir}: no read-only reference call to benchmark with")
 
 
 class Way:
@@ -65,21 +55,20 @@ class Way:
         self.rates: list[float] = []
 
 
-async def mcp_way(http: LeanHttp, url: str, scenario_id: str, tool: str, arguments: dict) -> Way:
+async def mcp_way(http: LeanHttp, endpoint: EnvEndpoint, scenario_id: str, tool: str, arguments: dict) -> Way:
+    control = EnvControl(http, "bench", endpoint)
+
     async def open_client() -> tuple[Call, Callable[[], Awaitable[None]]]:
-        created = await http.request("POST", url + "/episodes", {"scenario_id": scenario_id}, {"Authorization": f"Bearer {TOKEN}"})
-        mcp_url = url + created.json()["mcp_path"]
-        headers = {"MCP-Protocol-Version": "2026-07-28", "Mcp-Method": "tools/call", "Mcp-Name": tool,
-                   "Accept": "application/json, text/event-stream"}
-        body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": tool, "arguments": arguments, "_meta": META}}
+        created = await control.create(scenario_id)
+        tools = McpTools(http, endpoint.url + created.mcp_path)
 
         async def call() -> None:
-            response = await http.request("POST", mcp_url, body, headers)
-            if response.status != 200 or b'"isError":false' not in response.body:
-                raise RuntimeError(f"mcp: tool call failed ({response.status}): {response.body[:300]!r}")
+            text, is_error = await tools.call(tool, arguments)
+            if is_error:
+                raise RuntimeError(f"mcp: tool call failed: {text[:300]}")
 
         async def close() -> None:
-            pass
+            await control.end(created.episode_id)
 
         return call, close
 
@@ -150,27 +139,16 @@ async def throughput(way: Way, seconds: float) -> float:
     return done / elapsed
 
 
-def start_server(env_dir: str) -> tuple[subprocess.Popen, dict]:
-    command = [sys.executable, "-m", "envscaler.cli", "serve", env_dir, "--port", "0", "--token", TOKEN, "--openenv-port", "0",
-               "--openenv-max-steps", str(MAX_STEPS), "--log-level", "warning"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    line = process.stdout.readline() if process.stdout else ""
-    if not line:
-        raise SystemExit(f"envscaler serve exited with {process.wait()} before listening")
-    return process, json.loads(line)
-
-
 async def run(args: argparse.Namespace) -> int:
     scenario_id, tool, arguments = read_only_call(Path(args.env))
     print(f"environment {Path(args.env).name}, tool {tool}({json.dumps(arguments)}), one server, {CONCURRENCY} concurrent clients "
           "for throughput", flush=True)
-    process, ready = start_server(args.env)
-    try:
+    with serve_openenv([Path(args.env)], "--openenv-max-steps", str(MAX_STEPS)) as (server,):
         async with LeanHttp() as http:
             ways = [
-                await mcp_way(http, ready["url"], scenario_id, tool, arguments),
-                openenv_way(ready["openenv_url"], scenario_id, tool, arguments),
-                openenv_client_way(ready["openenv_url"], scenario_id, tool, arguments),
+                await mcp_way(http, EnvEndpoint(url=server.url, token=server.token), scenario_id, tool, arguments),
+                openenv_way(server.openenv_url, scenario_id, tool, arguments),
+                openenv_client_way(server.openenv_url, scenario_id, tool, arguments),
             ]
             for way in ways:
                 await sequential(way, 200)  # warm-up
@@ -179,12 +157,6 @@ async def run(args: argparse.Namespace) -> int:
                     way.latencies += await sequential(way, args.calls)
                     way.rates.append(await throughput(way, args.seconds))
                 print(f"round {number + 1}/{args.rounds}: " + "  ".join(f"{w.name} {w.rates[-1]:,.0f}/s" for w in ways), flush=True)
-    finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
     print(f"\n{'':38}" + "".join(f"{w.name:>16}" for w in ways))
     rows = [

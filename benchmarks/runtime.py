@@ -45,7 +45,7 @@ def read_only_calls(runtime: EnvRuntime, bundle: Bundle) -> list[tuple[str, dict
     for scenario in bundle.scenarios:
         episode = runtime.new_episode(scenario.init_config)
         for call in scenario.reference_solution or []:
-            outcome = episode.call(call.name, call.arguments, track_diff=True)
+            outcome = episode.call(call.name, call.arguments)
             if not outcome.error and not outcome.diff and call.name not in found:
                 found[call.name] = (call.name, call.arguments)
     return list(found.values())
@@ -71,7 +71,7 @@ def main() -> int:
         method = getattr(instance, name)
         direct = per_call_us(lambda: method(**arguments), args.calls)
         guarded = per_call_us(lambda: episode.call(name, arguments), args.calls)
-        tracked = per_call_us(lambda: episode.call(name, arguments, track_diff=True), max(args.calls // 10, 100))
+        tracked = per_call_us(lambda: episode.call(name, arguments), max(args.calls // 10, 100))
         overheads.append(guarded - direct)
         print(f"{name:<28} {direct:>10.2f} {guarded:>11.2f} {guarded - direct:>12.2f} {tracked - guarded:>9.1f}")
 

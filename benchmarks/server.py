@@ -222,7 +222,7 @@ def read_only_call(env_dir: Path) -> tuple[str, str, dict]:
     for scenario in bundle.scenarios:
         episode = runtime.new_episode(scenario.init_config)
         for call in scenario.reference_solution or []:
-            outcome = episode.call(call.name, call.arguments, track_diff=True)
+            outcome = episode.call(call.name, call.arguments)
             if not outcome.error and not outcome.diff and outcome.result.get("success"):
                 return scenario.task_id, call.name, call.arguments
     raise SystemExit(f"{env_dir}: no read-only reference call to benchmark with")
@@ -240,7 +240,7 @@ async def run(args: argparse.Namespace) -> int:
         legacy = Target("baseline-handshake", process, ready["url"], "/mcp", legacy=True)
         targets += [base, legacy]
         env = {**os.environ, "ENVSCALER_TOKEN": TOKEN}
-        process, ready = start([sys.executable, "-m", "servers.farm.launch", args.env, "--port", "0", "--log-level", "warning"], env)
+        process, ready = start([sys.executable, "-m", "servers.launch", args.env, "--port", "0", "--log-level", "warning"], env)
         ours = Target("ours", process, ready["url"], "")
         targets.append(ours)
         idle = {t.name: t.rss_mb() for t in targets}

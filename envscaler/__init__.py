@@ -12,9 +12,7 @@ from envscaler.models import (
     Bundle,
     CheckItem,
     CheckResult,
-    EnvEndpoint,
     EnvSpec,
-    FarmCatalog,
     Scenario,
     StateChange,
     ToolCall,
@@ -24,6 +22,7 @@ from envscaler.models import (
 )
 from envscaler.runtime import EnvRuntime, Episode
 from envscaler.tools import derive_tools
+from envscaler.wire import EnvEndpoint, FarmCatalog
 
 __all__ = [
     "Bundle",

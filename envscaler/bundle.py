@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -80,7 +81,19 @@ def load_bundle(directory: str | Path) -> Bundle:
                     f"{ENV_FILE}'s {spec.env_id!r}"
                 )
             scenarios.append(scenario)
+    require_unique_task_ids(spec.env_id, scenarios, str(scenarios_path))
     return Bundle(spec=spec, scenarios=scenarios)
+
+
+def require_unique_task_ids(env_id: str, scenarios: list[Scenario], where: str) -> None:
+    """BundleError when two scenarios share a task_id: episodes, gate reports and records are keyed by it."""
+    counts = Counter(s.task_id for s in scenarios)
+    repeated = [f"{task_id!r} ({n} times)" for task_id, n in counts.items() if n > 1]
+    if repeated:
+        raise BundleError(
+            f"{where}: {env_id}: duplicate task_id {', '.join(repeated[:5])}"
+            f"{' and more' if len(repeated) > 5 else ''}: every scenario needs its own id; rename or drop the repeats"
+        )
 
 
 def save_bundle(bundle: Bundle, root: str | Path) -> Path:

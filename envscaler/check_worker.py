@@ -1,34 +1,62 @@
-"""The isolated worker behind ``envscaler catalog check``.
+"""The isolated worker behind ``envscaler catalog check`` (see ``envscaler.gate_workers``).
 
-``python -m envscaler.check_worker BUNDLE_DIR`` runs every gate on one bundle and prints its
-EnvReport as one JSON line (or ``{"error": ...}`` when the bundle cannot be read). It is its own
-module, not imported by the package, so that ``-m`` runs it without importing it twice.
+``python -m envscaler.check_worker BUNDLE_DIR [TASK_ID ...]`` runs the environment's gate, then every
+gate on each scenario (all, or the ones named, in that order), printing a JSON line
+(``WorkerEvent``) per step as it happens. It is its own module, not imported by the package, so
+that ``-m`` runs it without importing it twice.
 """
 
 from __future__ import annotations
 
-import json
+import os
 import sys
+from typing import TextIO
 
 from envscaler.bundle import load_bundle
 from envscaler.errors import EnvScalerError
-from envscaler.gates import check_bundle
+from envscaler.gate_workers import WorkerEvent
+from envscaler.gates import check_environment, check_scenario
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Check one bundle directory and print its EnvReport as JSON (the CLI's isolated worker)."""
+    """Check one bundle directory, reporting each step on stdout as a JSON line."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m envscaler.check_worker BUNDLE_DIR", file=sys.stderr)
+    if not args:
+        print("usage: python -m envscaler.check_worker BUNDLE_DIR [TASK_ID ...]", file=sys.stderr)
         return 2
+    events = _own_stdout()
     try:
         bundle = load_bundle(args[0])
     except EnvScalerError as e:
-        print(json.dumps({"error": str(e)}))
+        _emit(events, WorkerEvent(error=str(e)))
         return 1
-    report = check_bundle(bundle)
-    print(report.model_dump_json())
+    report, runtime = check_environment(bundle)
+    _emit(events, WorkerEvent(env=report, scenarios_follow=runtime is not None))
+    if runtime is None:
+        return 0
+    by_id = {s.task_id: s for s in bundle.scenarios}
+    for scenario in [by_id[t] for t in args[1:] if t in by_id] if args[1:] else bundle.scenarios:
+        changing: set[str] = set()
+
+        def started(gate: str, task_id: str = scenario.task_id) -> None:
+            _emit(events, WorkerEvent(gate=gate, task_id=task_id))
+
+        result = check_scenario(runtime, scenario, changing, on_gate=started)
+        _emit(events, WorkerEvent(scenario=result, changing_tools=sorted(changing)))
     return 0
+
+
+def _own_stdout() -> TextIO:
+    """A private copy of stdout for the events; what environment code prints goes to stderr instead."""
+    events = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return events
+
+
+def _emit(events: TextIO, event: WorkerEvent) -> None:
+    events.write(event.model_dump_json(exclude_defaults=True) + "\n")
+    events.flush()
 
 
 if __name__ == "__main__":

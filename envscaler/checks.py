@@ -1,18 +1,26 @@
-"""Checklist functions: compile, run with ``initial_state`` as a global, score."""
+"""Checklist functions: compile, run with ``initial_state`` as a global, score.
+
+Each check gets its own copy-on-access views of the final and initial states
+(``envscaler.overlay``): what a check changes stays in its views, so checks cannot affect each
+other or the episode, and a check costs in proportion to what it reads, not to the state's size.
+"""
 
 from __future__ import annotations
 
 import builtins
-import json
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from envscaler.errors import ChecklistError
-from envscaler.guard import TimeLimitExceeded, call_with_limit
+from envscaler.guard import GuardSignal, TimeLimitExceeded, call_with_limit
 from envscaler.models import CheckItem, CheckResult
 
 _CHECK_FILE = "<check>"
 _COMPILED: dict[str, Any] = {}
+
+Views = Callable[[], tuple[Any, Any, Callable[[], None]]]
+"""Makes fresh (final_state, initial_state) views for one check, and what releases them after it."""
 
 
 def _compile(source: str) -> Any:
@@ -36,34 +44,47 @@ def _check_function(namespace: dict[str, Any]) -> Any:
 def _error_line(error: BaseException) -> str:
     frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == _CHECK_FILE]
     where = f" (check line {frames[-1].lineno})" if frames else ""
-    return f"{type(error).__name__}: {error}{where}"
+    try:
+        message = str(error)
+    except BaseException:  # noqa: BLE001 - an exception whose __str__ fails is still reported
+        message = "(its message cannot be shown)"
+    return f"{type(error).__name__}: {message}{where}"
 
 
-def run_check(item: CheckItem, final_text: str, initial_text: str, limit_s: float) -> CheckResult:
-    """Run one check on fresh copies of the states (serialised JSON), so checks cannot affect each other."""
+def run_check(item: CheckItem, views: Views, limit_s: float) -> CheckResult:
+    """Run one check on fresh views of the final and initial states, under ``limit_s``."""
     try:
         code = _compile(item.check_func)
     except SyntaxError as e:
         return CheckResult(check_item=item.check_item, passed=False, error=f"syntax error, line {e.lineno}: {e.msg}")
-    namespace: dict[str, Any] = {"__builtins__": builtins, "initial_state": json.loads(initial_text)}
-    try:
+    final_state, initial_state, release = views()
+    namespace: dict[str, Any] = {"__builtins__": builtins, "initial_state": initial_state}
+
+    def decide() -> bool:
         exec(code, namespace)
-        function = _check_function(namespace)
-        outcome = call_with_limit(function, limit_s, json.loads(final_text))
+        return bool(_check_function(namespace)(final_state))
+
+    try:
+        passed = call_with_limit(decide, limit_s)
     except TimeLimitExceeded:
         return CheckResult(check_item=item.check_item, passed=False, error=f"check ran longer than {limit_s:g} s")
-    except Exception as e:  # noqa: BLE001 - check code is untrusted; any failure is reported
+    except GuardSignal:
+        raise
+    except BaseException as e:  # noqa: BLE001 - check code is untrusted; any failure is reported
         return CheckResult(check_item=item.check_item, passed=False, error=_error_line(e))
-    return CheckResult(check_item=item.check_item, passed=bool(outcome))
+    finally:
+        # The check function's globals are this namespace, and views point back at their copies:
+        # reference cycles that would otherwise keep the copies until the garbage collector runs.
+        namespace.clear()
+        release()
+    return CheckResult(check_item=item.check_item, passed=passed)
 
 
-def run_checks(
-    checklist: list[CheckItem] | None, final_text: str, initial_text: str, limit_s: float
-) -> list[CheckResult]:
+def run_checks(checklist: list[CheckItem] | None, views: Views, limit_s: float) -> list[CheckResult]:
     """Every check's verdict. Raises ChecklistError when there is nothing to score with."""
     if not checklist:
         raise ChecklistError("the scenario has no checklist, so it cannot be scored")
-    return [run_check(item, final_text, initial_text, limit_s) for item in checklist]
+    return [run_check(item, views, limit_s) for item in checklist]
 
 
 def score(results: list[CheckResult]) -> float:

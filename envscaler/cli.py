@@ -2,27 +2,26 @@
 
 The core defines ``catalog`` and ``import``. Other packages add their commands (``serve``, ``farm``,
 ``run``, ...) through the ``envscaler.commands`` entry point group, so this package imports none of
-them. Exit codes: 0 success, 1 the work ran and found failures, 2 bad usage or input, 130 interrupted.
+them. Exit codes: 0 success, 1 the work ran and found failures, 2 bad usage or input, 130 interrupted;
+an error that ends a command exits with its class's ``exit_code`` (see ``envscaler.errors``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import entry_points
 from pathlib import Path
-from subprocess import TimeoutExpired
 
 from envscaler.bundle import default_catalog, find_bundles, load_bundles
-from envscaler.errors import EnvScalerError
-from envscaler.gates import GATES, EnvReport, GateResult
+from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EnvScalerError
+from envscaler.gate_workers import check_isolated
+from envscaler.gates import GATES, EnvReport, ScenarioReport
 from envscaler.importer import import_envscaler
 from envscaler.runtime import EnvRuntime
-from envscaler.sandbox import run_module
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def _catalog_list(args: argparse.Namespace) -> int:
@@ -41,29 +40,6 @@ def _catalog_list(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def check_isolated(directory: Path, timeout_s: float) -> EnvReport:
-    """Run every gate on one bundle in a limited child process."""
-    try:
-        done = run_module("envscaler.check_worker", [str(directory)], timeout_s=timeout_s)
-    except TimeoutExpired:
-        return _broken(directory.name, f"the check did not finish within {timeout_s:g} s")
-    lines = done.stdout.strip().splitlines()
-    try:
-        payload = json.loads(lines[-1]) if lines else None
-    except json.JSONDecodeError:
-        payload = None
-    if not isinstance(payload, dict):
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return _broken(directory.name, f"the checker process failed (exit {done.returncode}): {tail}")
-    if "error" in payload:
-        return _broken(directory.name, payload["error"])
-    return EnvReport.model_validate(payload)
-
-
-def _broken(env_id: str, detail: str) -> EnvReport:
-    return EnvReport(env_id=env_id, env_gates=[GateResult(gate="class_loads", passed=False, detail=detail)])
-
-
 def _catalog_check(args: argparse.Namespace) -> int:
     directories = find_bundles(args.dir)
     if not directories:
@@ -71,8 +47,15 @@ def _catalog_check(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     print(f"checking {len(directories)} environment(s) with gates: {', '.join(GATES)}", flush=True)
     reports: list[EnvReport] = []
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        for report in pool.map(lambda d: check_isolated(d, args.timeout), directories):
+    # Every process the user allowed is busy: environments side by side, each one's scenarios split.
+    parallel_envs = min(args.jobs, len(directories))
+    workers = max(1, args.jobs // parallel_envs)
+
+    def check(directory: Path) -> EnvReport:
+        return check_isolated(directory, args.timeout, workers=workers, on_scenario=_print_scenario)
+
+    with ThreadPoolExecutor(max_workers=parallel_envs) as pool:
+        for report in pool.map(check, directories):
             reports.append(report)
             _print_report(report)
     failed = [r for r in reports if not r.passed]
@@ -83,6 +66,12 @@ def _catalog_check(args: argparse.Namespace) -> int:
     verdict = "all gates pass" if not failed else f"{len(failed)} environment(s) FAIL"
     print(f"{len(reports)} environments, {scenarios} scenarios, {tools} tools: {verdict}")
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _print_scenario(env_id: str, report: ScenarioReport) -> None:
+    """Progress on stderr as each scenario's gates finish (the report on stdout comes per environment)."""
+    failed = [g.gate for g in report.gates if not g.passed]
+    print(f"  {env_id}/{report.task_id}: {'FAIL ' + ', '.join(failed) if failed else 'ok'}", file=sys.stderr, flush=True)
 
 
 def _print_report(report: EnvReport) -> None:
@@ -131,8 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Each environment is checked in its own limited process. Gates: " + ", ".join(GATES),
     )
     check.add_argument("dir", nargs="?", default=str(default_catalog()), help="bundle or folder of bundles (default: the bundled catalog)")
-    check.add_argument("--jobs", type=int, default=2, help="environments checked at once (default: 2)")
-    check.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per environment (default: 300)")
+    check.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 2,
+        help="worker processes at once, over environments and their scenarios (default: one per core)",
+    )
+    check.add_argument(
+        "--timeout", type=float, default=300.0,
+        help="seconds allowed per scenario (and for loading each environment): a scenario that runs longer, or "
+        "kills its worker, fails alone under the gate it was in, and the others go on (default: 300)",
+    )
     check.add_argument("--json", metavar="FILE", help="also write the full report as JSON")
     check.set_defaults(func=_catalog_check)
 
@@ -166,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except EnvScalerError as e:
         print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -6,12 +6,14 @@ check passes on the reference's final state; at least one check cleanly fails (r
 error) on the untouched initial state; checks give the same answers twice; a do-nothing agent
 scores below 1.0.
 
-``python -m envscaler.check_worker BUNDLE_DIR`` checks one bundle in its own process; the CLI does
-this so that untrusted code never runs in the process that drives the check.
+:func:`envscaler.gate_workers.check_isolated` runs them in limited child processes, with a time
+limit per scenario, so that untrusted code never runs in the process that drives the check;
+``envscaler catalog check`` and synthesis use it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -72,19 +74,10 @@ class EnvReport(BaseModel):
 
 
 def check_bundle(bundle: Bundle, *, call_timeout_s: float = 5.0, check_timeout_s: float = 2.0) -> EnvReport:
-    """Run every gate on every scenario of ``bundle``."""
-    report = EnvReport(env_id=bundle.env_id)
-    try:
-        runtime = EnvRuntime(bundle.spec, call_timeout_s=call_timeout_s, check_timeout_s=check_timeout_s)
-    except EnvScalerError as e:
-        report.env_gates.append(GateResult(gate="class_loads", passed=False, detail=str(e)))
+    """Run every gate on every scenario of ``bundle``, in this process (see ``envscaler.gate_workers``)."""
+    report, runtime = check_environment(bundle, call_timeout_s=call_timeout_s, check_timeout_s=check_timeout_s)
+    if runtime is None:
         return report
-    listed = bundle.spec.listed_tools()
-    problems = signature_problems(runtime.env_class, listed) if listed is not None else []
-    if not runtime.tools:
-        problems.append("the class has no tools")
-    report.tools = len(runtime.tools)
-    report.env_gates.append(GateResult(gate="class_loads", passed=not problems, detail="; ".join(problems)))
     changing: set[str] = set()
     for scenario in bundle.scenarios:
         report.scenarios.append(check_scenario(runtime, scenario, changing))
@@ -92,12 +85,43 @@ def check_bundle(bundle: Bundle, *, call_timeout_s: float = 5.0, check_timeout_s
     return report
 
 
-def check_scenario(runtime: EnvRuntime, scenario: Scenario, changing_tools: set[str] | None = None) -> ScenarioReport:
-    """Run the per-scenario gates, stopping at the first gate the later ones depend on."""
+def check_environment(
+    bundle: Bundle, *, call_timeout_s: float = 5.0, check_timeout_s: float = 2.0
+) -> tuple[EnvReport, EnvRuntime | None]:
+    """The environment-wide gate (``class_loads``), and the runtime to check scenarios with (None if it cannot load)."""
+    report = EnvReport(env_id=bundle.env_id)
+    try:
+        runtime = EnvRuntime(bundle.spec, call_timeout_s=call_timeout_s, check_timeout_s=check_timeout_s)
+    except EnvScalerError as e:
+        report.env_gates.append(GateResult(gate="class_loads", passed=False, detail=str(e)))
+        return report, None
+    listed = bundle.spec.listed_tools()
+    problems = signature_problems(runtime.env_class, listed) if listed is not None else []
+    if not runtime.tools:
+        problems.append("the class has no tools")
+    report.tools = len(runtime.tools)
+    report.env_gates.append(GateResult(gate="class_loads", passed=not problems, detail="; ".join(problems)))
+    return report, runtime
+
+
+def check_scenario(
+    runtime: EnvRuntime,
+    scenario: Scenario,
+    changing_tools: set[str] | None = None,
+    *,
+    on_gate: Callable[[str], None] | None = None,
+) -> ScenarioReport:
+    """Run the per-scenario gates, stopping at the first gate the later ones depend on.
+
+    ``on_gate`` hears each gate's name as it starts, so that a driver that stops a hung check can
+    name the gate that hung.
+    """
+    started = on_gate or (lambda gate: None)
     report = ScenarioReport(task_id=scenario.task_id)
     gates = report.gates
+    started("instantiates")
     try:
-        start = runtime.new_episode(scenario.init_config)
+        start = runtime.new_episode(scenario.init_config, scenario_key=scenario.task_id)
     except EnvScalerError as e:
         gates.append(GateResult(gate="instantiates", passed=False, detail=str(e)))
         return report
@@ -106,11 +130,13 @@ def check_scenario(runtime: EnvRuntime, scenario: Scenario, changing_tools: set[
         report.skipped = "unscored scenario (no checklist): only instantiation is checked"
         return report
 
+    started("reference_runs")
     first, problem = _replay(runtime, scenario, changing_tools)
     gates.append(GateResult(gate="reference_runs", passed=problem is None, detail=problem or ""))
     if first is None or problem is not None:
         return report
 
+    started("checks_pass_on_reference")
     on_reference = first.validate(scenario.checklist_with_func)
     failed = [f"{c.check_item!r}" + (f" ({c.error})" if c.error else "") for c in on_reference.checks if not c.passed]
     gates.append(
@@ -121,6 +147,7 @@ def check_scenario(runtime: EnvRuntime, scenario: Scenario, changing_tools: set[
         )
     )
 
+    started("check_fails_on_initial")
     on_initial = start.validate(scenario.checklist_with_func)
     # A check that crashes on the initial state proves nothing about the task: require a clean False.
     clean_failures = [c for c in on_initial.checks if not c.passed and not c.error]
@@ -131,7 +158,8 @@ def check_scenario(runtime: EnvRuntime, scenario: Scenario, changing_tools: set[
         detail += ("; errored instead: " + "; ".join(errored)) if errored else ": every check already passes"
     gates.append(GateResult(gate="check_fails_on_initial", passed=bool(clean_failures), detail=detail))
 
-    second, _ = _replay(runtime, scenario, None)
+    started("deterministic")
+    second, _ = _replay(runtime, scenario, None, fresh=True)
     answers = [
         _verdicts(first.validate(scenario.checklist_with_func)),
         _verdicts(on_reference),
@@ -160,18 +188,26 @@ def _verdicts(result: Any) -> list[tuple[bool, str | None]]:
     return [(c.passed, c.error) for c in result.checks]
 
 
-def _replay(runtime: EnvRuntime, scenario: Scenario, changing_tools: set[str] | None) -> tuple[Episode | None, str | None]:
-    """Run the reference solution on a fresh episode: (episode, first problem or None)."""
-    if not scenario.reference_solution:
+def _replay(
+    runtime: EnvRuntime, scenario: Scenario, changing_tools: set[str] | None, *, fresh: bool = False
+) -> tuple[Episode | None, str | None]:
+    """Run the reference solution on a new episode: (episode, first problem or None).
+
+    The episode shares the scenario's constructed state, or with ``fresh`` is constructed anew, so
+    that a constructor that is not deterministic shows up in the determinism gate.
+    """
+    if scenario.reference_solution is None:
         return None, "the scenario has no reference_solution"
-    episode = runtime.new_episode(scenario.init_config)
+    if not scenario.reference_solution:
+        return None, "the reference solution is empty (do nothing): a task that doing nothing solves cannot score an agent"
+    episode = runtime.new_episode(scenario.init_config, scenario_key=None if fresh else scenario.task_id)
     for number, call in enumerate(scenario.reference_solution, start=1):
-        outcome = episode.call(call.name, call.arguments, track_diff=changing_tools is not None)
+        outcome = episode.call(call.name, call.arguments)
+        if outcome.error_kind == "tool":
+            return episode, f"call {number} ({call.name}) failed, {outcome.error}: {outcome.agent_text[:300]}"
         if outcome.error:
             return episode, f"call {number} ({call.name}): {outcome.error}"
-        result = outcome.result
-        if isinstance(result, dict) and result.get("success") is False:
-            return episode, f"call {number} ({call.name}) returned success=false: {result.get('error', '')}"
         if changing_tools is not None and outcome.diff:
             changing_tools.add(call.name)
     return episode, None
+

@@ -35,11 +35,15 @@ _REPEAT_S = 0.05
 _SLEEP_AFTER_S = 1.0
 
 
-class TimeLimitExceeded(BaseException):
+class GuardSignal(BaseException):
+    """Base of the guard's own interruptions: code that reports untrusted code's errors re-raises these."""
+
+
+class TimeLimitExceeded(GuardSignal):
     """Raised inside code that ran past its time limit."""
 
 
-class Preempted(BaseException):
+class Preempted(GuardSignal):
     """The code ran past its budget under :func:`call_preemptibly`; its run must not be used."""
 
 
@@ -164,6 +168,7 @@ def _run_with_alarm(alarm: _Alarm, fn: Callable[..., T], seconds: float, args: t
                     sys.settrace(alarm.previous_trace)
                 if not _handler_kept:
                     signal.signal(signal.SIGALRM, previous)
+                alarm.frame = None  # the frame holds the alarm: a cycle that would keep the call's locals
                 break
             except alarm.error:
                 continue

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from envscaler.bundle import parse_model, read_json, read_jsonl, save_bundle
+from envscaler.bundle import parse_model, read_json, read_jsonl, require_unique_task_ids, save_bundle
 from envscaler.errors import BundleError
 from envscaler.models import Bundle, EnvSpec, Scenario
 
@@ -64,6 +64,7 @@ def import_envscaler(envs_path: Path, scenario_paths: list[Path], out: Path) -> 
     report.orphans = {env_id: len(items) for env_id, items in by_env.items() if env_id not in known}
     for spec in specs:
         scenarios = by_env.get(spec.env_id, [])
+        require_unique_task_ids(spec.env_id, scenarios, ", ".join(str(p) for p in scenario_paths))
         directory = save_bundle(Bundle(spec=spec, scenarios=scenarios), out)
         report.environments += 1
         report.scenarios += len(scenarios)

@@ -35,6 +35,22 @@ class ToolSchema(BaseModel):
         return {"name": self.name, "description": self.description, "inputSchema": self.parameters}
 
 
+class ToolErrorPolicy(BaseModel):
+    """Which tool results count as errors, besides exceptions (``tool_errors`` in env.json).
+
+    One policy per environment, used everywhere a tool error is counted: the MCP result's
+    ``isError``, the quality gates, the trajectory's error counts and the harness's summaries.
+    The agent still sees the result's text.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    success_false: bool = True
+    """A dict result with ``"success": false`` is an error (EnvScaler's tool convention)."""
+    text_prefixes: list[str] = Field(default_factory=list)
+    """A string result starting with one of these (``"Error:"``, as benchmark tools answer) is an error."""
+
+
 class EnvSpec(_Open):
     """One environment: EnvScaler's env metadata item."""
 
@@ -46,6 +62,7 @@ class EnvSpec(_Open):
     constraints_rules: Any = None
     state_space_definition: Any = None
     tools: list[dict[str, Any]] | None = None
+    tool_errors: ToolErrorPolicy | None = None
 
     def content_hash(self) -> str:
         """A stable 16-hex-digit digest of the whole spec (image tags, caches)."""
@@ -104,17 +121,10 @@ class Bundle(BaseModel):
     def env_id(self) -> str:
         return self.spec.env_id
 
-    def scenario(self, task_id: str) -> Scenario:
-        """The scenario with this id; KeyError naming the known ids otherwise."""
-        for scenario in self.scenarios:
-            if scenario.task_id == task_id:
-                return scenario
-        known = ", ".join(s.task_id for s in self.scenarios[:10]) or "none"
-        raise KeyError(f"{self.env_id} has no scenario {task_id!r} (known: {known})")
 
-
-ErrorKind = Literal["agent", "env", "timeout"]
-"""Who is to blame for a failed tool call: the caller's arguments, the environment's code, or a hang."""
+ErrorKind = Literal["agent", "env", "timeout", "tool"]
+"""Why a tool call failed: the caller's arguments, an exception in the environment's code, a hang, or
+the tool's own answer (``success: false`` and the like: see ToolErrorPolicy)."""
 
 
 class StateChange(BaseModel):
@@ -132,16 +142,35 @@ class ToolOutcome(BaseModel):
     name: str
     arguments: dict[str, Any] = Field(default_factory=dict)
     result: Any = None
-    # ``result`` as the JSON text an agent is shown; not part of the record (it repeats ``result``).
+    # What the agent is shown for ``result``: a string as itself, anything else as JSON. Not part of
+    # the record (it repeats ``result``).
     result_text: str | None = Field(default=None, exclude=True)
+    # True when the result was longer than the environment's limit: ``result`` is then the cut text.
+    truncated: bool = False
     error: str | None = None
     error_kind: ErrorKind | None = None
     latency_s: float = 0.0
     diff: list[StateChange] | None = None
 
+    @classmethod
+    def failure(cls, name: str, arguments: Any, kind: ErrorKind, message: str, latency_s: float = 0.0) -> ToolOutcome:
+        """A failed call, recording its arguments however malformed: a non-object as ``{"_raw": value}``."""
+        if arguments is None:
+            arguments = {}
+        elif not isinstance(arguments, dict):
+            arguments = {"_raw": arguments}
+        return cls(name=name, arguments=arguments, error=message, error_kind=kind, latency_s=latency_s)
+
     @property
-    def is_error(self) -> bool:
-        return self.error is not None
+    def agent_text(self) -> str:
+        """What the agent is shown: the result's text, or the error message when there is no result."""
+        if self.error_kind == "tool" or self.error is None:
+            return self.result_text if self.result_text is not None else _result_text(self.result)
+        return self.error
+
+
+def _result_text(result: Any) -> str:
+    return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, separators=(",", ":"))
 
 
 class CheckResult(BaseModel):
@@ -159,22 +188,3 @@ class ValidationResult(BaseModel):
     checks: list[CheckResult]
     state_hash: str
     check_errors: int = 0
-
-
-class EnvEndpoint(_Open):
-    """Where one environment server answers, and its control token."""
-
-    url: str
-    token: str
-
-
-class FarmCatalog(_Open):
-    """The catalog file ``envscaler farm up`` writes and ``envscaler run`` reads: the contract between them.
-
-    ``{"envs": {env_id: {"url", "token"}}, "gateway": url, ...}``; fields may be added, none renamed.
-    """
-
-    envs: dict[str, EnvEndpoint]
-    gateway: str | None = None
-    backend: str | None = None
-    farm_id: str | None = None

@@ -4,9 +4,16 @@ Semantics follow EnvScaler, since its data assumes them: an instance is ``cls(in
 (falling back to ``cls()``), then every init_config key is set as an attribute; the state is the
 instance's public attributes; the tools are the public methods the spec lists.
 
-Everything environment code does goes through a guard: only allowlisted tools are callable, arguments
-are checked against the tool's schema first, and every call and check has a time limit. Failures come
-back as values (``ToolOutcome.error``), never as exceptions, so the caller keeps its episode.
+Everything environment code does goes through a guard: only allowlisted tools are callable,
+arguments are checked against the tool's schema first, and every call and check has a time limit.
+Failures come back as values (``ToolOutcome.error``), never as exceptions, so the caller keeps its
+episode.
+
+A scenario is constructed once per process and its state shared by all its episodes
+(``envscaler.overlay``): creating an episode, a call that changes nothing and a validation then cost
+the same whatever the size of the state, and an episode's memory follows what it changed. State
+that is not JSON-shaped (sets, tuples, objects) cannot be shared safely: such episodes get a private
+instance built by the constructor, as EnvScaler does, and each call compares the whole state as JSON.
 """
 
 from __future__ import annotations
@@ -14,27 +21,41 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-import pickle
-import sys
 import time
 import traceback
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from envscaler.checks import run_checks, score
-from envscaler.errors import EnvCodeError
-from envscaler.guard import Preempted, TimeLimitExceeded, call_preemptibly, call_with_limit
+from envscaler.errors import EnvCodeError, SchemaError
+from envscaler.guard import GuardSignal, Preempted, TimeLimitExceeded, call_preemptibly, call_with_limit
 from envscaler.loader import code_filename, load_class
-from envscaler.models import CheckItem, EnvSpec, ErrorKind, StateChange, ToolOutcome, ToolSchema, ValidationResult
-from envscaler.schema import validate
+from envscaler.models import (
+    CheckItem,
+    EnvSpec,
+    StateChange,
+    ToolErrorPolicy,
+    ToolOutcome,
+    ToolSchema,
+    ValidationResult,
+)
+from envscaler.overlay import MISSING, NotNative, Overlay, SharedState, plain, value_changes
+from envscaler.schema import schema_problems, validate
 from envscaler.state import diff, public_attributes, snapshot, state_hash, to_json_text
 from envscaler.tools import derive_tools, public_methods
 
 DEFAULT_CALL_TIMEOUT_S = 10.0
 DEFAULT_CHECK_TIMEOUT_S = 5.0
+DEFAULT_MAX_RESULT_CHARS = 1_000_000
+# Scenarios whose constructed state a process keeps, most recently used first.
+_SHARED_SCENARIOS = 32
+
+_OVERLAY_KEY = "__envscaler_overlay__"
 
 
 class EnvRuntime:
-    """One loaded environment: its class, its allowlisted tools and its limits."""
+    """One loaded environment: its class, its allowlisted tools, its limits and result policy."""
 
     def __init__(
         self,
@@ -42,26 +63,64 @@ class EnvRuntime:
         *,
         call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
         check_timeout_s: float = DEFAULT_CHECK_TIMEOUT_S,
+        max_result_chars: int = DEFAULT_MAX_RESULT_CHARS,
     ) -> None:
         self.spec = spec
         self.env_id = spec.env_id
         self.env_class = load_class(spec)
         self.call_timeout_s = call_timeout_s
         self.check_timeout_s = check_timeout_s
+        self.max_result_chars = max_result_chars
+        self.error_policy = spec.tool_errors or ToolErrorPolicy()
         methods = public_methods(self.env_class)
         listed = spec.listed_tools()
         schemas = listed if listed is not None else derive_tools(self.env_class)
         # The allowlist: listed tools that really are public methods, nothing else `hasattr` finds.
         self.tools: dict[str, ToolSchema] = {t.name: t for t in schemas if t.name in methods}
+        # A schema the validator cannot enforce would let arguments it promises to refuse reach the code.
+        problems = [f"tool {name!r}, {problem}" for name, tool in self.tools.items() for problem in schema_problems(tool.parameters)]
+        if problems:
+            raise SchemaError(f"{self.env_id}: " + "; ".join(problems))
+        self._parameters = {name: _accepted_parameters(methods[name]) for name in self.tools}
         self._env_file = code_filename(spec.env_id)
+        self._shared: OrderedDict[str, SharedState | NotNative] = OrderedDict()
+        self._tracked_class = _tracked_subclass(self.env_class)
 
     def tool_list(self) -> list[ToolSchema]:
         """The callable tools, in the spec's order."""
         return list(self.tools.values())
 
-    def new_episode(self, init_config: dict[str, Any] | None = None) -> Episode:
-        """A fresh instance built from ``init_config``. Raises EnvCodeError if it cannot be built."""
-        return Episode(self, init_config or {})
+    def new_episode(self, init_config: dict[str, Any] | None = None, *, scenario_key: str | None = None) -> Episode:
+        """A fresh episode built from ``init_config``. Raises EnvCodeError if it cannot be built.
+
+        With ``scenario_key`` (a scenario id), the scenario is constructed once per process and its
+        episodes share its state; without one the configuration is constructed for this episode.
+        """
+        config = init_config or {}
+        shared = self._shared.get(scenario_key) if scenario_key is not None else None
+        if shared is None:
+            instance = self.instantiate(config)
+            try:
+                shared = SharedState(vars(instance))
+            except NotNative as e:
+                shared = e
+            except TypeError:  # no __dict__ (__slots__)
+                shared = NotNative("the instance has no __dict__")
+            if scenario_key is not None:
+                self._shared[scenario_key] = shared
+                if len(self._shared) > _SHARED_SCENARIOS:
+                    self._shared.popitem(last=False)
+            if isinstance(shared, NotNative):
+                return Episode(self, private=instance)
+        elif scenario_key is not None:
+            self._shared.move_to_end(scenario_key)
+        if isinstance(shared, NotNative):
+            return Episode(self, private=self.instantiate(config))
+        return Episode(self, shared=shared)
+
+    def shares(self, scenario_key: str) -> bool:
+        """Whether the scenario's state is built and shared: a new episode of it then runs no environment code."""
+        return isinstance(self._shared.get(scenario_key), SharedState)
 
     def instantiate(self, init_config: dict[str, Any]) -> Any:
         """EnvScaler's construction, under the call time limit. Raises EnvCodeError on failure."""
@@ -70,14 +129,62 @@ class EnvRuntime:
             return call_with_limit(_construct, self.call_timeout_s, self.env_class, config)
         except TimeLimitExceeded:
             raise EnvCodeError(f"{self.env_id}: constructor ran longer than {self.call_timeout_s:g} s") from None
-        except Exception as e:  # noqa: BLE001 - constructor is untrusted code
+        except GuardSignal:
+            raise
+        except BaseException as e:  # noqa: BLE001 - constructor is untrusted code, SystemExit included
             raise EnvCodeError(f"{self.env_id}: cannot instantiate: {self.describe_exception(e)}") from None
 
     def describe_exception(self, error: BaseException) -> str:
         """``Type: message (env code line N)`` for an exception raised by environment code."""
         frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == self._env_file]
         where = f" (env code line {frames[-1].lineno}, in {frames[-1].name})" if frames else ""
-        return f"{type(error).__name__}: {error}{where}"
+        try:
+            message = str(error)
+        except BaseException:  # noqa: BLE001 - an exception whose __str__ fails is still reported
+            message = "(its message cannot be shown)"
+        return f"{type(error).__name__}: {message}{where}"
+
+    def check_arguments(self, name: str, arguments: Any) -> str | None:
+        """Why the agent's call cannot run (unknown tool, bad arguments), or None when it can."""
+        tool = self.tools.get(name)
+        if tool is None:
+            return f"Unknown tool {name!r}. Available tools: {', '.join(self.tools)}"
+        if not isinstance(arguments, dict):
+            return f"Arguments of {name!r} must be a JSON object"
+        problems = validate(arguments, tool.parameters)
+        accepted = self._parameters[name]
+        if accepted is not None:
+            problems += [f"unexpected argument {key!r} (allowed: {', '.join(sorted(accepted)) or 'none'})"
+                         for key in arguments if key not in accepted and key not in (tool.parameters.get("properties") or {})]
+        if problems:
+            return f"Invalid arguments for {name!r}: " + "; ".join(problems)
+        return None
+
+    def result_text(self, raw: Any) -> tuple[str, bool]:
+        """What the agent is shown for a result: a string as itself, anything else as JSON; (text, truncated)."""
+        text = raw if isinstance(raw, str) else to_json_text(plain(raw), ascii_only=False)[0]
+        if len(text) > self.max_result_chars:
+            return text[: self.max_result_chars], True
+        return text, False
+
+    def reported_failure(self, raw: Any) -> str | None:
+        """Why the result counts as a tool error under the environment's policy, or None."""
+        policy = self.error_policy
+        if policy.success_false and isinstance(raw, dict) and raw.get("success") is False:
+            return "the tool reported success: false"
+        if isinstance(raw, str):
+            for prefix in policy.text_prefixes:
+                if raw.startswith(prefix):
+                    return f"the tool's answer starts with {prefix!r}"
+        return None
+
+
+def _accepted_parameters(function: Any) -> set[str] | None:
+    """Keyword arguments a method takes (without self); None when it takes any (**kwargs)."""
+    params = list(inspect.signature(function).parameters.values())[1:]
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 @functools.lru_cache(maxsize=256)
@@ -100,134 +207,278 @@ def _construct(cls: type, config: dict[str, Any]) -> Any:
     return instance
 
 
+def _tracked_subclass(cls: type) -> type | None:
+    """A subclass whose instances read their not-yet-copied attributes from a shared state.
+
+    Attributes live in the instance's ``__dict__`` once read; before that, a miss comes to
+    ``__getattr__``, which copies the shared container for this episode. None when the class
+    cannot be subclassed that way (``__slots__``, a custom ``__getattribute__``).
+    """
+    if "__slots__" in vars(cls) or cls.__getattribute__ is not object.__getattribute__:
+        return None
+    inherited = getattr(cls, "__getattr__", None)
+
+    def __getattr__(self: Any, name: str) -> Any:
+        attributes = object.__getattribute__(self, "__dict__")
+        overlay = attributes.get(_OVERLAY_KEY)
+        if overlay is not None and name in overlay.shared.attributes and name not in overlay.deleted:
+            return overlay.resolve(attributes, name, overlay.shared.attributes[name])
+        if inherited is not None:
+            return inherited(self, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __delattr__(self: Any, name: str) -> None:
+        attributes = object.__getattribute__(self, "__dict__")
+        overlay = attributes.get(_OVERLAY_KEY)
+        if overlay is not None and name in overlay.shared.attributes and name not in overlay.deleted:
+            overlay.deleted.add(name)
+            attributes.pop(name, None)
+            return
+        super(tracked, self).__delattr__(name)
+
+    tracked = type(cls)(cls.__name__, (cls,), {"__getattr__": __getattr__, "__delattr__": __delattr__,
+                                               "__qualname__": cls.__qualname__, "__module__": cls.__module__})
+    return tracked
+
+
+class _EpisodeOverlay(Overlay):
+    """An episode's overlay, plus the shared attributes it deleted."""
+
+    __slots__ = ("deleted",)
+
+    def __init__(self, shared: SharedState, attributes: dict[str, Any]) -> None:
+        super().__init__(shared, attributes)
+        self.deleted: set[str] = set()
+
+
 class Episode:
-    """One live instance of an environment: call tools, read state, validate, reset in place."""
+    """One live instance of an environment: call tools, read state, validate.
 
-    def __init__(self, runtime: EnvRuntime, init_config: dict[str, Any]) -> None:
+    Built on the scenario's shared state when it allows (``shared``), else on a private instance.
+    """
+
+    def __init__(self, runtime: EnvRuntime, *, shared: SharedState | None = None, private: Any = None) -> None:
         self.runtime = runtime
-        self.reset(init_config)
+        # How the state was converted for JSON (only a private instance needs any: shared state is JSON-shaped).
+        self.conversions: list[str] = []
+        self._shared = shared
+        self._overlay: _EpisodeOverlay | None = None
+        if shared is not None and runtime._tracked_class is not None:
+            instance = object.__new__(runtime._tracked_class)
+            attributes = instance.__dict__
+            self._overlay = _EpisodeOverlay(shared, attributes)
+            attributes[_OVERLAY_KEY] = self._overlay
+            for name, value in shared.attributes.items():
+                if type(value) is not dict and type(value) is not list:
+                    attributes[name] = value
+            self.instance = instance
+        else:
+            self.instance = private if private is not None else _private_copy(runtime, shared)
+            self._private_text = self._public_text()
+            self.initial_text = self._private_text
 
-    def reset(self, init_config: dict[str, Any]) -> None:
-        """Replace the instance with a fresh one built from ``init_config``."""
-        self.instance = self.runtime.instantiate(init_config)
-        text, self.conversions = self._state_text()
-        # Episodes of one scenario share one copy of the initial state text.
-        self.initial_text = sys.intern(text)
-        # JSON of the public state, when known to be current (diffs and checks start from it).
-        self._last_text: str | None = self.initial_text
-        # Pickle of the whole instance dict, when known to be current: undoes a preempted call and
-        # tells in ~10 us whether a call changed anything (JSON of the state costs 5x more).
-        self._pickled: bytes | None = None
-        self._picklable = True
+    @property
+    def shares_state(self) -> bool:
+        """Whether the episode reads its scenario's shared state (rather than a private instance)."""
+        return self._overlay is not None
 
-    def _state_text(self) -> tuple[str, list[str]]:
-        return to_json_text(public_attributes(self.instance))
+    # -- state ---------------------------------------------------------------------------------------
+
+    def _logical_attributes(self) -> dict[str, Any]:
+        """Every attribute as env code would see it now, shared ones not yet read included (no copies made)."""
+        overlay = self._overlay
+        assert overlay is not None
+        attributes = {k: v for k, v in overlay.shared.attributes.items() if k not in overlay.deleted}
+        attributes.update(self.instance.__dict__)
+        attributes.pop(_OVERLAY_KEY, None)
+        return attributes
+
+    def _public_text(self) -> str:
+        text, self.conversions = to_json_text(public_attributes(self.instance))
+        return text
 
     def state(self) -> dict[str, Any]:
-        """The current state as JSON-ready data (a copy)."""
-        return snapshot(self.instance)[0]
+        """The current state (public attributes) as JSON-ready data (a copy)."""
+        if self._overlay is None:
+            return snapshot(self.instance)[0]
+        return {k: plain(v) for k, v in self._logical_attributes().items() if not k.startswith("_")}
 
     def initial_state(self) -> dict[str, Any]:
-        """The state right after construction or the last reset."""
-        return json.loads(self.initial_text)
+        """The state right after construction."""
+        if self._overlay is None:
+            return json.loads(self.initial_text)
+        return {k: plain(v) for k, v in self._overlay.shared.attributes.items() if not k.startswith("_")}
+
+    def state_hash(self) -> str:
+        """A digest equal for equal states, whatever their key order or history."""
+        if self._overlay is None:
+            return state_hash(json.loads(self._private_text))
+        return state_hash({k: v for k, v in self._logical_attributes().items() if not k.startswith("_")},
+                          self._overlay.shared.digests)
+
+    # -- calls ---------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Let go of the episode's state now (an ended episode): its copies would otherwise wait for the collector."""
+        if self._overlay is not None:
+            self._overlay.release()
+            self.instance.__dict__.clear()
+
+    @property
+    def preemptible(self) -> bool:
+        """Whether a call can run with an ``inline_budget_s``: its changes can then be undone exactly."""
+        return self._overlay is not None
 
     def call(
-        self, name: str, arguments: Any = None, *, track_diff: bool = False, inline_budget_s: float | None = None
+        self, name: str, arguments: Any = None, *, limit_s: float | None = None, inline_budget_s: float | None = None
     ) -> ToolOutcome:
-        """Run one tool. Errors come back in the outcome; the episode always survives.
+        """Run one tool under its time limit (``limit_s``, default the runtime's). Errors come back in the outcome.
 
-        ``track_diff`` records in the outcome what the call changed in the state. ``inline_budget_s``
-        (main thread only) undoes a call that runs longer than that: the state is restored and
-        :class:`Preempted` raised, for the caller to run the call again without a budget elsewhere.
-        Preempted is also raised, before anything runs, when this episode's state cannot be saved.
+        The outcome lists what the call changed in the state (``diff``), a failed call included.
+
+        With ``inline_budget_s`` (main thread only) a call still running when the budget runs out is
+        stopped, everything it changed is undone, and Preempted is raised: the caller runs it again
+        where it may take its whole limit. An episode that is not ``preemptible`` raises Preempted
+        before running anything.
         """
         arguments = {} if arguments is None else arguments
         runtime = self.runtime
-        tool = runtime.tools.get(name)
-        if tool is None:
-            known = ", ".join(runtime.tools)
-            return _failed(name, arguments, "agent", f"Unknown tool {name!r}. Available tools: {known}")
-        if not isinstance(arguments, dict):
-            return _failed(name, arguments, "agent", f"Arguments of {name!r} must be a JSON object")
-        problems = validate(arguments, tool.parameters)
-        if problems:
-            return _failed(name, arguments, "agent", f"Invalid arguments for {name!r}: " + "; ".join(problems))
-        saved = self._save() if track_diff or inline_budget_s is not None else None
-        if inline_budget_s is not None and saved is None:
+        problem = runtime.check_arguments(name, arguments)
+        if problem is not None:
+            return ToolOutcome.failure(name, arguments, "agent", problem)
+        if inline_budget_s is not None and not self.preemptible:
             raise Preempted()
-        before_text = (self._last_text or self._state_text()[0]) if track_diff else None
-        self._last_text = None
-        method = getattr(self.instance, name)
+        limit = runtime.call_timeout_s if limit_s is None else limit_s
+        before = dict(self.instance.__dict__) if self._overlay is not None else None
+        deleted = set(self._overlay.deleted) if self._overlay is not None else None
         started = time.perf_counter()
         try:
             if inline_budget_s is not None:
-                raw = call_preemptibly(method, min(inline_budget_s, runtime.call_timeout_s), **arguments)
+                outcome = call_preemptibly(self._run, min(inline_budget_s, limit), name, arguments)
             else:
-                raw = call_with_limit(method, runtime.call_timeout_s, **arguments)
+                outcome = call_with_limit(self._run, limit, name, arguments)
         except Preempted:
-            self._restore(saved, before_text)  # type: ignore[arg-type]
+            self._undo(before, deleted)
             raise
         except TimeLimitExceeded:
-            message = f"Tool {name!r} ran longer than {runtime.call_timeout_s:g} s and was stopped"
-            outcome = _failed(name, arguments, "timeout", message, time.perf_counter() - started)
-        except Exception as e:  # noqa: BLE001 - environment code is untrusted; report, keep the episode
-            message = f"Environment error in {name!r}: {runtime.describe_exception(e)}"
-            outcome = _failed(name, arguments, "env", message, time.perf_counter() - started)
-        else:
-            latency = time.perf_counter() - started
-            text = to_json_text(raw, ascii_only=False)[0]
-            outcome = ToolOutcome(name=name, arguments=arguments, result=json.loads(text), result_text=text, latency_s=latency)
-        if before_text is not None:
-            # A failed call may still have changed the state: its diff is recorded too.
-            outcome.diff = self._changes(saved, before_text)
-        else:
-            self._pickled = None
+            message = f"Tool {name!r} ran longer than {limit:g} s and was stopped"
+            outcome = ToolOutcome.failure(name, arguments, "timeout", message)
+        except GuardSignal:
+            raise
+        except BaseException as e:  # noqa: BLE001 - environment code is untrusted; report, keep the episode
+            outcome = ToolOutcome.failure(name, arguments, "env", f"Environment error in {name!r}: {runtime.describe_exception(e)}")
+        outcome.latency_s = time.perf_counter() - started
+        outcome.diff = self._finish(before, deleted)
         return outcome
 
-    @property
-    def restorable(self) -> bool:
-        """False once the state turned out not to pickle: calls then cannot be preempted and undone."""
-        return self._picklable
+    def _run(self, name: str, arguments: dict[str, Any]) -> ToolOutcome:
+        """The method call and the serialisation of its result (both are env code: both run under the limit)."""
+        runtime = self.runtime
+        raw = getattr(self.instance, name)(**arguments)
+        text, truncated = runtime.result_text(raw)
+        reported = runtime.reported_failure(raw)
+        result = text if truncated else raw if isinstance(raw, str) else json.loads(text)
+        return ToolOutcome(name=name, arguments=arguments, result=result, result_text=text, truncated=truncated,
+                           error=reported, error_kind="tool" if reported else None)
 
-    def _save(self) -> bytes | None:
-        """The pickled instance dict (cached while current); None when the state cannot be pickled."""
-        if self._pickled is None and self._picklable:
+    def _finish(self, before: dict[str, Any] | None, deleted: set[str] | None) -> list[StateChange]:
+        """What the call changed, with the shared-state bookkeeping (adoption, giving back copies)."""
+        overlay = self._overlay
+        if overlay is None:
+            old, self._private_text = self._private_text, self._public_text()
+            return [] if old == self._private_text else diff(json.loads(old), json.loads(self._private_text))
+        assert before is not None and deleted is not None
+        changes, problem = self._top_level_changes(overlay, before, deleted)
+        nested, nested_problem = overlay.finish_call()
+        if problem or nested_problem:
+            self._go_private()
+        return sorted(changes + nested, key=lambda c: [str(p) for p in c.path])
+
+    def _undo(self, before: dict[str, Any] | None, deleted: set[str] | None) -> None:
+        """Put the state back as it was before a preempted call."""
+        overlay = self._overlay
+        assert overlay is not None and before is not None and deleted is not None
+        attributes = self.instance.__dict__
+        attributes.clear()
+        attributes.update(before)
+        overlay.deleted.clear()
+        overlay.deleted.update(deleted)
+        overlay.undo_call()
+
+    def _top_level_changes(
+        self, overlay: _EpisodeOverlay, before: dict[str, Any], deleted: set[str]
+    ) -> tuple[list[StateChange], NotNative | None]:
+        attributes = self.instance.__dict__
+        shared = overlay.shared.attributes
+        adopted: dict[int, Any] = {}
+        changes: list[StateChange] = []
+        problem: NotNative | None = None
+        names = before.keys() | attributes.keys() | (overlay.deleted - deleted)
+        for name in sorted(names - {_OVERLAY_KEY}):
+            old = before.get(name, MISSING)
+            if old is MISSING and name in shared and name not in deleted:
+                old = shared[name]
+            new = attributes.get(name, MISSING)
+            if new is MISSING and name in shared and name not in overlay.deleted:
+                new = shared[name]
+            if new is old or (old is not MISSING and overlay.memo.get(id(old)) is new):
+                continue  # unchanged, or the shared value was only copied for this episode
             try:
-                self._pickled = pickle.dumps(self.instance.__dict__, pickle.HIGHEST_PROTOCOL)
-            except Exception:  # noqa: BLE001 - any object may refuse pickling; fall back to JSON only
-                self._picklable = False
-        return self._pickled
+                if type(new) is dict or type(new) is list:
+                    new = attributes[name] = overlay.adopt(new, (name,), adopted)
+                elif new is not MISSING:
+                    overlay.adopt(new, (name,), adopted)  # NotNative for what JSON cannot hold
+            except NotNative as e:
+                problem = problem or e
+            if not name.startswith("_"):
+                changes.extend(value_changes([name], old, new))
+        return changes, problem
 
-    def _restore(self, saved: bytes, before_text: str | None) -> None:
-        state = vars(self.instance)
-        state.clear()
-        state.update(pickle.loads(saved))
-        self._pickled = saved
-        self._last_text = before_text
+    def _go_private(self) -> None:
+        """The call stored state JSON cannot hold: carry on with a private instance of the current state."""
+        overlay = self._overlay
+        assert overlay is not None
+        attributes = {k: plain(v) for k, v in self._logical_attributes().items()}
+        self.initial_text = to_json_text(self.initial_state())[0]
+        self.instance = object.__new__(self.runtime.env_class)
+        self.instance.__dict__.update(attributes)
+        self._overlay = None
+        self._private_text = self._public_text()
 
-    def _changes(self, saved: bytes | None, before_text: str) -> list[StateChange]:
-        """What the last call changed, leaving the saved pickle and JSON text current."""
-        self._pickled = None
-        after = self._save() if saved is not None else None
-        if after is not None and after == saved:
-            self._last_text = before_text
-            return []
-        after_text = self._state_text()[0]
-        self._last_text = after_text
-        return [] if after_text == before_text else diff(json.loads(before_text), json.loads(after_text))
+    # -- checks --------------------------------------------------------------------------------------
 
     def validate(self, checklist: list[CheckItem] | None) -> ValidationResult:
         """Run the checklist on the current state. Raises ChecklistError when it is empty."""
-        final_text = self._last_text or self._state_text()[0]
-        results = run_checks(checklist, final_text, self.initial_text, self.runtime.check_timeout_s)
+        if self._overlay is None:
+            final: Any = json.loads(self._private_text)
+            initial: Any = json.loads(self.initial_text)
+        else:
+            final = {k: v for k, v in self._logical_attributes().items() if not k.startswith("_")}
+            initial = {k: v for k, v in self._overlay.shared.attributes.items() if not k.startswith("_")}
+
+        def make_views() -> tuple[Any, Any, Callable[[], None]]:
+            # Separate overlays: a check that changes one state must not see that in the other.
+            final_overlay, initial_overlay = Overlay(None), Overlay(None)
+
+            def release() -> None:
+                final_overlay.release()
+                initial_overlay.release()
+
+            return final_overlay.view(final), initial_overlay.view(initial), release
+
+        results = run_checks(checklist, make_views, self.runtime.check_timeout_s)
         return ValidationResult(
             score=score(results),
             checks=results,
-            state_hash=state_hash(json.loads(final_text)),
+            state_hash=self.state_hash(),
             check_errors=sum(r.error is not None for r in results),
         )
 
 
-def _failed(name: str, arguments: Any, kind: ErrorKind, message: str, latency: float = 0.0) -> ToolOutcome:
-    args = arguments if isinstance(arguments, dict) else {"_raw": arguments}
-    return ToolOutcome(name=name, arguments=args, error=message, error_kind=kind, latency_s=latency)
+def _private_copy(runtime: EnvRuntime, shared: SharedState | None) -> Any:
+    """A private instance holding a deep copy of a shared state (for a class that cannot be tracked)."""
+    assert shared is not None
+    instance = object.__new__(runtime.env_class)
+    instance.__dict__.update({k: plain(v) for k, v in shared.attributes.items()})
+    return instance
+

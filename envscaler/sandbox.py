@@ -6,6 +6,7 @@ import os
 import resource
 import subprocess
 import sys
+from typing import Any
 
 # Variables a child needs to run Python and nothing else: no tokens, keys or proxies leak in.
 _KEPT_ENV = ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "TMPDIR", "HOME")
@@ -26,6 +27,20 @@ def limit_resources(memory_mb: int, cpu_s: int | None = None) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     if cpu_s is not None:
         resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 5))
+
+
+def start_module(
+    module: str, args: list[str], *, memory_mb: int, cpu_s: int, stderr: Any
+) -> subprocess.Popen[bytes]:
+    """``python -m module args`` started in a limited child, its stdout a pipe for the caller to read."""
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        stdin=subprocess.DEVNULL,
+        env=clean_environment(),
+        preexec_fn=lambda: limit_resources(memory_mb, cpu_s),
+    )
 
 
 def run_module(

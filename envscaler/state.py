@@ -94,10 +94,82 @@ def snapshot(instance: Any) -> tuple[dict[str, Any], list[str]]:
     return json.loads(text), notes
 
 
-def state_hash(state: dict[str, Any]) -> str:
-    """A digest that is equal for equal states, whatever their key order."""
-    text, _ = to_json_text(state, canonical=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+def state_hash(state: dict[str, Any], digests: dict[int, bytes] | None = None) -> str:
+    """A digest that is equal for equal states, whatever their key order or history.
+
+    It is a Merkle hash. A dict's digest is the sum (mod 2**128) of one hash per entry, so the
+    digest of a copy that differs from its original in a few keys is the original's digest with
+    those entries' hashes swapped: ``digests`` caches the digests of containers that never change
+    (a scenario's shared initial state, keyed by id), and a container that knows its original
+    (``_origin``, an episode's copy of a shared one) is hashed from it, so hashing an episode costs
+    in proportion to what it changed and what it copied, not to the size of its state.
+    """
+    # The root is hashed like any dict but never cached: it is a temporary, and its id will be reused.
+    total = sum(_entry(key, value, digests) for key, value in dict.items(state)) & _MASK
+    return total.to_bytes(16, "big").hex()[:16]
+
+
+_MASK = (1 << 128) - 1
+
+
+def _digest(value: Any, digests: dict[int, bytes] | None) -> bytes:
+    known = digests.get(id(value)) if digests is not None else None
+    if known is not None:
+        return known
+    if isinstance(value, dict):
+        origin = getattr(value, "_origin", None)
+        if digests is not None and origin is not None:
+            total = _copied_dict_sum(value, origin, digests)
+        else:
+            total = sum(_entry(key, child, digests) for key, child in dict.items(value)) & _MASK
+        digest = total.to_bytes(16, "big")
+    else:
+        hasher = hashlib.blake2b(b"[", digest_size=16)
+        for child in list.__iter__(value):
+            hasher.update(_bytes(child, digests))
+        digest = hasher.digest()
+    if digests is not None and getattr(value, "_origin", 0) == 0:
+        digests[id(value)] = digest  # a plain container next to overlay copies is a shared, frozen one
+    return digest
+
+
+def _copied_dict_sum(copy: dict[str, Any], origin: dict[str, Any], digests: dict[int, bytes]) -> int:
+    """The entry-hash sum of ``copy``, from its original's and the entries that are not the original's."""
+    total = int.from_bytes(_digest(origin, digests), "big")
+    shared_keys = 0
+    for key, child in dict.items(copy):
+        old = dict.get(origin, key, _ABSENT)
+        if old is not _ABSENT:
+            shared_keys += 1
+            if old is child:
+                continue
+            total -= _entry(key, old, digests)
+        total += _entry(key, child, digests)
+    if shared_keys != len(origin):
+        total -= sum(_entry(key, old, digests) for key, old in dict.items(origin) if not dict.__contains__(copy, key))
+    return total & _MASK
+
+
+_ABSENT = object()
+
+
+def _entry(key: Any, value: Any, digests: dict[int, bytes] | None) -> int:
+    return int.from_bytes(hashlib.blake2b(_scalar(key) + b"=" + _bytes(value, digests), digest_size=16).digest(), "big")
+
+
+def _bytes(value: Any, digests: dict[int, bytes] | None) -> bytes:
+    """A container as its kind and digest; a scalar as its typed text."""
+    if isinstance(value, dict):
+        return b"{" + _digest(value, digests)
+    if isinstance(value, list):
+        return b"[" + _digest(value, digests)
+    return _scalar(value)
+
+
+def _scalar(value: Any) -> bytes:
+    # repr tells 1 from 1.0, True and "1"; the length prefix keeps neighbours apart in a list.
+    text = repr(value).encode("utf-8", "backslashreplace")
+    return len(text).to_bytes(4, "big") + text
 
 
 def diff(before: Any, after: Any, path: list[str | int] | None = None) -> list[StateChange]:

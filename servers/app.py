@@ -11,24 +11,46 @@ import json
 import logging
 from collections.abc import Awaitable
 from typing import Any, TypeVar
-from urllib.parse import unquote
+from urllib.parse import unquote_to_bytes
 
 import anyio
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from envscaler import Bundle, EnvRuntime, EnvScalerError
 from envscaler.bundle import describe_validation_error
 from envscaler.errors import ChecklistError
-from envscaler.models import CheckItem
+from envscaler.wire import (
+    EpisodeCreated,
+    EpisodeEnded,
+    EpisodeIds,
+    EpisodeReset,
+    EpisodeStart,
+    EpisodeState,
+    EpisodeValidation,
+    Health,
+    ScenarioListing,
+    ScenarioSummary,
+    ServerInfo,
+    ValidationRequest,
+)
 from servers.asgi import json_bytes, read_body, send_json
-from servers.calls import CallAbandoned
-from servers.episodes import EpisodeStore, LimitReached, LiveEpisode, UnknownEpisode, UnknownScenario
-from servers.mcp_endpoint import McpEndpoint
+from servers.episodes import EpisodeStore, LiveEpisode
+from servers.errors import (
+    CallAbandoned,
+    ErrorReply,
+    LimitReached,
+    OutOfMemory,
+    UnknownEpisode,
+    UnknownScenario,
+)
+from servers.mcp_endpoint import ROUTING_HEADERS, McpEndpoint, parse_error
+from servers.memory import memory_status
 from servers.openenv_endpoint.config import OpenEnvConfig
 
 log = logging.getLogger("envscaler.server")
 
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
 
 Scope = dict[str, Any]
 
@@ -46,34 +68,9 @@ class ServerConfig(BaseModel):
     worker_threads: int = Field(default=32, ge=1)
     inline_budget_s: float = Field(default=0.02, ge=0)
     allowed_origins: list[str] = Field(default_factory=list)
+    memory_reserve_mb: float = Field(default=32.0, ge=0)
     # The OpenEnv listener (``--openenv-port``), off unless asked for.
     openenv: OpenEnvConfig | None = None
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class EpisodeRequest(_Body):
-    """Body of ``POST /episodes`` and ``POST /episodes/{id}/reset``: a scenario or a raw state."""
-
-    scenario_id: str | None = None
-    init_config: dict[str, Any] | None = None
-
-
-class ValidateRequest(_Body):
-    """Body of ``POST /episodes/{id}/validate``: a checklist overrides the scenario's."""
-
-    checklist: list[CheckItem] | None = None
-
-
-class HttpError(Exception):
-    """Ends a request with this status and a JSON ``{"error": message}`` body."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 class EnvServerApp:
@@ -90,6 +87,7 @@ class EnvServerApp:
             idle_ttl_s=config.idle_ttl_s,
             worker_threads=config.worker_threads,
             inline_budget_s=config.inline_budget_s,
+            memory_reserve_mb=config.memory_reserve_mb,
         )
         self.mcp = McpEndpoint(self.store, f"envscaler-{bundle.env_id}", bundle.spec.environment_introduction)
         self._token = f"Bearer {config.token}".encode()
@@ -103,7 +101,7 @@ class EnvServerApp:
             return
         try:
             await self._route(scope, receive, send)
-        except HttpError as e:
+        except ErrorReply as e:
             await send_json(send, e.status, json_bytes({"error": e.message}))
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
@@ -129,14 +127,17 @@ class EnvServerApp:
     async def _route(self, scope: Scope, receive: Any, send: Any) -> None:
         path: str = scope["path"]
         method: str = scope["method"]
-        parts = [unquote(p) for p in path.strip("/").split("/")]
+        # Split the raw path, then decode each segment exactly once: an id may hold "%" or "/".
+        raw_path: bytes = scope.get("raw_path") or path.encode()
+        parts = [unquote_to_bytes(p).decode(errors="replace") for p in raw_path.strip(b"/").split(b"/")]
         if len(parts) == 3 and parts[0] == "episodes" and parts[2] == "mcp":
             await self._mcp(scope, receive, send, parts[1])
             return
         if path == "/healthz":
-            await send_json(send, 200, json_bytes({"status": "ok", "env_id": self.bundle.env_id, "episodes": len(self.store.episodes)}))
+            await send_json(send, 200, json_bytes(Health(env_id=self.bundle.env_id, episodes=len(self.store.episodes))))
             return
         self._authorize(scope)
+        result: BaseModel | dict[str, Any]
         if parts == ["info"] and method == "GET":
             result, status = self._info(), 200
         elif parts == ["scenarios"] and method == "GET":
@@ -144,40 +145,44 @@ class EnvServerApp:
         elif len(parts) == 2 and parts[0] == "scenarios" and method == "GET":
             result, status = self._scenario(parts[1]), 200
         elif parts == ["episodes"] and method == "POST":
-            result, status = await self._create(scope, await self._body(receive, EpisodeRequest)), 201
+            result, status = await self._create(scope, await self._body(receive, EpisodeStart)), 201
         elif parts == ["episodes"] and method == "GET":
-            result, status = {"episodes": list(self.store.episodes)}, 200
+            result, status = EpisodeIds(episodes=list(self.store.episodes)), 200
         elif len(parts) in (2, 3) and parts[0] == "episodes":
             result, status = await self._episode_route(parts, method, receive), 200
         else:
-            raise HttpError(404, f"no route {method} {path}")
+            raise ErrorReply(404, f"no route {method} {path}")
         await send_json(send, status, json_bytes(result))
 
-    async def _episode_route(self, parts: list[str], method: str, receive: Any) -> Any:
+    async def _episode_route(self, parts: list[str], method: str, receive: Any) -> BaseModel:
         action = parts[2] if len(parts) == 3 else None
         live = self._live(parts[1])
         if action is None and method == "DELETE":
             self.store.end(live.episode_id)
-            return {"episode_id": live.episode_id, "ended": True, "calls": len(live.calls), **live.counts()}
+            return EpisodeEnded(episode_id=live.episode_id, calls=len(live.calls), **live.counts())
         if action == "state" and method == "GET":
-            return {"episode_id": live.episode_id, "state": live.episode.state()}
+            return EpisodeState(episode_id=live.episode_id, state=live.episode.state())
         if action == "trajectory" and method == "GET":
-            return live.trajectory().model_dump(mode="json")
+            return live.trajectory()
         if action == "reset" and method == "POST":
-            request = await self._body(receive, EpisodeRequest)
-            self._check_episode_request(request)
+            request = await self._body(receive, EpisodeStart)
+            if request.scenario_id is None and request.init_config is None:
+                # No body: back to where this episode started.
+                request = EpisodeStart(scenario_id=live.scenario.task_id if live.scenario else None,
+                                       init_config=None if live.scenario else live.init_config)
+            self._check_episode_start(request)
             await self._guard(self.store.reset(live, request.scenario_id, request.init_config))
-            return {"episode_id": live.episode_id, "scenario_id": request.scenario_id, "task": live.scenario.task if live.scenario else ""}
+            return EpisodeReset(episode_id=live.episode_id, scenario_id=request.scenario_id, task=live.scenario.task if live.scenario else "")
         if action == "validate" and method == "POST":
-            request = await self._body(receive, ValidateRequest)
+            checklist = (await self._body(receive, ValidationRequest)).checklist
             try:
-                result = await self.store.validate(live, request.checklist)
+                result = await self.store.validate(live, checklist)
             except ChecklistError as e:
-                raise HttpError(409, f"{e}; pass a checklist in the body or create the episode from a scenario") from None
+                raise ErrorReply(409, f"{e}; pass a checklist in the body or create the episode from a scenario") from None
             except CallAbandoned:
-                raise HttpError(504, f"the checks outlived their limit of {self.config.check_timeout_s:g} s each and were abandoned") from None
-            return {**result.model_dump(mode="json"), **live.counts()}
-        raise HttpError(404 if action not in (None, "state", "trajectory", "reset", "validate") else 405, f"no route {method} /episodes/{{id}}/{action or ''}")
+                raise ErrorReply(504, f"the checks outlived their limit of {self.config.check_timeout_s:g} s each and were abandoned") from None
+            return EpisodeValidation(**dict(result), **live.counts())
+        raise ErrorReply(404 if action not in (None, "state", "trajectory", "reset", "validate") else 405, f"no route {method} /episodes/{{id}}/{action or ''}")
 
     # -- control handlers ------------------------------------------------------------------------
 
@@ -185,64 +190,66 @@ class EnvServerApp:
         for name, value in scope["headers"]:
             if name == b"authorization" and hmac.compare_digest(value, self._token):
                 return
-        raise HttpError(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'")
+        raise ErrorReply(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'")
 
-    async def _body(self, receive: Any, model: type[BaseModel]) -> Any:
+    async def _body(self, receive: Any, model: type[M]) -> M:
         raw = await self._read_body(receive)
         try:
             data = json.loads(raw) if raw.strip() else {}
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise HttpError(400, f"malformed JSON body: {e}") from None
+            raise ErrorReply(400, f"malformed JSON body: {e}") from None
         try:
             return model.model_validate(data)
         except ValidationError as e:
-            raise HttpError(422, f"invalid body: {describe_validation_error(e)}") from None
+            raise ErrorReply(422, f"invalid body: {describe_validation_error(e)}") from None
 
     async def _read_body(self, receive: Any) -> bytes:
         body = await read_body(receive, self.config.max_body_bytes)
         if body is None:
-            raise HttpError(413, f"request body is larger than the limit of {self.config.max_body_bytes} bytes")
+            raise ErrorReply(413, f"request body is larger than the limit of {self.config.max_body_bytes} bytes")
         return body
 
     def _live(self, episode_id: str) -> LiveEpisode:
         try:
             return self.store.get(episode_id)
         except UnknownEpisode as e:
-            raise HttpError(404, str(e)) from None
+            raise ErrorReply(404, str(e)) from None
 
     @staticmethod
-    def _check_episode_request(request: EpisodeRequest) -> None:
+    def _check_episode_start(request: EpisodeStart) -> None:
         if request.scenario_id is None and request.init_config is None:
-            raise HttpError(422, "give either scenario_id or init_config")
+            raise ErrorReply(422, "give either scenario_id or init_config")
         if request.scenario_id is not None and request.init_config is not None:
-            raise HttpError(422, "give scenario_id or init_config, not both")
+            raise ErrorReply(422, "give scenario_id or init_config, not both")
 
     async def _guard(self, action: Awaitable[T]) -> T:
         """Await a store action, turning its errors into HTTP statuses."""
         try:
             return await action
         except (UnknownScenario, UnknownEpisode) as e:
-            raise HttpError(404, str(e)) from None
+            raise ErrorReply(404, str(e)) from None
         except LimitReached as e:
-            raise HttpError(429, str(e)) from None
+            raise ErrorReply(429, str(e)) from None
+        except OutOfMemory as e:
+            raise ErrorReply(507, str(e)) from None
         except EnvScalerError as e:
-            raise HttpError(500, f"environment error: {e}") from None
+            raise ErrorReply(500, f"environment error: {e}") from None
 
-    async def _create(self, scope: Scope, request: EpisodeRequest) -> dict[str, Any]:
-        self._check_episode_request(request)
+    async def _create(self, scope: Scope, request: EpisodeStart) -> EpisodeCreated:
+        self._check_episode_start(request)
         live = await self._guard(self.store.create(request.scenario_id, request.init_config))
         path = f"/episodes/{live.episode_id}/mcp"
-        return {
-            "episode_id": live.episode_id,
-            "mcp_url": self._public_base(scope) + path,
-            "mcp_path": path,
-            "env_id": self.bundle.env_id,
-            "scenario_id": request.scenario_id,
-            "task": live.scenario.task if live.scenario else "",
-            "user_profile": live.scenario.user_profile if live.scenario else None,
-            "env_introduction": self.bundle.spec.environment_introduction,
-            "tools": self._tools_openai,
-        }
+        return EpisodeCreated(
+            episode_id=live.episode_id,
+            mcp_url=self._public_base(scope) + path,
+            mcp_path=path,
+            env_id=self.bundle.env_id,
+            scenario_id=request.scenario_id,
+            task=live.scenario.task if live.scenario else "",
+            user_profile=live.scenario.user_profile if live.scenario else None,
+            env_introduction=self.bundle.spec.environment_introduction,
+            tools=self._tools_openai,
+        )
 
     def _public_base(self, scope: Scope) -> str:
         """Where agents reach this server: the gateway's prefix, the configured URL, or the Host asked for."""
@@ -257,52 +264,54 @@ class EnvServerApp:
         # In a container or behind NAT our own bind address means nothing to the caller; its Host does.
         return f"{scope.get('scheme', 'http')}://{host}" if host else ""
 
-    def _info(self) -> dict[str, Any]:
-        config = self.config.model_dump(exclude={"token"})
-        return {
-            "env_id": self.bundle.env_id,
-            "spec_hash": self.bundle.spec.content_hash(),
-            "environment_summary": self.bundle.spec.environment_summary,
-            "tools": [t.name for t in self.runtime.tool_list()],
-            "scenarios": len(self.bundle.scenarios),
-            "limits": config,
-            "live_episodes": len(self.store.episodes),
-            "stuck_calls": self.store.stuck_calls,
-            "call_threads": self.store.runner.threads,
-            "threaded_tools": sorted(self.store.threaded_tools),
-            "expired_episodes": self.store.expired,
-        }
+    def _info(self) -> ServerInfo:
+        return ServerInfo(
+            env_id=self.bundle.env_id,
+            spec_hash=self.bundle.spec.content_hash(),
+            environment_summary=self.bundle.spec.environment_summary,
+            tools=[t.name for t in self.runtime.tool_list()],
+            scenarios=len(self.bundle.scenarios),
+            limits=self.config.model_dump(exclude={"token"}),
+            live_episodes=len(self.store.episodes),
+            stuck_calls=self.store.stuck_calls,
+            call_threads=self.store.runner.threads,
+            threaded_tools=sorted(self.store.threaded_tools),
+            expired_episodes=self.store.expired,
+            memory=memory_status(),
+        )
 
-    def _scenarios(self) -> dict[str, Any]:
-        return {
-            "env_id": self.bundle.env_id,
-            "scenarios": [
-                {
-                    "task_id": s.task_id,
-                    "task": s.task,
-                    "conversational": s.conversational,
-                    "checks": len(s.checklist_with_func or []),
-                    "has_reference": bool(s.reference_solution),
-                }
+    def _scenarios(self) -> ScenarioListing:
+        env_id = self.bundle.env_id
+        return ScenarioListing(
+            env_id=env_id,
+            scenarios=[
+                ScenarioSummary(
+                    env_id=env_id,
+                    task_id=s.task_id,
+                    task=s.task,
+                    conversational=s.conversational,
+                    checks=len(s.checklist_with_func or []),
+                    has_reference=bool(s.reference_solution),
+                )
                 for s in self.bundle.scenarios
             ],
-        }
+        )
 
     def _scenario(self, task_id: str) -> dict[str, Any]:
         scenario = self.store.scenarios.get(task_id)
         if scenario is None:
-            raise HttpError(404, f"{self.bundle.env_id} has no scenario {task_id!r}; GET /scenarios lists them")
+            raise ErrorReply(404, f"{self.bundle.env_id} has no scenario {task_id!r}; GET /scenarios lists them")
         return scenario.model_dump(mode="json", exclude_none=True)
 
     # -- MCP -----------------------------------------------------------------------------------
 
     async def _mcp(self, scope: Scope, receive: Any, send: Any, episode_id: str) -> None:
-        version = None
+        routing = []
         for name, value in scope["headers"]:
             if name == b"origin" and value.decode() not in self.config.allowed_origins and "*" not in self.config.allowed_origins:
-                raise HttpError(403, f"origin {value.decode()!r} is not allowed (see --allowed-origin)")
-            if name == b"mcp-protocol-version":
-                version = value.decode()
+                raise ErrorReply(403, f"origin {value.decode()!r} is not allowed (see --allowed-origin)")
+            if name in ROUTING_HEADERS:
+                routing.append((name, value))
         if scope["method"] != "POST":
             await send_json(send, 405, json_bytes({"error": "this MCP endpoint answers POST only (no SSE stream, no sessions)"}), [(b"allow", b"POST")])
             return
@@ -311,7 +320,7 @@ class EnvServerApp:
         try:
             message = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            await send_json(send, 400, json_bytes({"jsonrpc": "2.0", "id": None, "error": {"code": -32700, "message": f"parse error: {e}"}}))
+            await send_json(send, 400, json_bytes(parse_error(str(e))))
             return
-        status, body = await self.mcp.handle(live, message, version)
+        status, body = await self.mcp.handle(live, message, routing)
         await send_json(send, status, json_bytes(body) if body is not None else None)

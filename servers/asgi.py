@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-from json.encoder import c_make_encoder, encode_basestring
 from typing import Any
 
-
-def _unserialisable(value: Any) -> Any:
-    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
-
-
-# One compact C encoder for every reply: json.dumps builds a new one per call, which is half its cost
-# for a small reply. No circular-reference markers: replies are built here, never cyclic.
-_encode = c_make_encoder(None, _unserialisable, encode_basestring, None, ":", ",", False, False, True)
+from pydantic_core import to_json
 
 
 def json_bytes(value: Any) -> bytes:
-    """Compact JSON, UTF-8."""
-    return "".join(_encode(value, 0)).encode()
+    """Compact JSON, UTF-8 (not ASCII-escaped), of plain data or a pydantic model (wire replies).
+
+    pydantic's Rust encoder, public API: 2-4x faster than ``json.dumps`` on replies from a tool
+    result to a trajectory (``benchmarks/server.py`` measures it), and it writes models directly.
+    """
+    return to_json(value)
 
 
 async def send_json(send: Any, status: int, body: bytes | None, extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:

@@ -25,12 +25,9 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from envscaler.guard import block_alarm_in_this_thread
+from servers.errors import CallAbandoned
 
 T = TypeVar("T")
-
-
-class CallAbandoned(Exception):
-    """The call did not finish by its deadline; its thread was left behind."""
 
 
 class _Job(Generic[T]):

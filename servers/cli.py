@@ -24,6 +24,7 @@ _FLAGS = {
     "worker_threads": "--workers",
     "inline_budget_s": "--inline-budget",
     "allowed_origins": "--allowed-origin",
+    "memory_reserve_mb": "--memory-reserve",
     "openenv_port": "--openenv-port",
     "max_sessions": "--openenv-sessions",
     "session_idle_s": "--openenv-idle",
@@ -58,6 +59,7 @@ def _config(args: argparse.Namespace, token: str) -> ServerConfig:
         worker_threads=args.workers,
         inline_budget_s=args.inline_budget,
         allowed_origins=args.allowed_origin or [],
+        memory_reserve_mb=args.memory_reserve,
         openenv=None if args.openenv_port is None else OpenEnvConfig(
             openenv_port=args.openenv_port,
             max_sessions=args.openenv_sessions,
@@ -95,6 +97,13 @@ def register_serve(commands: Any) -> None:
         default=0.02,
         help="seconds a tool call may run on the event loop before it is undone and rerun on a worker thread; "
         "0 runs every call on a worker (default: 0.02)",
+    )
+    parser.add_argument(
+        "--memory-reserve",
+        type=float,
+        default=32.0,
+        help="MB of memory kept free under the server's limit (cgroup or address space): below it, new episodes "
+        "are refused with 507 and a reason rather than the server being killed (default: 32)",
     )
     parser.add_argument("--allowed-origin", action="append", help="browser Origin allowed on MCP routes (repeatable; '*' for any)")
     parser.add_argument(

@@ -3,9 +3,10 @@
 A tool call first runs right on the event loop with a small budget (``inline_budget_s``): almost
 every call of a synthesized environment takes microseconds, and handing each one to another thread
 costs more than the call (two thread wake-ups across CPUs). A call that outruns the budget is
-preempted, its episode restored to the state before it, and it runs again on a worker thread
+preempted, what it changed undone (``Episode.call``), and it runs again on a worker thread
 (``servers.calls``) where it can take its full limit without stalling anyone; its tool goes to the
-worker directly from then on. Constructors and checks always run on the worker.
+worker directly from then on. Constructors and checks always run on the worker; an episode of a
+scenario whose state is already built shares that state and is created right here.
 
 Calls on one episode are serialised by its lock; environment state is not thread-safe. A call still
 running past its limit is abandoned: the agent gets an ``is_error`` result at once, and the episode
@@ -23,12 +24,13 @@ import secrets
 import time
 from typing import Any
 
-from pydantic import BaseModel
-
-from envscaler import Bundle, EnvCodeError, EnvRuntime, Episode, EnvScalerError, Scenario, ToolOutcome, ValidationResult
+from envscaler import Bundle, EnvCodeError, EnvRuntime, Episode, Scenario, ToolOutcome, ValidationResult
 from envscaler.guard import Preempted, can_preempt
 from envscaler.models import CheckItem
-from servers.calls import CallAbandoned, CallRunner
+from envscaler.wire import Trajectory
+from servers.calls import CallRunner
+from servers.errors import CallAbandoned, LimitReached, OutOfMemory, UnknownEpisode, UnknownScenario
+from servers.memory import memory_status
 
 log = logging.getLogger("envscaler.server")
 
@@ -36,45 +38,25 @@ log = logging.getLogger("envscaler.server")
 _ABANDON_GRACE_S = 0.5
 
 
-class LimitReached(EnvScalerError):
-    """The server already holds its maximum number of live episodes."""
-
-
-class UnknownEpisode(EnvScalerError):
-    """No live episode has this id (never created, ended, or expired)."""
-
-
-class UnknownScenario(EnvScalerError):
-    """The environment has no scenario with this id."""
-
-
-class Trajectory(BaseModel):
-    """The server-side record of one episode."""
-
-    episode_id: str
-    env_id: str
-    scenario_id: str | None
-    calls: list[ToolOutcome]
-    agent_errors: int
-    env_errors: int
-    timeouts: int
-
-
 class LiveEpisode:
     """One episode with its scenario, lock, counters and call record."""
 
-    def __init__(self, episode_id: str, episode: Episode, scenario: Scenario | None) -> None:
+    def __init__(self, episode_id: str, episode: Episode, scenario: Scenario | None, init_config: dict[str, Any] | None) -> None:
         self.episode_id = episode_id
         self.episode = episode
         self.scenario = scenario
+        # A raw episode's state (no scenario): what a reset with no body goes back to.
+        self.init_config = init_config
         self.lock = asyncio.Lock()
         self.calls: list[ToolOutcome] = []
         self.last_used = time.monotonic()
         self.stuck = False
 
-    def reset(self, episode: Episode, scenario: Scenario | None) -> None:
+    def reset(self, episode: Episode, scenario: Scenario | None, init_config: dict[str, Any] | None) -> None:
+        self.episode.close()
         self.episode = episode
         self.scenario = scenario
+        self.init_config = init_config
         self.calls = []
         self.stuck = False
         self.last_used = time.monotonic()
@@ -82,7 +64,12 @@ class LiveEpisode:
     def counts(self) -> dict[str, int]:
         """Errors by who is to blame: the agent, the environment code, or a hang."""
         kinds = [c.error_kind for c in self.calls]
-        return {"agent_errors": kinds.count("agent"), "env_errors": kinds.count("env"), "timeouts": kinds.count("timeout")}
+        return {
+            "agent_errors": kinds.count("agent"),
+            "env_errors": kinds.count("env"),
+            "timeouts": kinds.count("timeout"),
+            "tool_errors": kinds.count("tool"),
+        }
 
     def trajectory(self) -> Trajectory:
         return Trajectory(
@@ -106,6 +93,7 @@ class EpisodeStore:
         idle_ttl_s: float,
         worker_threads: int,
         inline_budget_s: float,
+        memory_reserve_mb: float = 0.0,
     ) -> None:
         self.bundle = bundle
         self.runtime = runtime
@@ -115,6 +103,7 @@ class EpisodeStore:
         self.scenarios = {s.task_id: s for s in bundle.scenarios}
         self.runner = CallRunner(f"env-{runtime.env_id}", max_threads=worker_threads)
         self.inline_budget_s = inline_budget_s
+        self.memory_reserve_mb = memory_reserve_mb
         # Tools that once outran the inline budget: they go to the worker thread directly.
         self.threaded_tools: set[str] = set()
         self.stuck_calls = 0
@@ -127,11 +116,34 @@ class EpisodeStore:
         return scenario
 
     async def _build(self, scenario_id: str | None, init_config: dict[str, Any] | None) -> tuple[Episode, Scenario | None]:
+        """The episode, built with room to spare. Raises UnknownScenario, OutOfMemory or EnvCodeError."""
         scenario = self._scenario(scenario_id) if scenario_id else None
+        self._check_memory()
+        try:
+            return await self._construct(scenario_id, scenario, init_config)
+        except MemoryError:
+            raise OutOfMemory(f"{self.runtime.env_id}: ran out of memory building the episode; {self._memory_advice()}") from None
+
+    def _check_memory(self) -> None:
+        if not self.memory_reserve_mb:
+            return
+        status = memory_status()
+        if status.headroom_mb is not None and status.headroom_mb < self.memory_reserve_mb:
+            raise OutOfMemory(
+                f"{self.runtime.env_id}: only {status.headroom_mb:.0f} MB of memory left under the {status.limited_by} limit of "
+                f"{status.limit_mb:.0f} MB (the server keeps {self.memory_reserve_mb:g} MB in reserve); {self._memory_advice()}"
+            )
+
+    def _memory_advice(self) -> str:
+        return f"{len(self.episodes)} episodes are live: end some (DELETE /episodes/{{id}}) or give the server more memory"
+
+    async def _construct(self, scenario_id: str | None, scenario: Scenario | None, init_config: dict[str, Any] | None) -> tuple[Episode, Scenario | None]:
         config = scenario.init_config if scenario else (init_config or {})
+        if scenario_id is not None and self.runtime.shares(scenario_id):
+            return self.runtime.new_episode(config, scenario_key=scenario_id), scenario  # runs no env code
         limit = self.runtime.call_timeout_s + _ABANDON_GRACE_S
         try:
-            return await self.runner.run(lambda: self.runtime.new_episode(config), limit), scenario
+            return await self.runner.run(lambda: self.runtime.new_episode(config, scenario_key=scenario_id), limit), scenario
         except CallAbandoned:
             raise EnvCodeError(f"{self.runtime.env_id}: constructor ran longer than {self.runtime.call_timeout_s:g} s") from None
 
@@ -140,7 +152,7 @@ class EpisodeStore:
         self._check_room()
         episode, scenario = await self._build(scenario_id, init_config)
         self._check_room()  # others may have been created while this one was built
-        live = LiveEpisode(secrets.token_urlsafe(24), episode, scenario)
+        live = LiveEpisode(secrets.token_urlsafe(24), episode, scenario, None if scenario else (init_config or {}))
         self.episodes[live.episode_id] = live
         log.info("episode created", extra={"env": self.runtime.env_id, "episode": live.episode_id, "scenario": scenario_id})
         return live
@@ -162,13 +174,14 @@ class EpisodeStore:
         """Put ``live`` back to a scenario's (or a raw) initial state; its id and URL stay."""
         episode, scenario = await self._build(scenario_id, init_config)
         async with live.lock:
-            live.reset(episode, scenario)
+            live.reset(episode, scenario, None if scenario else (init_config or {}))
         log.info("episode reset", extra={"env": self.runtime.env_id, "episode": live.episode_id, "scenario": scenario_id})
 
     def end(self, episode_id: str) -> LiveEpisode:
         live = self.episodes.pop(episode_id, None)
         if live is None:
             raise UnknownEpisode(f"no live episode {episode_id!r} (ended, expired, or never created)")
+        live.episode.close()
         log.info("episode ended", extra={"env": self.runtime.env_id, "episode": episode_id, "calls": len(live.calls)})
         return live
 
@@ -177,7 +190,7 @@ class EpisodeStore:
         cutoff = time.monotonic() - self.idle_ttl_s
         stale = [eid for eid, live in self.episodes.items() if live.last_used < cutoff and not live.lock.locked()]
         for episode_id in stale:
-            del self.episodes[episode_id]
+            self.episodes.pop(episode_id).episode.close()
             log.info("episode expired", extra={"env": self.runtime.env_id, "episode": episode_id})
         self.expired += len(stale)
         return len(stale)
@@ -187,25 +200,23 @@ class EpisodeStore:
         async with live.lock:
             if live.stuck:
                 message = "This episode is unusable: an earlier tool call is still stuck. It must be reset or ended."
-                return ToolOutcome(name=name, arguments=arguments if isinstance(arguments, dict) else {}, error=message, error_kind="timeout")
+                return ToolOutcome.failure(name, arguments, "timeout", message)
             episode = live.episode
             outcome = self._call_inline(live, name, arguments)
             if outcome is None:
                 try:
                     outcome = await self.runner.run(
-                        lambda: episode.call(name, arguments, track_diff=True), self.runtime.call_timeout_s + _ABANDON_GRACE_S
+                        lambda: episode.call(name, arguments), self.runtime.call_timeout_s + _ABANDON_GRACE_S
                     )
                 except CallAbandoned:
                     live.stuck = True
                     self.stuck_calls += 1
                     message = f"Tool {name!r} ran longer than {self.runtime.call_timeout_s:g} s and was abandoned"
-                    outcome = ToolOutcome(
-                        name=name, arguments=arguments if isinstance(arguments, dict) else {}, error=message, error_kind="timeout"
-                    )
+                    outcome = ToolOutcome.failure(name, arguments, "timeout", message)
             live.calls.append(outcome)
             live.last_used = time.monotonic()
         if outcome.error:
-            level = logging.INFO if outcome.error_kind == "agent" else logging.WARNING
+            level = logging.INFO if outcome.error_kind in ("agent", "tool") else logging.WARNING
             log.log(
                 level,
                 "tool error",
@@ -216,12 +227,12 @@ class EpisodeStore:
     def _call_inline(self, live: LiveEpisode, name: str, arguments: Any) -> ToolOutcome | None:
         """The call run here on the event loop within the budget, or None: run it on the worker."""
         episode = live.episode
-        if not self.inline_budget_s or name in self.threaded_tools or not episode.restorable or not can_preempt():
+        if not self.inline_budget_s or name in self.threaded_tools or not episode.preemptible or not can_preempt():
             return None
         try:
-            return episode.call(name, arguments, track_diff=True, inline_budget_s=self.inline_budget_s)
+            return episode.call(name, arguments, inline_budget_s=self.inline_budget_s)
         except Preempted:
-            if episode.restorable:  # it outran the budget (rather than: its state cannot be saved)
+            if episode.preemptible:  # it outran the budget (rather than: its state cannot be shared)
                 self.threaded_tools.add(name)
                 log.info(
                     "tool moved to the worker thread",

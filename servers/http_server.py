@@ -6,6 +6,9 @@ environment server's rates. This server does what the environment server needs a
 
 - keep-alive, and pipelined requests answered in order;
 - whole request bodies (``Content-Length`` or chunked) up to a limit, 413 beyond it;
+- a request target of at most ``max_url_bytes`` (414 beyond it) and at most ``max_headers`` headers
+  of ``max_header_bytes`` in all (431 beyond them), counted as the bytes arrive, so that a slow
+  sender cannot grow a request head without bound;
 - ``Expect: 100-continue``, HTTP/1.0 clients, HEAD;
 - one write per response (``Content-Length`` added when the application gives none); a response
   sent in several parts goes out as it comes, chunked unless it has a length;
@@ -29,7 +32,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import unquote_to_bytes
 
 import httptools
 
@@ -58,9 +61,17 @@ class HttpServer:
         keep_alive_s: float = 75.0,
         graceful_s: float = 5.0,
         max_pipelined: int = 32,
+        max_url_bytes: int = 8192,
+        max_headers: int = 100,
+        max_header_bytes: int = 65536,
     ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.max_url_bytes = max_url_bytes
+        self.max_headers = max_headers
+        self.max_header_bytes = max_header_bytes
+        # The whole head as it arrives: request line, headers, and their separators.
+        self.max_head_bytes = max_url_bytes + max_header_bytes + 4 * max_headers + 1024
         self.keep_alive_s = keep_alive_s
         self.graceful_s = graceful_s
         self.max_pipelined = max_pipelined
@@ -151,9 +162,15 @@ class _Connection(asyncio.Protocol):
         # The request being parsed.
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
+        self._header_bytes = 0
+        self._in_head = False
+        self._head_bytes = 0
+        self._begun = 0
         self._body: list[bytes] = []
         self._size = 0
         self._too_large = False
+        # Set once a head outgrew a limit: nothing more is read, and this answer closes the connection.
+        self._head_refusal: tuple[int, str] | None = None
 
     @property
     def idle(self) -> bool:
@@ -175,13 +192,22 @@ class _Connection(asyncio.Protocol):
             self.disconnected.set_result(None)
 
     def data_received(self, data: bytes) -> None:
+        if self._head_refusal is not None:
+            return
         self.last_active = time.monotonic()
+        in_head, begun = self._in_head, self._begun
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self.refuse(501, "protocol upgrades (WebSocket, h2c) are not supported")
         except httptools.HttpParserError as e:
             self.refuse(400, f"malformed HTTP request: {e}")
+        # The parser buffers a header until it is whole: count what it holds, exactly when the chunk
+        # lies inside one head (a chunk that starts or ends one may also hold another request's bytes).
+        if in_head and self._in_head and begun == self._begun and self._head_refusal is None:
+            self._head_bytes += len(data)
+            if self._head_bytes > self.server.max_head_bytes:
+                self._refuse_head(431, f"request headers are larger than the limit of {self.server.max_header_bytes} bytes")
 
     def pause_writing(self) -> None:
         self._write_blocked = True
@@ -193,7 +219,7 @@ class _Connection(asyncio.Protocol):
 
     def _update_reading(self) -> None:
         """Read while the client waits for nothing from us: no full write buffer, no long queue."""
-        wanted = not self._write_blocked and len(self.queue) < self.server.max_pipelined
+        wanted = not self._write_blocked and len(self.queue) < self.server.max_pipelined and self._head_refusal is None
         if wanted != self._reading and self.transport is not None and not self.closed:
             self._reading = wanted
             if wanted:
@@ -206,17 +232,42 @@ class _Connection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._url = b""
         self._headers = []
+        self._header_bytes = 0
+        self._in_head = True
+        self._head_bytes = 0
+        self._begun += 1
         self._body = []
         self._size = 0
         self._too_large = False
 
     def on_url(self, url: bytes) -> None:
+        if self._head_refusal is not None:
+            return
         self._url += url
+        if len(self._url) > self.server.max_url_bytes:
+            self._refuse_head(414, f"the request target is longer than the limit of {self.server.max_url_bytes} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._head_refusal is not None:
+            return
         self._headers.append((name.lower(), value))
+        self._header_bytes += len(name) + len(value)
+        if len(self._headers) > self.server.max_headers:
+            self._refuse_head(431, f"the request has more than {self.server.max_headers} headers")
+        elif self._header_bytes > self.server.max_header_bytes:
+            self._refuse_head(431, f"request headers are larger than the limit of {self.server.max_header_bytes} bytes")
+
+    def _refuse_head(self, status: int, message: str) -> None:
+        """Stop reading; answer ``status`` now, or once the requests before this one are answered."""
+        self._head_refusal = (status, message)
+        self._update_reading()
+        if self.idle:
+            self.refuse(status, message)
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
+        if self._head_refusal is not None:
+            return
         expects_continue = False
         for name, value in self._headers:
             if name == b"content-length" and value.isdigit() and int(value) > self.server.max_body_bytes:
@@ -230,7 +281,7 @@ class _Connection(asyncio.Protocol):
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, chunk: bytes) -> None:
-        if self._too_large:
+        if self._too_large or self._head_refusal is not None:
             return
         self._size += len(chunk)
         if self._size > self.server.max_body_bytes:
@@ -240,7 +291,7 @@ class _Connection(asyncio.Protocol):
             self._body.append(chunk)
 
     def on_message_complete(self) -> None:
-        if self.closed:
+        if self.closed or self._head_refusal is not None:
             return
         raw_path, _, query = self._url.partition(b"?")
         if not raw_path.startswith(b"/"):  # absolute form, as sent to proxies
@@ -255,7 +306,7 @@ class _Connection(asyncio.Protocol):
             "scheme": "http",
             "method": self.parser.get_method().decode("ascii"),
             "root_path": "",
-            "path": unquote(raw_path.decode("latin-1")),
+            "path": unquote_to_bytes(raw_path).decode(errors="replace"),
             "raw_path": raw_path,
             "query_string": query,
             "headers": self._headers,
@@ -269,6 +320,8 @@ class _Connection(asyncio.Protocol):
     # -- running requests ------------------------------------------------------------------------
 
     def _next(self) -> None:
+        if not self.queue and self._head_refusal is not None:
+            self.refuse(*self._head_refusal)
         if not self.queue or self.closed:
             return
         request = self.queue.popleft()

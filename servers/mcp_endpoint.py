@@ -7,6 +7,9 @@ Both protocol eras are served on one URL, ``/episodes/{id}/mcp``:
 - handshake era (2024-11-05 ... 2025-11-25): ``initialize`` + ``notifications/initialized``.
 
 No ``Mcp-Session-Id`` is ever issued or read: the episode id in the URL is the only key to state.
+A sessionless request is checked as the SDK's validation ladder checks it: a routing header
+(``MCP-Protocol-Version``, ``Mcp-Method``, ``Mcp-Name``) that is sent must agree with the body and
+appear once, else HEADER_MISMATCH; its errors go out with the SDK's HTTP status for their code.
 Only the environment's tools are listed and callable; reset, validate and state never appear here.
 This lean handler exists because the SDK's transport costs several times more CPU and memory per call
 than the environment itself; the tests drive it with the official ``mcp`` client in both eras.
@@ -17,17 +20,29 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from envscaler.wire import (
+    ERROR_CODE_HTTP_STATUS,
+    HANDSHAKE_PROTOCOL_VERSIONS,
+    HEADER_MISMATCH,
+    INVALID_PARAMS,
+    INVALID_REQUEST,
+    LATEST_HANDSHAKE_VERSION,
+    MCP_METHOD_HEADER,
+    MCP_NAME_HEADER,
+    MCP_PROTOCOL_VERSION_HEADER,
+    METHOD_NOT_FOUND,
+    MODERN_PROTOCOL_VERSIONS,
+    NAME_BEARING_METHODS,
+    PARSE_ERROR,
+    PROTOCOL_VERSION_META_KEY,
+    SERVER_INFO_META_KEY,
+    UNSUPPORTED_PROTOCOL_VERSION,
+    decode_header_value,
+)
 from servers.episodes import EpisodeStore, LiveEpisode
 
-MODERN_VERSION = "2026-07-28"
-HANDSHAKE_VERSIONS = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
-_PROTOCOL_META = "io.modelcontextprotocol/protocolVersion"
-_SERVER_INFO_META = "io.modelcontextprotocol/serverInfo"
-
-PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS = -32700, -32600, -32601, -32602
-UNSUPPORTED_PROTOCOL_VERSION = -32022
-# HTTP status the modern transport sends with each JSON-RPC error code.
-_ERROR_STATUS = {PARSE_ERROR: 400, INVALID_REQUEST: 400, INVALID_PARAMS: 400, UNSUPPORTED_PROTOCOL_VERSION: 400, METHOD_NOT_FOUND: 404}
+ROUTING_HEADERS = (MCP_PROTOCOL_VERSION_HEADER.encode(), MCP_METHOD_HEADER.encode(), MCP_NAME_HEADER.encode())
+"""The request headers (lower case) the endpoint reads; the application hands over these only."""
 
 
 def _error(request_id: Any, code: int, message: str, data: Any = None) -> dict[str, Any]:
@@ -35,6 +50,34 @@ def _error(request_id: Any, code: int, message: str, data: Any = None) -> dict[s
     if data is not None:
         error["data"] = data
     return {"jsonrpc": "2.0", "id": request_id, "error": error}
+
+
+def parse_error(problem: str) -> dict[str, Any]:
+    """The reply to a body that is not JSON (sent with HTTP 400)."""
+    return _error(None, PARSE_ERROR, f"parse error: {problem}")
+
+
+def _header_mismatch(method: str, params: dict[str, Any], headers: list[tuple[bytes, bytes]]) -> str | None:
+    """Why the routing headers disagree with the body, or None: a header that is sent must match, once."""
+    seen: dict[bytes, str] = {}
+    for name, raw in headers:
+        if name in seen:
+            return f"{name.decode()} header appears more than once"
+        seen[name] = raw.decode("latin-1")
+    meta = params.get("_meta")
+    body_version = meta.get(PROTOCOL_VERSION_META_KEY) if isinstance(meta, dict) else None
+    version = seen.get(ROUTING_HEADERS[0])
+    if version is not None and body_version is not None and version != body_version:
+        return f"{MCP_PROTOCOL_VERSION_HEADER} header does not match the request envelope's protocol version"
+    sent_method = seen.get(ROUTING_HEADERS[1])
+    if sent_method is not None and sent_method != method:
+        return f"{MCP_METHOD_HEADER} header does not match the request body's method"
+    name_key = NAME_BEARING_METHODS.get(method)
+    sent_name = seen.get(ROUTING_HEADERS[2])
+    if name_key is not None and sent_name is not None and params.get(name_key) is not None:
+        if decode_header_value(sent_name) != params[name_key]:
+            return f"{MCP_NAME_HEADER} header does not match the request body's {name_key!r} parameter"
+    return None
 
 
 def _tool_result(outcome_text: str, is_error: bool, modern: bool) -> dict[str, Any]:
@@ -55,8 +98,11 @@ class McpEndpoint:
         self._tools_legacy = {"tools": tools}
         self._tools_modern = {"tools": tools, "cacheScope": "private", "ttlMs": 0, "resultType": "complete"}
 
-    async def handle(self, live: LiveEpisode, message: Any, version_header: str | None) -> tuple[int, dict[str, Any] | None]:
-        """One JSON-RPC message -> (HTTP status, response body or None for a notification)."""
+    async def handle(self, live: LiveEpisode, message: Any, headers: list[tuple[bytes, bytes]]) -> tuple[int, dict[str, Any] | None]:
+        """One JSON-RPC message -> (HTTP status, response body or None for a notification).
+
+        ``headers`` are the request's routing headers (:data:`ROUTING_HEADERS`), names in lower case.
+        """
         if not isinstance(message, dict) or message.get("jsonrpc") != "2.0" or not isinstance(message.get("method"), str):
             return 400, _error(message.get("id") if isinstance(message, dict) else None, INVALID_REQUEST, "expected one JSON-RPC 2.0 request object")
         method: str = message["method"]
@@ -67,14 +113,17 @@ class McpEndpoint:
         if not isinstance(params, dict):
             return 400, _error(request_id, INVALID_PARAMS, "params must be an object")
         meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
-        version = meta.get(_PROTOCOL_META) or version_header
-        modern = version == MODERN_VERSION
-        if version and version not in HANDSHAKE_VERSIONS and not modern and method != "initialize":
-            data = {"supported": [*HANDSHAKE_VERSIONS, MODERN_VERSION], "requested": version}
+        version = meta.get(PROTOCOL_VERSION_META_KEY) or next((v.decode("latin-1") for k, v in headers if k == ROUTING_HEADERS[0]), None)
+        modern = version in MODERN_PROTOCOL_VERSIONS
+        if version and version not in HANDSHAKE_PROTOCOL_VERSIONS and not modern and method != "initialize":
+            data = {"supported": [*HANDSHAKE_PROTOCOL_VERSIONS, *MODERN_PROTOCOL_VERSIONS], "requested": version}
             return 400, _error(request_id, UNSUPPORTED_PROTOCOL_VERSION, f"unsupported protocol version {version!r}", data)
+        if modern and headers and (mismatch := _header_mismatch(method, params, headers)):
+            return ERROR_CODE_HTTP_STATUS[HEADER_MISMATCH], _error(request_id, HEADER_MISMATCH, mismatch)
 
         if method == "tools/call":
-            return 200, await self._call(live, request_id, params, modern)
+            reply = await self._call(live, request_id, params, modern)
+            return (ERROR_CODE_HTTP_STATUS.get(reply["error"]["code"], 200) if modern and "error" in reply else 200), reply
         if method == "tools/list":
             return 200, {"jsonrpc": "2.0", "id": request_id, "result": self._tools_modern if modern else self._tools_legacy}
         if method == "server/discover":
@@ -84,32 +133,29 @@ class McpEndpoint:
         if method == "ping":
             return 200, {"jsonrpc": "2.0", "id": request_id, "result": {}}
         code = METHOD_NOT_FOUND
-        return (_ERROR_STATUS[code] if modern else 200), _error(request_id, code, f"method {method!r} is not supported by this server")
+        return (ERROR_CODE_HTTP_STATUS[code] if modern else 200), _error(request_id, code, f"method {method!r} is not supported by this server")
 
     async def _call(self, live: LiveEpisode, request_id: Any, params: dict[str, Any], modern: bool) -> dict[str, Any]:
         name = params.get("name")
         if not isinstance(name, str):
             return _error(request_id, INVALID_PARAMS, "tools/call needs params.name (a string)")
         outcome = await self.store.call_tool(live, name, params.get("arguments"))
-        if outcome.error:
-            return {"jsonrpc": "2.0", "id": request_id, "result": _tool_result(outcome.error, True, modern)}
-        text = outcome.result_text if outcome.result_text is not None else json.dumps(outcome.result, ensure_ascii=False)
-        return {"jsonrpc": "2.0", "id": request_id, "result": _tool_result(text, False, modern)}
+        return {"jsonrpc": "2.0", "id": request_id, "result": _tool_result(outcome.agent_text, outcome.error is not None, modern)}
 
     def _discover(self) -> dict[str, Any]:
         return {
-            "supportedVersions": [MODERN_VERSION],
+            "supportedVersions": list(MODERN_PROTOCOL_VERSIONS),
             "capabilities": {"tools": {"listChanged": False}},
             "instructions": self.instructions,
             "cacheScope": "private",
             "ttlMs": 0,
             "resultType": "complete",
-            "_meta": {_SERVER_INFO_META: self.server_info},
+            "_meta": {SERVER_INFO_META_KEY: self.server_info},
         }
 
     def _initialize(self, params: dict[str, Any]) -> dict[str, Any]:
         requested = params.get("protocolVersion")
-        version = requested if requested in HANDSHAKE_VERSIONS else HANDSHAKE_VERSIONS[-1]
+        version = requested if requested in HANDSHAKE_PROTOCOL_VERSIONS else LATEST_HANDSHAKE_VERSION
         return {
             "protocolVersion": version,
             "capabilities": {"tools": {"listChanged": False}},

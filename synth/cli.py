@@ -14,13 +14,12 @@ import anyio
 from pydantic import ValidationError
 
 from envscaler.bundle import describe_validation_error, find_bundles, read_json
+from envscaler.errors import EXIT_FAILED, EXIT_OK, LlmUnavailable
 from envscaler.logs import configure
-from synth.errors import LlmUnavailable, SynthError
+from synth.errors import SynthError
 from synth.models import RunReport, SynthConfig
 from synth.pipeline import REPORT_FILE, Synthesis, bundled_seeds, load_seeds, synthesis
 from synth.prompts import STAGES
-
-EXIT_OK, EXIT_FAILED = 0, 1
 
 
 def _logs(level: str) -> None:
@@ -61,7 +60,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                           f'"base_url": ..., "temperature": ...}}}}}}. Stages: {", ".join(STAGES)}')
     llm.add_argument("--concurrency", type=int, help="LLM requests in flight at once (default: 4)")
     llm.add_argument("--retries", type=int, help="retries per request on 429/5xx/connection errors (default: 4)")
-    llm.add_argument("--backoff", type=float, help="first retry delay in seconds, doubling (default: 1)")
+    llm.add_argument("--backoff", type=float, help="first retry delay in seconds, doubling, plus jitter; a longer Retry-After wins (default: 1)")
     llm.add_argument("--json-retries", type=int, help="re-asks after an answer that is not the JSON asked for (default: 2)")
     quality = parser.add_argument_group("quality")
     quality.add_argument("--max-repairs", type=int, help="repair rounds before a draft is dropped (default: 2)")

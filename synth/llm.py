@@ -1,8 +1,9 @@
 """Stage requests to any OpenAI-compatible endpoint: cached, bounded, retried, counted.
 
 Each request goes through three bounded loops and nothing else:
-- transport: 429, 5xx, timeouts and connection errors are retried ``retries`` times with exponential
-  backoff, then the run stops with LlmUnavailable (other 4xx stop it at once);
+- transport (``envscaler.llm``, shared with the harness): 429, 5xx, timeouts and connection errors
+  are retried ``retries`` times with exponential backoff and jitter, honouring Retry-After, then the
+  run stops with LlmUnavailable (other 4xx stop it at once); retries are counted per stage;
 - answer: an answer that is not the JSON object the stage asks for is sent back with the problem
   ``json_retries`` times, then the draft is dropped with InvalidAnswer;
 - cache: every finished answer is on disk before it is used, keyed by model, temperature and messages.
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 from typing import Any, TypeVar
 
@@ -21,15 +21,16 @@ import openai
 from pydantic import BaseModel, ValidationError
 
 from envscaler.bundle import describe_validation_error
+from envscaler.errors import LlmUnavailable
+from envscaler.llm import RetryPolicy, chat_completion, new_client
 from synth.cache import DiskCache, request_key
-from synth.errors import InvalidAnswer, LlmUnavailable
+from synth.errors import InvalidAnswer
 from synth.models import RunReport, StageStats, SynthConfig
 
 M = TypeVar("M", bound=BaseModel)
 log = logging.getLogger("synth.llm")
 
 _FENCE = re.compile(r"^```[a-zA-Z]*\s*\n(.*)\n```\s*$", re.DOTALL)
-_TRANSIENT = (openai.RateLimitError, openai.InternalServerError, openai.APIConnectionError, openai.APITimeoutError)
 
 
 def parse_object(content: str | None) -> dict[str, Any]:
@@ -66,11 +67,7 @@ class StageLlm:
     def _client(self, base_url: str | None) -> openai.AsyncOpenAI:
         client = self._clients.get(base_url)
         if client is None:
-            key = self.config.api_key or os.environ.get("OPENAI_API_KEY") or "not-needed"
-            # Retries are ours (bounded, with backoff, counted), not the SDK's.
-            client = openai.AsyncOpenAI(
-                base_url=base_url, api_key=key, max_retries=0, timeout=self.config.request_timeout_s
-            )
+            client = new_client(base_url, self.config.api_key, self.config.request_timeout_s)
             self._clients[base_url] = client
         return client
 
@@ -112,33 +109,25 @@ class StageLlm:
         if cached is not None:
             stats.cached += 1
             return cached["content"]
-        delay = self.config.backoff_s
+        retries = 0
+
+        def count_retry(_: BaseException) -> None:
+            nonlocal retries
+            retries += 1
+            stats.http_retries += 1
+
+        policy = RetryPolicy(self.config.retries, self.config.backoff_s)
         async with self._limiter:
-            for attempt in range(self.config.retries + 1):
-                try:
-                    response = await self._client(settings.base_url).chat.completions.create(
-                        model=settings.model, temperature=settings.temperature, messages=messages
-                    )
-                except _TRANSIENT as e:
-                    stats.requests += 1
-                    if attempt == self.config.retries:
-                        raise LlmUnavailable(
-                            f"stage {stage!r}: {settings.base_url or 'the OpenAI API'} ({settings.model}) failed "
-                            f"{attempt + 1} time(s), last: {e}. Check the endpoint, then rerun: finished requests "
-                            "are cached"
-                        ) from None
-                    stats.http_retries += 1
-                    await anyio.sleep(delay)
-                    delay *= 2
-                    continue
-                except openai.APIStatusError as e:
-                    stats.requests += 1
-                    raise LlmUnavailable(
-                        f"stage {stage!r}: {settings.base_url or 'the OpenAI API'} refused the request "
-                        f"(HTTP {e.status_code}): {e.message}. Check the base URL, model name and API key"
-                    ) from None
-                break
-        stats.requests += 1
+            try:
+                response = await chat_completion(
+                    self._client(settings.base_url), policy, on_retry=count_retry,
+                    model=settings.model, temperature=settings.temperature, messages=messages,
+                )
+            except LlmUnavailable as e:
+                stats.requests += e.attempts
+                advice = "" if e.status is not None else "; check the endpoint, then rerun: finished requests are cached"
+                raise LlmUnavailable(f"stage {stage!r}: {e}{advice}", attempts=e.attempts, status=e.status) from None
+        stats.requests += retries + 1
         if response.usage is not None:
             stats.prompt_tokens += response.usage.prompt_tokens or 0
             stats.completion_tokens += response.usage.completion_tokens or 0

@@ -10,8 +10,8 @@ from pathlib import Path
 import anyio
 
 from envscaler.bundle import ENV_FILE, load_bundle, parse_model, read_jsonl, save_bundle
-from envscaler.cli import check_isolated
 from envscaler.errors import EnvScalerError
+from envscaler.gate_workers import check_isolated
 from envscaler.models import Bundle, EnvSpec, Scenario
 from synth.cache import DiskCache
 from synth.concurrency import task_group

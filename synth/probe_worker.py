@@ -15,7 +15,6 @@ from typing import Any
 
 from envscaler.errors import EnvScalerError
 from envscaler.runtime import EnvRuntime
-from envscaler.state import snapshot
 from synth.probe import Instantiation, ProbeRequest, ProbeResult, ProbeRun
 
 
@@ -47,16 +46,15 @@ def run(request: ProbeRequest) -> ProbeResult:
         except EnvScalerError as e:
             result.instances.append(Instantiation(error=str(e)))
             continue
-        state, conversions = snapshot(episode.instance)
-        result.instances.append(Instantiation(state=state, conversions=conversions))
+        result.instances.append(Instantiation(state=episode.state(), conversions=episode.conversions))
     for case in request.cases:
         try:
             episode = runtime.new_episode(case.init_config)
         except EnvScalerError as e:
             result.runs.append(ProbeRun(error=str(e)))
             continue
-        outcomes = [episode.call(call.name, call.arguments, track_diff=True) for call in case.calls]
-        result.runs.append(ProbeRun(outcomes=outcomes, conversions=snapshot(episode.instance)[1]))
+        outcomes = [episode.call(call.name, call.arguments) for call in case.calls]
+        result.runs.append(ProbeRun(outcomes=outcomes, conversions=episode.conversions))
     return result
 
 

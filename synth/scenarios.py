@@ -2,7 +2,7 @@
 solution -> the catalog's quality gates.
 
 Every scenario passes the same gates as ``envscaler catalog check``, run the same way (a limited child
-per check, envscaler.cli.check_isolated), before it is kept; one that fails goes back to the LLM with
+per check, envscaler.gate_workers.check_isolated), before it is kept; one that fails goes back to the LLM with
 the gate failures, a bounded number of times.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 
 from envscaler.bundle import save_bundle
-from envscaler.cli import check_isolated
+from envscaler.gate_workers import check_isolated
 from envscaler.gates import EnvReport
 from envscaler.models import Bundle, CheckItem, EnvSpec, Scenario, ToolCall
 from synth import policy

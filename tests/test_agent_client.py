@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.bundles import counter_scenario, counter_spec, second_scenario, write_bundle
+from tests.support.cli import envscaler
 from tests.support.openai_replay import ReplayServer
 from tests.support.server import serve
 
@@ -27,10 +28,6 @@ def farm(tmp_path_factory):
         catalog = root / "farm.json"
         catalog.write_text(json.dumps({"envs": {"counter": {"url": server.url, "token": server.token}}, "gateway": server.url}))
         yield catalog
-
-
-def envscaler(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "envscaler.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def records(path: Path) -> list[dict]:
@@ -192,3 +189,74 @@ def test_episode_commands_hand_an_episode_to_a_person(farm, tmp_path):
     assert gone.returncode == 2 and "404" in gone.stderr
     unknown = envscaler("episode", "new", "--farm", str(farm), "--scenario", "nope/x")
     assert unknown.returncode == 2 and "not in" in unknown.stderr
+
+
+def test_an_environment_server_that_does_not_answer_ends_the_command_with_exit_1(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    catalog = tmp_path / "farm.json"
+    catalog.write_text(json.dumps({"envs": {"counter": {"url": dead, "token": "t"}}}))
+    new = envscaler("episode", "new", "--farm", str(catalog), "--scenario", "counter/counter_001")
+    assert new.returncode == 1 and "Traceback" not in new.stderr
+    assert new.stderr.startswith("error: counter:") and dead.removeprefix("http://") in new.stderr
+
+
+KINDS_CODE = '''
+class Kinds:
+    def __init__(self, init_config: dict):
+        self.seen = []
+
+    def name_of(self, user: str) -> str:
+        """A plain string answer.
+
+        Args:
+            user (str): Whose name.
+        """
+        self.seen.append(user)
+        return "yusuf_rossi_9620"
+
+    def quoted(self) -> str:
+        """A string that holds JSON."""
+        return '{"order_id": "#W1", "note": "caf\\u00e9 \\\\ done"}'
+
+    def record(self) -> dict:
+        """A dict answer."""
+        return {"success": True, "data": {"id": 1}}
+
+    def items(self) -> list:
+        """A list answer."""
+        return [1, "two", None]
+
+    def count(self) -> int:
+        """A number answer."""
+        return 42
+'''
+
+
+def test_results_reach_agent_trajectory_and_export_as_the_tool_returned_them(tmp_path):
+    calls = [{"name": "name_of", "arguments": {"user": "yusuf"}}, {"name": "quoted", "arguments": {}},
+             {"name": "record", "arguments": {}}, {"name": "items", "arguments": {}}, {"name": "count", "arguments": {}}]
+    spec = {"env_id": "kinds", "env_class_name": "Kinds", "env_class_code": KINDS_CODE,
+            "environment_introduction": "Answers of every kind."}
+    scenario = {"task_id": "kinds_001", "env_id": "kinds", "env_class_name": "Kinds", "init_config": {}, "task": "Ask everything.",
+                "checklist_with_func": [{"check_item": "asked", "check_func": "def check_func(final_state):\n    return final_state['seen'] == ['yusuf']"}],
+                "reference_solution": calls}
+    bundle = write_bundle(tmp_path / "bundles", spec, [scenario])
+    expected = ["yusuf_rossi_9620", '{"order_id": "#W1", "note": "café \\ done"}',
+                '{"success":true,"data":{"id":1}}', '[1,"two",null]', "42"]
+    with serve(bundle) as server:
+        catalog = tmp_path / "farm.json"
+        catalog.write_text(json.dumps({"envs": {"kinds": {"url": server.url, "token": server.token}}}))
+        out = tmp_path / "run.jsonl"
+        done = envscaler("run", "--farm", str(catalog), "--agent", "replay", "--out", str(out))
+        assert done.returncode == 0, done.stderr[-2000:]
+    record = records(out)[0]
+    assert record["reward"] == 1.0
+    assert [c["result"] for c in record["trajectory"]] == [
+        "yusuf_rossi_9620", '{"order_id": "#W1", "note": "café \\ done"}', {"success": True, "data": {"id": 1}}, [1, "two", None], 42]
+    assert [m["content"] for m in record["messages"] if m["role"] == "tool"] == expected
+    sft = tmp_path / "sft.jsonl"
+    assert envscaler("export", "--in", str(out), "--out", str(sft), "--format", "openai").returncode == 0
+    exported = records(sft)[0]["messages"]
+    assert [m["content"] for m in exported if m["role"] == "tool"] == expected

@@ -83,3 +83,16 @@ def test_import_rejects_wrong_shapes(tmp_path):
     (tmp_path / "tasks.json").write_text(json.dumps([{"env_id": "counter"}]))
     with pytest.raises(BundleError, match=r"tasks.json: item 0: task_id: Field required"):
         import_envscaler(tmp_path / "meta.json", [tmp_path / "tasks.json"], tmp_path / "out")
+
+
+def test_duplicate_task_ids_are_refused_by_load_and_import(tmp_path):
+    directory = write_bundle(tmp_path / "in", counter_spec(), [counter_scenario(), counter_scenario(task="Other task.")])
+    with pytest.raises(BundleError, match=r"duplicate task_id 'counter_001' \(2 times\)"):
+        load_bundle(directory)
+    spec = counter_spec()
+    env_id = spec.pop("env_id")
+    (tmp_path / "meta.json").write_text(json.dumps({env_id: spec}))
+    (tmp_path / "tasks.json").write_text(json.dumps([counter_scenario(), counter_scenario()]))
+    with pytest.raises(BundleError, match="counter: duplicate task_id 'counter_001'"):
+        import_envscaler(tmp_path / "meta.json", [tmp_path / "tasks.json"], tmp_path / "out")
+    assert not (tmp_path / "out" / "counter").exists()

@@ -8,14 +8,11 @@ import time
 import anyio
 import pytest
 
-from servers.calls import CallAbandoned, CallRunner
+from servers.calls import CallRunner
+from servers.errors import CallAbandoned
 
 pytestmark = pytest.mark.anyio
 
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
 
 
 async def test_results_and_exceptions_come_back_to_their_callers():

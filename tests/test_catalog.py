@@ -1,12 +1,11 @@
 """The bundled catalog meets the bar: enough environments, tools and scenarios, and every gate passes."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from envscaler import EnvRuntime, default_catalog, load_bundles
+from tests.support.cli import envscaler
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +32,7 @@ def test_each_environment_meets_the_bar(bundles):
 
 def test_catalog_check_passes_with_enough_state_changing_tools(tmp_path):
     report_file = tmp_path / "report.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "envscaler.cli", "catalog", "check", "--json", str(report_file)],
-        capture_output=True, text=True, timeout=600,
-    )
+    result = envscaler("catalog", "check", "--json", str(report_file), timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "all gates pass" in result.stdout
     reports = json.loads(report_file.read_text())

@@ -10,7 +10,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -18,9 +17,9 @@ import httpx
 import pytest
 
 from envscaler import default_catalog, load_bundle
-from servers.farm.cli import docker_answers
-from servers.farm.images import LABEL_ENV, LABEL_FARM, LABEL_HASH, env_image_tag
+from servers.farm.images import LABEL_ENV, LABEL_FARM, LABEL_HASH, docker_answers, env_image_tag
 from tests.support.bundles import COUNTER_CODE, counter_scenario, counter_spec, write_bundle
+from tests.support.cli import envscaler
 from tests.support.gateway import replay_through_gateway
 
 pytestmark = pytest.mark.docker
@@ -38,10 +37,8 @@ HOG_CODE = COUNTER_CODE.replace(
     "        blocks = []\n        while True:\n            blocks.append(b\"x\" * (64 * 1024 * 1024))\n\n"
     "    def _secret(self) -> dict:",
 )
-
-
-def envscaler(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "envscaler.cli", *args], capture_output=True, text=True, timeout=timeout)
+# Building the runtime image after a code change takes minutes.
+DOCKER_TIMEOUT_S = 300
 
 
 def read_state(catalog):
@@ -71,7 +68,7 @@ def farm(tmp_path_factory, engine):
                    "--backend", "docker", "--catalog", str(catalog), "--memory-mb", "128", timeout=600)
     assert up.returncode == 0, up.stderr
     yield catalog
-    envscaler("farm", "down", "--catalog", str(catalog))
+    envscaler("farm", "down", "--catalog", str(catalog), timeout=DOCKER_TIMEOUT_S)
 
 
 def container_of(engine, catalog, env_id):
@@ -82,13 +79,13 @@ def container_of(engine, catalog, env_id):
 
 def test_build_tags_by_spec_hash_and_rebuilding_is_a_no_op(engine):
     bundle = default_catalog() / "library_circulation"
-    first = envscaler("build", str(bundle))
+    first = envscaler("build", str(bundle), timeout=DOCKER_TIMEOUT_S)
     assert first.returncode == 0, first.stderr
     spec_hash = load_bundle(bundle).spec.content_hash()
     tag = env_image_tag("library_circulation", spec_hash)
     image = engine.images.get(tag)
     assert image.labels[LABEL_ENV] == "library_circulation" and image.labels[LABEL_HASH] == spec_hash
-    again = envscaler("build", str(bundle))
+    again = envscaler("build", str(bundle), timeout=DOCKER_TIMEOUT_S)
     assert again.returncode == 0 and again.stdout.startswith("cached ") and tag in again.stdout
     assert engine.images.get(tag).id == image.id
 
@@ -185,7 +182,7 @@ def test_an_out_of_memory_container_is_restarted_while_others_answer(farm):
         time.sleep(0.2)
     record = read_state(farm)["envs"]["counter"]
     assert record["oom_killed"] is True and record["last_exit"] == "out of memory"
-    status = envscaler("farm", "status", "--catalog", str(farm))
+    status = envscaler("farm", "status", "--catalog", str(farm), timeout=DOCKER_TIMEOUT_S)
     assert "out of memory" in status.stdout
     assert answered > 0
     # The catalog's URL still reaches it, although the new container may have another address.
@@ -195,13 +192,14 @@ def test_an_out_of_memory_container_is_restarted_while_others_answer(farm):
 
 def test_down_leaves_nothing_also_after_kill_9(tmp_path, engine):
     catalog = tmp_path / "farm.json"
-    up = envscaler("farm", "up", str(default_catalog() / "library_circulation"), "--backend", "docker", "--catalog", str(catalog))
+    up = envscaler("farm", "up", str(default_catalog() / "library_circulation"), "--backend", "docker", "--catalog", str(catalog),
+                   timeout=DOCKER_TIMEOUT_S)
     assert up.returncode == 0, up.stderr
     farm_id = read_state(catalog)["farm_id"]
     label = f"{LABEL_FARM}={farm_id}"
     assert engine.containers.list(filters={"label": label}) and engine.networks.list(filters={"label": label})
     os.kill(read_state(catalog)["daemon_pid"], signal.SIGKILL)
-    down = envscaler("farm", "down", "--catalog", str(catalog))
+    down = envscaler("farm", "down", "--catalog", str(catalog), timeout=DOCKER_TIMEOUT_S)
     assert down.returncode == 0, down.stderr
     assert engine.containers.list(all=True, filters={"label": label}) == []
     assert engine.networks.list(filters={"label": label}) == []

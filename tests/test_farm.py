@@ -7,22 +7,17 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
 from envscaler import default_catalog
-from servers.farm.process import farm_processes
+from servers.farm.teardown import farm_processes
+from tests.support.cli import envscaler
 from tests.support.gateway import replay_through_gateway
 
 ENVS = ["library_circulation", "online_retail", "it_helpdesk"]
-
-
-def envscaler(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "envscaler.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def read_state(catalog):

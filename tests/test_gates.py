@@ -1,8 +1,5 @@
 """Every quality gate passes on a good scenario and fails on a scenario broken for that gate."""
 
-import subprocess
-import sys
-
 import pytest
 
 from envscaler import load_bundle
@@ -18,6 +15,7 @@ from tests.support.bundles import (
     second_scenario,
     write_bundle,
 )
+from tests.support.cli import envscaler
 
 CHECK_LOG_STARTS = {
     "check_item": "the log has an entry",
@@ -74,7 +72,7 @@ def test_instantiates_fails_when_init_config_breaks_the_constructor(tmp_path):
     ("reference", "expected"),
     [
         ([{"name": "add", "arguments": {"item_id": "a"}}, {"name": "fly", "arguments": {}}], "fly"),
-        ([{"name": "add", "arguments": {"item_id": "zzz"}}], "success=false"),
+        ([{"name": "add", "arguments": {"item_id": "zzz"}}], "the tool reported success: false"),
         ([{"name": "divide", "arguments": {"a": 1, "b": 0}}], "ZeroDivisionError"),
         ([{"name": "add", "arguments": {"item_id": 5}}], "item_id"),
     ],
@@ -86,8 +84,23 @@ def test_reference_runs_fails_on_tool_errors(tmp_path, reference, expected):
 
 
 def test_reference_runs_fails_without_a_reference(tmp_path):
+    _, verdicts = gate_verdicts(tmp_path, scenarios=[counter_scenario(reference_solution=None)])
+    assert not verdicts["reference_runs"].passed
+    assert "no reference_solution" in verdicts["reference_runs"].detail
+
+
+def test_an_empty_reference_is_named_as_such(tmp_path):
     _, verdicts = gate_verdicts(tmp_path, scenarios=[counter_scenario(reference_solution=[])])
     assert not verdicts["reference_runs"].passed
+    assert "empty (do nothing)" in verdicts["reference_runs"].detail
+
+
+def test_an_error_string_under_the_environments_policy_fails_the_reference(tmp_path):
+    code = COUNTER_CODE.replace("def get_item(", "def note(self, text: str) -> str:\n        \"\"\"Note.\"\"\"\n        return 'Error: nothing to note'\n\n    def get_item(")
+    spec = counter_spec(env_class_code=code, tool_errors={"text_prefixes": ["Error:"]})
+    _, verdicts = gate_verdicts(tmp_path, spec, [counter_scenario(reference_solution=[{"name": "note", "arguments": {"text": "x"}}])])
+    assert not verdicts["reference_runs"].passed
+    assert "Error: nothing to note" in verdicts["reference_runs"].detail
 
 
 def test_checks_pass_on_reference_fails_when_the_reference_misses_a_check(tmp_path):
@@ -157,22 +170,18 @@ def test_deterministic_fails_when_a_check_answers_differently_on_the_same_state(
     assert "different answers" in verdicts["deterministic"].detail
 
 
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "envscaler.cli", *args], capture_output=True, text=True, timeout=120)
-
-
 def test_catalog_check_cli_exit_codes(tmp_path):
-    good = run_cli("catalog", "check", str(counter_bundle(tmp_path / "good")))
+    good = envscaler("catalog", "check", str(counter_bundle(tmp_path / "good")))
     assert good.returncode == 0, good.stdout + good.stderr
     assert "all gates pass" in good.stdout
 
     write_bundle(tmp_path / "bad", counter_spec(), [counter_scenario(checklist_with_func=[CHECK_NAME_KEPT, CHECK_ONE_ITEM]), second_scenario()])
-    bad = run_cli("catalog", "check", str(tmp_path / "bad"))
+    bad = envscaler("catalog", "check", str(tmp_path / "bad"))
     assert bad.returncode == 1
     assert "FAIL" in bad.stdout and "counter_001: check_fails_on_initial" in bad.stdout
     assert "counter_002" not in bad.stdout.split("FAIL", 1)[1].split("environments")[0]
 
-    missing = run_cli("catalog", "check", str(tmp_path / "nowhere"))
+    missing = envscaler("catalog", "check", str(tmp_path / "nowhere"))
     assert missing.returncode == 2
     assert "nowhere" in missing.stderr
 
@@ -180,6 +189,6 @@ def test_catalog_check_cli_exit_codes(tmp_path):
 def test_catalog_check_cli_survives_a_bundle_that_kills_its_checker(tmp_path):
     code = COUNTER_CODE.replace("import time", "import time\nimport os\nos._exit(3)")
     write_bundle(tmp_path, counter_spec(env_class_code=code), [counter_scenario()])
-    result = run_cli("catalog", "check", str(tmp_path))
+    result = envscaler("catalog", "check", str(tmp_path))
     assert result.returncode == 1
-    assert "checker process failed (exit 3)" in result.stdout
+    assert "class_loads: loading the environment killed its checker process (exit 3)" in result.stdout

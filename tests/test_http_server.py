@@ -224,3 +224,62 @@ def test_idle_keep_alive_connections_are_closed():
         read_response(conn, bytearray())
         conn.settimeout(3)
         assert closed_by_server(conn)
+
+
+def test_a_long_request_target_gets_414_and_too_many_or_too_large_headers_get_431():
+    with running(max_url_bytes=100, max_headers=5, max_header_bytes=300) as server:
+        with server.connect() as conn:
+            conn.sendall(b"GET /" + b"a" * 200 + b" HTTP/1.1\r\nHost: t\r\n\r\n")
+            status, headers, body = read_response(conn, bytearray())
+            assert status.startswith(b"HTTP/1.1 414") and headers[b"connection"] == b"close"
+            assert "limit of 100 bytes" in json.loads(body)["error"]
+            assert closed_by_server(conn)
+        with server.connect() as conn:
+            conn.sendall(b"GET / HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(6)) + b"\r\n")
+            status, _, body = read_response(conn, bytearray())
+            assert status.startswith(b"HTTP/1.1 431") and "more than 5 headers" in json.loads(body)["error"]
+        with server.connect() as conn:
+            conn.sendall(b"GET / HTTP/1.1\r\nHost: t\r\nX-Big: " + b"b" * 400 + b"\r\n\r\n")
+            status, _, body = read_response(conn, bytearray())
+            assert status.startswith(b"HTTP/1.1 431") and "limit of 300 bytes" in json.loads(body)["error"]
+        with server.connect() as conn:  # within the limits, all is well
+            conn.sendall(b"GET /" + b"a" * 90 + b" HTTP/1.1\r\nHost: t\r\nX-Ok: " + b"o" * 200 + b"\r\n\r\n")
+            assert read_response(conn, bytearray())[0] == b"HTTP/1.1 200 OK"
+
+
+def test_a_header_that_never_ends_is_cut_off_while_it_arrives():
+    with running(max_url_bytes=100, max_headers=5, max_header_bytes=300) as server, server.connect() as conn:
+        conn.sendall(b"GET / HTTP/1.1\r\nHost: t\r\nX-Slow: ")
+        buffer = bytearray()
+        for _ in range(200):  # a slow sender: the parser never sees the header end
+            try:
+                conn.sendall(b"z" * 16)
+            except OSError:
+                break
+            time.sleep(0.002)
+            conn.setblocking(False)
+            try:
+                buffer += conn.recv(65536)
+            except BlockingIOError:
+                pass
+            conn.setblocking(True)
+            if buffer:
+                break
+        status, _, body = read_response(conn, buffer)
+        assert status.startswith(b"HTTP/1.1 431") and "limit of 300 bytes" in json.loads(body)["error"]
+
+
+def test_a_head_over_the_limit_is_refused_after_the_requests_before_it_are_answered():
+    with running(max_header_bytes=300) as server, server.connect() as conn:
+        conn.sendall(post("/slow", b"first") + b"GET / HTTP/1.1\r\nX-Big: " + b"b" * 400 + b"\r\n\r\n")
+        buffer = bytearray()
+        first = read_response(conn, buffer)
+        assert first[0] == b"HTTP/1.1 200 OK" and json.loads(first[2])["body"] == "first"
+        assert read_response(conn, buffer)[0].startswith(b"HTTP/1.1 431")
+        assert closed_by_server(conn)
+
+
+def test_the_path_is_decoded_once():
+    with running() as server, server.connect() as conn:
+        conn.sendall(post("/ids/50%2525%2Fx/caf%C3%A9", b""))
+        assert json.loads(read_response(conn, bytearray())[2])["path"] == "/ids/50%25/x/café"

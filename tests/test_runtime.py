@@ -78,15 +78,37 @@ def test_bad_arguments_are_agent_errors_the_model_can_act_on(runtime):
     missing = episode.call("add", {})
     assert missing.error == "Invalid arguments for 'add': missing required argument 'item_id'"
     not_object = episode.call("add", ["a"])
-    assert "must be a JSON object" in not_object.error
+    assert "must be a JSON object" in not_object.error and not_object.arguments == {"_raw": ["a"]}
     boolean = episode.call("add", {"item_id": "a", "amount": True})
     assert "expected integer, got boolean" in boolean.error
     assert episode.state()["items"]["a"]["count"] == 0
 
 
-def test_business_failure_is_a_result_not_an_error(runtime):
+def test_business_failure_is_a_tool_error_that_keeps_its_result(runtime):
     outcome = runtime.new_episode(INIT).call("get_item", {"item_id": "zz"})
-    assert outcome.error is None and outcome.result == {"success": False, "error": "no item zz"}
+    assert outcome.error_kind == "tool" and outcome.result == {"success": False, "error": "no item zz"}
+    assert outcome.agent_text == '{"success":false,"error":"no item zz"}'
+
+
+def test_the_error_policy_is_the_environments():
+    code = (
+        "class Texts:\n"
+        "    def find(self, name: str) -> str:\n"
+        "        return 'Error: user not found' if name == 'x' else 'yusuf_rossi_9620'\n"
+        "    def report(self) -> dict:\n"
+        "        return {'success': False}\n"
+    )
+    spec = {"env_id": "texts", "env_class_name": "Texts", "env_class_code": code}
+    default = EnvRuntime(EnvSpec.model_validate(spec)).new_episode({})
+    assert default.call("find", {"name": "x"}).error is None
+    assert default.call("report", {}).error_kind == "tool"
+    strict = EnvRuntime(EnvSpec.model_validate({**spec, "tool_errors": {"success_false": False, "text_prefixes": ["Error:"]}}))
+    episode = strict.new_episode({})
+    failed = episode.call("find", {"name": "x"})
+    assert failed.error_kind == "tool" and failed.agent_text == "Error: user not found"
+    found = episode.call("find", {"name": "y"})
+    assert found.error is None and found.result == "yusuf_rossi_9620" and found.agent_text == "yusuf_rossi_9620"
+    assert episode.call("report", {}).error is None
 
 
 def test_exception_is_an_env_error_and_the_episode_keeps_its_state(runtime):
@@ -95,7 +117,7 @@ def test_exception_is_an_env_error_and_the_episode_keeps_its_state(runtime):
     outcome = episode.call("divide", {"a": 1, "b": 0})
     assert outcome.error_kind == "env"
     assert "ZeroDivisionError: division by zero (env code line" in outcome.error and "in divide" in outcome.error
-    changed = episode.call("half_then_fail", {"item_id": "a"}, track_diff=True)
+    changed = episode.call("half_then_fail", {"item_id": "a"})
     assert changed.error_kind == "env" and [c.path for c in changed.diff] == [["items", "a", "count"]]
     assert episode.call("get_item", {"item_id": "a"}).result["data"]["count"] == -1
 
@@ -130,31 +152,24 @@ def test_hanging_loop_is_cut_off_on_a_worker_thread(runtime, tool):
 
 
 def test_a_preempted_call_is_undone_exactly(runtime):
-    episode = runtime.new_episode(INIT)
-    episode.call("add", {"item_id": "a", "amount": 4}, track_diff=True)
+    episode = runtime.new_episode(INIT, scenario_key="s1")
+    episode.call("add", {"item_id": "a", "amount": 4})
     before = episode.state()
     with pytest.raises(Preempted):
-        episode.call("slow_add", {"item_id": "a", "amount": 2, "seconds": 5}, track_diff=True, inline_budget_s=0.02)
+        episode.call("slow_add", {"item_id": "a", "amount": 2, "seconds": 5}, inline_budget_s=0.02)
     assert episode.state() == before and episode.state()["log"] == ["add a 4"]
     # Undone means the next call starts from the old state and its diff is measured against it.
-    rerun = episode.call("slow_add", {"item_id": "a", "amount": 2, "seconds": 0}, track_diff=True, inline_budget_s=0.02)
+    rerun = episode.call("slow_add", {"item_id": "a", "amount": 2, "seconds": 0}, inline_budget_s=0.02)
     assert rerun.result["data"]["count"] == 6
     assert [(c.path, c.before, c.after) for c in rerun.diff] == [
         (["items", "a", "count"], 4, 6),
         (["log"], ["add a 4"], ["add a 4", "add a 2"]),
     ]
+    # The scenario's other episodes never saw any of it.
+    assert runtime.new_episode(INIT, scenario_key="s1").state() == runtime.new_episode(INIT).state()
 
 
-def test_unchanged_state_gives_an_empty_diff_and_changes_are_listed(runtime):
-    episode = runtime.new_episode(INIT)
-    assert episode.call("get_item", {"item_id": "a"}, track_diff=True, inline_budget_s=0.5).diff == []
-    changed = episode.call("rename", {"item_id": "a", "name": "Ay"}, track_diff=True, inline_budget_s=0.5)
-    assert [(c.path, c.before, c.after) for c in changed.diff] == [(["items", "a", "name"], "A", "Ay")]
-    assert episode.call("get_item", {"item_id": "a"}, track_diff=True).diff == []
-    assert episode.call("rename", {"item_id": "a", "name": "Bee"}, track_diff=True).diff[0].before == "Ay"
-
-
-def test_a_state_that_cannot_be_saved_is_never_run_preemptibly():
+def test_a_state_that_cannot_be_shared_is_never_run_preemptibly():
     code = (
         "import threading\n"
         "class Locked:\n"
@@ -168,10 +183,19 @@ def test_a_state_that_cannot_be_saved_is_never_run_preemptibly():
     )
     episode = EnvRuntime(EnvSpec(env_id="locked", env_class_name="Locked", env_class_code=code)).new_episode({})
     with pytest.raises(Preempted):
-        episode.call("bump", {}, track_diff=True, inline_budget_s=1.0)
-    assert not episode.restorable and episode.state() == {"n": 0}
-    bumped = episode.call("bump", {}, track_diff=True)
+        episode.call("bump", {}, inline_budget_s=1.0)
+    assert not episode.preemptible and episode.state() == {"n": 0}
+    bumped = episode.call("bump", {})
     assert [(c.path, c.before, c.after) for c in bumped.diff] == [(["n"], 0, 1)]
+
+
+def test_unchanged_state_gives_an_empty_diff_and_changes_are_listed(runtime):
+    episode = runtime.new_episode(INIT)
+    assert episode.call("get_item", {"item_id": "a"}).diff == []
+    changed = episode.call("rename", {"item_id": "a", "name": "Ay"})
+    assert [(c.path, c.before, c.after) for c in changed.diff] == [(["items", "a", "name"], "A", "Ay")]
+    assert episode.call("get_item", {"item_id": "a"}).diff == []
+    assert episode.call("rename", {"item_id": "a", "name": "Bee"}).diff[0].before == "Ay"
 
 
 def _swallow_and_return() -> str:
@@ -205,7 +229,7 @@ def test_call_preemptibly_refuses_other_threads():
 
 def test_state_that_json_cannot_hold_is_converted_and_reported(runtime):
     episode = runtime.new_episode(INIT)
-    outcome = episode.call("tag_set", {"tag": "x"}, track_diff=True)
+    outcome = episode.call("tag_set", {"tag": "x"})
     assert outcome.error is None
     assert episode.state()["tags"] == ["fixed", "x"]
     code = "import datetime\nclass Odd:\n    def __init__(self):\n        self.when = datetime.date(2024, 1, 2)\n        self.obj = Thing()\nclass Thing:\n    def __init__(self):\n        self.v = 1\n        self._p = 2\n"

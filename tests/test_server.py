@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import resource
 import subprocess
 import sys
 import time
@@ -14,18 +15,35 @@ import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
+from agent_client.http import LeanHttp
+from agent_client.remote import EnvControl
 from envscaler import EnvRuntime, default_catalog, load_bundle
-from tests.support.bundles import counter_bundle, counter_scenario, second_scenario
+from envscaler.wire import (
+    EnvEndpoint,
+    EpisodeCreated,
+    EpisodeEnded,
+    EpisodeIds,
+    EpisodeReset,
+    EpisodeState,
+    EpisodeValidation,
+    Health,
+    ScenarioListing,
+    ServerInfo,
+    Trajectory,
+)
+from tests.support.bundles import (
+    counter_bundle,
+    counter_scenario,
+    counter_spec,
+    second_scenario,
+    write_bundle,
+)
+from tests.support.large_state import shop_bundle
 from tests.support.server import serve
 
 pytestmark = pytest.mark.anyio
 
 CATALOG_ENV = default_catalog() / "library_circulation"
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +245,7 @@ async def test_errors_come_back_as_tool_results(counter_server):
     assert unknown.is_error and "teleport" in unknown.content[0].text and "get_item" in unknown.content[0].text
     assert private.is_error
     assert crash.is_error and "ZeroDivisionError" in crash.content[0].text
-    assert not business.is_error and json.loads(business.content[0].text)["success"] is False
+    assert business.is_error and json.loads(business.content[0].text)["success"] is False
     assert not fine.is_error
     with counter_server.client() as control:
         path = f"/episodes/{episode['episode_id']}"
@@ -342,3 +360,123 @@ def test_scenarios_listing(counter_server):
         listing = http.get("/scenarios").json()
     assert [s["task_id"] for s in listing["scenarios"]] == ["counter_001", "counter_002"]
     assert listing["scenarios"][0]["task"] == counter_scenario()["task"]
+
+
+def test_every_control_reply_is_exactly_its_wire_model(counter_server):
+    """Each reply parses as its envscaler.wire model and dumps back to the same JSON: no field the model lacks."""
+    with counter_server.client() as http:
+        created = http.post("/episodes", json={"scenario_id": "counter_001"}).json()
+        path = f"/episodes/{created['episode_id']}"
+        http.post(created["mcp_path"], json={"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                                             "params": {"name": "add", "arguments": {"item_id": "a"}}})
+        replies = [
+            (EpisodeCreated, created),
+            (Health, http.get("/healthz").json()),
+            (ServerInfo, http.get("/info").json()),
+            (ScenarioListing, http.get("/scenarios").json()),
+            (EpisodeIds, http.get("/episodes").json()),
+            (EpisodeState, http.get(f"{path}/state").json()),
+            (Trajectory, http.get(f"{path}/trajectory").json()),
+            (EpisodeValidation, http.post(f"{path}/validate").json()),
+            (EpisodeReset, http.post(f"{path}/reset", json={"scenario_id": "counter_002"}).json()),
+            (EpisodeEnded, http.delete(path).json()),
+        ]
+    for model, reply in replies:
+        assert model.model_validate(reply).model_dump(mode="json") == reply, model.__name__
+    assert {"episode_id", "mcp_url", "task", "env_introduction", "tools"} <= set(created)
+    assert {"score", "checks", "state_hash"} <= set(replies[7][1])
+
+
+def test_mcp_routing_headers_must_agree_with_the_body_and_errors_carry_the_sdk_status(counter_server):
+    episode = create(counter_server, scenario_id="counter_001")
+    meta = {"io.modelcontextprotocol/protocolVersion": "2026-07-28", "io.modelcontextprotocol/clientCapabilities": {}}
+
+    def call(name, headers, **params):
+        body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": name, "arguments": {"item_id": "a"}, **params}}
+        return http.post(episode["mcp_path"], json=body, headers=headers)
+
+    modern = {"MCP-Protocol-Version": "2026-07-28"}
+    with httpx.Client(base_url=counter_server.url, timeout=30) as http:
+        agreeing = call("add", {**modern, "Mcp-Method": "tools/call", "Mcp-Name": "add"}, _meta=meta)
+        assert agreeing.status_code == 200 and agreeing.json()["result"]["isError"] is False
+        encoded = call("add", {**modern, "Mcp-Method": "tools/call", "Mcp-Name": "=?base64?YWRk?="}, _meta=meta)
+        assert encoded.status_code == 200 and encoded.json()["result"]["isError"] is False
+        for headers in ({**modern, "Mcp-Method": "tools/list"}, {**modern, "Mcp-Name": "get_item"},
+                        {"MCP-Protocol-Version": "2025-06-18", "Mcp-Method": "tools/call"}):
+            refused = call("add", headers, _meta=meta)
+            assert refused.status_code == 400 and refused.json()["error"]["code"] == -32020, headers
+        twice = http.post(episode["mcp_path"], headers=[("MCP-Protocol-Version", "2026-07-28"), ("Mcp-Method", "tools/call"),
+                                                        ("Mcp-Method", "tools/call"), ("Content-Type", "application/json")],
+                          content=json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "add"}}))
+        assert twice.status_code == 400 and "more than once" in twice.json()["error"]["message"]
+        # A parameter error gets the SDK's 400 in the sessionless era, 200 in the handshake era.
+        nameless = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"arguments": {}}}
+        modern_error = http.post(episode["mcp_path"], json=nameless, headers=modern)
+        assert modern_error.status_code == 400 and modern_error.json()["error"]["code"] == -32602
+        legacy_error = http.post(episode["mcp_path"], json=nameless, headers={"MCP-Protocol-Version": "2025-06-18"})
+        assert legacy_error.status_code == 200 and legacy_error.json()["error"]["code"] == -32602
+    with counter_server.client() as control:
+        calls = control.get(f"/episodes/{episode['episode_id']}/trajectory").json()["calls"]
+    assert [c["name"] for c in calls] == ["add", "add"], "refused requests never reach the environment"
+
+
+async def test_ids_with_percent_and_slash_are_decoded_once(tmp_path):
+    odd = "odd%41/1"  # a literal "%41" (not "A") and a slash
+    bundle = write_bundle(tmp_path, counter_spec(), [counter_scenario(task_id=odd)])
+    with serve(bundle) as server:
+        with server.client() as http:
+            assert http.get("/scenarios/odd%2541%2F1").json()["task_id"] == odd
+            assert http.get("/scenarios/oddA%2F1").status_code == 404
+        async with LeanHttp() as lean:
+            control = EnvControl(lean, "counter", EnvEndpoint(url=server.url, token=server.token))
+            assert (await control.scenario(odd)).task_id == odd
+            assert (await control.create(odd)).scenario_id == odd
+
+
+async def test_reset_with_no_body_goes_back_to_the_episodes_own_start(counter_server):
+    episode = create(counter_server, scenario_id="counter_002")
+    raw = create(counter_server, init_config={"items": {"z": {"name": "Z", "count": 9}}})
+    for started in (episode, raw):
+        http, client = await mcp_session(started["mcp_url"])
+        async with http, client:
+            await client.call_tool("add", {"item_id": "a" if started is episode else "z", "amount": 5})
+    with counter_server.client() as control:
+        path = f"/episodes/{episode['episode_id']}"
+        before = control.get(f"{path}/state").json()["state"]
+        reset = control.post(f"{path}/reset")
+        assert reset.status_code == 200 and reset.json()["scenario_id"] == "counter_002"
+        assert control.get(f"{path}/state").json()["state"]["items"]["a"]["count"] == 1 != before["items"]["a"]["count"]
+        raw_path = f"/episodes/{raw['episode_id']}"
+        assert control.post(f"{raw_path}/reset").status_code == 200
+        assert control.get(f"{raw_path}/state").json()["state"]["items"] == {"z": {"name": "Z", "count": 9}}
+
+
+def test_a_server_out_of_memory_refuses_episodes_with_507_and_keeps_serving(tmp_path):
+    bundle = shop_bundle(tmp_path, 1_300_000)
+    limit = 1536 * 1024 * 1024
+    command = [sys.executable, "-m", "envscaler.cli", "serve", str(bundle), "--port", "0", "--token", "t", "--log-level", "warning"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                               preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+    try:
+        url = json.loads(process.stdout.readline())["url"]
+        with httpx.Client(base_url=url, headers={"Authorization": "Bearer t"}, timeout=60) as http:
+            memory = http.get("/info").json()["memory"]
+            assert memory["limited_by"] == "address space" and memory["limit_mb"] == 1536 and memory["headroom_mb"] > 32
+            first = http.post("/episodes", json={"scenario_id": "move_1"})
+            assert first.status_code == 201
+            config = {"seed": 3, "user_count": 2400}  # raw episodes: each builds its own ~2.5 MB of JSON state
+            for _ in range(400):
+                refused = http.post("/episodes", json={"init_config": config})
+                if refused.status_code != 201:
+                    break
+            assert refused.status_code == 507, refused.text
+            reason = refused.json()["error"]
+            assert "memory" in reason and "end some" in reason
+            assert http.get("/info").json()["memory"]["headroom_mb"] < 32 + 40
+            # Still serving: the live episodes answer, and the health check is fine.
+            assert http.get("/healthz").status_code == 200
+            validation = http.post(f"/episodes/{first.json()['episode_id']}/validate")
+            assert validation.status_code == 200 and validation.json()["score"] < 1.0
+    finally:
+        process.terminate()
+        process.wait(10)

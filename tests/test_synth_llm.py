@@ -7,7 +7,8 @@ import json
 import pytest
 
 from synth.cache import DiskCache
-from synth.errors import InvalidAnswer, LlmUnavailable
+from envscaler.errors import LlmUnavailable
+from synth.errors import InvalidAnswer
 from synth.llm import StageLlm, parse_object
 from synth.models import RunReport, SynthConfig, TopicAnswer
 from synth.prompts import render
@@ -17,11 +18,6 @@ from tests.support.synth_script import stage_models
 pytestmark = pytest.mark.anyio
 
 TOPIC = {"env_name": "MeetingRoomBooking", "summary": "Rooms.", "usefulness": 8, "modelability": 9}
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
 
 
 def make_llm(server: ReplayServer, tmp_path, **settings) -> StageLlm:

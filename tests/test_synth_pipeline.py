@@ -19,6 +19,7 @@ from mcp import Client
 from envscaler import load_bundle
 from synth.models import SeedTask, SynthConfig
 from synth.pipeline import synthesis
+from tests.support.cli import envscaler
 from tests.support.server import serve
 from tests.support.synth_script import (
     ALL_PASS,
@@ -38,11 +39,6 @@ from tests.support.synth_script import (
 pytestmark = pytest.mark.anyio
 ENV_REQUESTS = 11
 SCENARIO_REQUESTS = 5
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
 
 
 def write_inputs(tmp_path: Path, **settings) -> tuple[Path, Path]:
@@ -98,8 +94,7 @@ async def test_full_pipeline_one_seed_to_a_served_environment(tmp_path):
     assert bundle.spec.tools[2]["function"]["parameters"]["required"] == ["room_id", "organizer", "start", "end", "attendees"]
     assert all(s.reference_solution and s.checklist_with_func for s in bundle.scenarios)
 
-    check = subprocess.run([sys.executable, "-m", "envscaler.cli", "catalog", "check", str(out)],
-                           capture_output=True, text=True, timeout=240)
+    check = envscaler("catalog", "check", str(out), timeout=240)
     assert check.returncode == 0, check.stdout + check.stderr
     assert "all gates pass" in check.stdout
 
@@ -241,7 +236,7 @@ def test_dead_endpoint_ends_the_run_with_a_partial_report(tmp_path):
         done = subprocess.run(synth_command(server, seeds, config, tmp_path / "out"), capture_output=True, text=True,
                               timeout=120)
     assert done.returncode == 1
-    assert "failed 2 time(s)" in done.stderr and "finished requests are cached" in done.stderr
+    assert "failed 2 times" in done.stderr and "finished requests are cached" in done.stderr
     assert len(server.requests) == 2
     assert json.loads((tmp_path / "out" / "synth_report.json").read_text())["stages"]["stateful"]["requests"] == 2
 

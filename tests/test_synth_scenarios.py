@@ -33,11 +33,6 @@ ALWAYS_TRUE = [
 
 
 @pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture
 def env_dir(tmp_path):
     code = assemble_class(SKELETON, CLASS_NAME, list(METHODS.values()))
     spec = EnvSpec(env_id=ENV_ID, env_class_name=CLASS_NAME, env_class_code=code, environment_summary="Rooms.",

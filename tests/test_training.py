@@ -16,9 +16,9 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM 
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.chat_template_utils import qwen3_chat_template  # noqa: E402
 
-from agent_client.remote import InfraError  # noqa: E402
 from agent_client.training import TrainingFarm  # noqa: E402
-from envscaler.models import EnvEndpoint, FarmCatalog  # noqa: E402
+from envscaler.errors import InfraError  # noqa: E402
+from envscaler.wire import EnvEndpoint, FarmCatalog  # noqa: E402
 from tests.support.bundles import write_bundle  # noqa: E402
 from tests.support.server import serve  # noqa: E402
 
@@ -137,7 +137,7 @@ def test_a_dead_server_is_an_error_not_a_zero_reward(tmp_path):
         server.process.wait()
         with pytest.raises(InfraError, match="lamp: POST .*/validate"):
             lamp.get_reward()
-        with pytest.raises(InfraError, match="is the farm up"):
+        with pytest.raises(InfraError, match=r"lamp: POST \S*/episodes: "):
             lamp.reset(env_id="lamp", scenario_id="lamp_dark")
 
 

@@ -11,101 +11,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
-import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from envscaler.bundle import default_catalog, find_bundles, load_bundle
-from servers.farm.models import (
-    Backend,
-    EnvPlan,
-    FarmError,
-    FarmPaths,
-    FarmPlan,
-    FarmState,
-    Limits,
-    read_json,
-    write_json,
-)
-from servers.farm.process import FARM_ID_VARIABLE, describe_exit, farm_processes
+from envscaler.bundle import default_catalog, find_bundles
+from envscaler.errors import EXIT_FAILED, EXIT_OK
+from servers.errors import FarmError
+from servers.farm.images import docker_answers
+from servers.farm.models import Backend, FarmPaths, FarmPlan, FarmState, Limits, read_json, write_json
+from servers.farm.plan import plan_farm
+from servers.farm.process import FARM_ID_VARIABLE, describe_exit
+from servers.farm.teardown import pid_alive, tear_down
 
 DEFAULT_CATALOG = ".envscaler/farm.json"
-EXIT_OK, EXIT_FAILED = 0, 1
-
-
-def docker_answers() -> bool:
-    """Whether a Docker engine answers on this machine (quietly, within a few seconds)."""
-    try:
-        import docker
-
-        client = docker.from_env(timeout=3)
-        client.ping()
-        client.close()
-        return True
-    except Exception:  # noqa: BLE001 - any failure means "no usable engine"
-        return False
-
-
-def _free_ports(count: int) -> list[int]:
-    """Ports that are free now; held open together so that no two are the same."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-def plan_farm(env_dirs: list[str], backend: Backend, catalog: Path, limits: Limits, gateway_port: int) -> FarmPlan:
-    """One EnvPlan per bundle found under ``env_dirs``; FarmError on duplicates or nothing found."""
-    bundle_dirs = [d for root in env_dirs for d in find_bundles(root)]
-    if not bundle_dirs:
-        raise FarmError(f"no bundles (env.json + scenarios.jsonl) under {', '.join(env_dirs)}")
-    envs: list[EnvPlan] = []
-    seen: dict[str, Path] = {}
-    ports = _free_ports(len(bundle_dirs))
-    for directory, port in zip(bundle_dirs, ports):
-        bundle = load_bundle(directory)
-        if bundle.env_id in seen:
-            raise FarmError(f"env_id {bundle.env_id!r} appears twice: {seen[bundle.env_id]} and {directory}")
-        seen[bundle.env_id] = directory
-        envs.append(
-            EnvPlan(
-                env_id=bundle.env_id,
-                bundle_dir=str(Path(directory).absolute()),
-                token=secrets.token_urlsafe(24),
-                port=port,
-                spec_hash=bundle.spec.content_hash(),
-            )
-        )
-    return FarmPlan(
-        farm_id=secrets.token_hex(6), backend=backend, catalog=str(catalog), gateway_port=gateway_port, limits=limits, envs=envs
-    )
-
-
-def _pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def _state(paths: FarmPaths) -> FarmState | None:
@@ -175,11 +95,11 @@ def _tail(path: Path, lines: int = 20) -> list[str]:
 def farm_up(args: argparse.Namespace) -> int:
     paths = FarmPaths(args.catalog)
     existing = _state(paths)
-    if existing and _pid_alive(existing.daemon_pid):
+    if existing and pid_alive(existing.daemon_pid):
         raise FarmError(f"a farm is already running for {paths.catalog} (daemon pid {existing.daemon_pid}); run 'envscaler farm down --catalog {args.catalog}' first")
     if paths.dir.exists():
         # Leftovers of a farm whose daemon was killed: remove them before starting over.
-        _tear_down(paths, quiet=True)
+        tear_down(paths)
     backend: Backend = args.backend or ("docker" if docker_answers() else "process")
     limits = Limits(memory_mb=args.memory_mb, cpus=args.cpus, pids=args.pids)
     plan = plan_farm(args.env_dirs or [str(default_catalog())], backend, paths.catalog, limits, args.gateway_port)
@@ -194,7 +114,7 @@ def farm_up(args: argparse.Namespace) -> int:
         # Tearing down deletes the farm's folder, logs included: show what the daemon said first.
         for line in _tail(paths.daemon_log):
             print(f"  daemon: {line}", file=sys.stderr)
-        _tear_down(paths, quiet=True)
+        tear_down(paths)
         return EXIT_FAILED
     print(f"farm: ready; catalog {paths.catalog}, gateway {state.gateway if state else ''}", file=sys.stderr)
     print(paths.catalog)
@@ -207,7 +127,7 @@ def farm_status(args: argparse.Namespace) -> int:
     if state is None:
         print(f"no farm at {paths.catalog}", file=sys.stderr)
         return EXIT_FAILED
-    alive = _pid_alive(state.daemon_pid)
+    alive = pid_alive(state.daemon_pid)
     if args.json:
         print(state.model_dump_json(indent=2))
     else:
@@ -221,43 +141,13 @@ def farm_status(args: argparse.Namespace) -> int:
     return EXIT_OK if healthy else EXIT_FAILED
 
 
-def _tear_down(paths: FarmPaths, *, quiet: bool = False) -> int:
-    """Stop the daemon, then remove whatever of the farm is left; the number of things removed."""
-    plan = read_json(paths.plan, FarmPlan) if paths.plan.exists() else None
-    state = _state(paths)
-    removed = 0
-    if state and _pid_alive(state.daemon_pid):
-        os.kill(state.daemon_pid, signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        while _pid_alive(state.daemon_pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        removed += 1
-    farm_id = (plan.farm_id if plan else None) or (state.farm_id if state else None)
-    if farm_id:
-        for pid in farm_processes(farm_id):
-            try:
-                os.kill(pid, signal.SIGKILL)
-                removed += 1
-            except ProcessLookupError:
-                continue
-        backend = (plan.backend if plan else None) or (state.backend if state else None)
-        if backend == "docker":
-            from servers.farm.docker_backend import remove_farm_resources
-
-            removed += remove_farm_resources(farm_id)
-    paths.catalog.unlink(missing_ok=True)
-    shutil.rmtree(paths.dir, ignore_errors=True)
-    if not quiet:
-        print(f"farm: down ({removed} process(es), container(s) or network(s) stopped)", file=sys.stderr)
-    return removed
-
-
 def farm_down(args: argparse.Namespace) -> int:
     paths = FarmPaths(args.catalog)
     if not paths.dir.exists() and not paths.catalog.exists():
         print(f"no farm at {paths.catalog}: nothing to do", file=sys.stderr)
         return EXIT_OK
-    _tear_down(paths)
+    removed = tear_down(paths)
+    print(f"farm: down ({removed} process(es), container(s) or network(s) stopped)", file=sys.stderr)
     return EXIT_OK
 
 

@@ -21,10 +21,11 @@ import httpx
 import uvicorn
 
 from envscaler import logs
-from envscaler.models import EnvEndpoint, FarmCatalog
+from envscaler.wire import EnvEndpoint, FarmCatalog
 from servers.farm.board import Board
 from servers.farm.gateway import Gateway
-from servers.farm.models import FarmError, FarmPaths, FarmPlan, read_json, write_json
+from servers.errors import FarmError
+from servers.farm.models import FarmPaths, FarmPlan, read_json, write_json
 from servers.serve import bind
 
 log = logging.getLogger("envscaler.farm")

@@ -18,13 +18,26 @@ from pathlib import Path
 from typing import Any
 
 from envscaler.bundle import load_bundle
-from servers.farm.models import FarmError
+from servers.errors import FarmError
 
 RUNTIME_REPOSITORY = "envscaler-runtime"
 OFFICIAL_BASE = "python:3.11-slim"
 LOCAL_BASE = "envscaler-base:bookworm"
 LABEL_ENV, LABEL_HASH, LABEL_RUNTIME, LABEL_FARM = "envscaler.env_id", "envscaler.spec_hash", "envscaler.runtime", "envscaler.farm"
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def docker_answers() -> bool:
+    """Whether a Docker engine answers on this machine (quietly, within a few seconds)."""
+    try:
+        import docker
+
+        client = docker.from_env(timeout=3)
+        client.ping()
+        client.close()
+        return True
+    except Exception:  # noqa: BLE001 - any failure means "no usable engine"
+        return False
 
 
 def docker_client() -> Any:

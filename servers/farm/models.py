@@ -1,6 +1,6 @@
 """What the farm keeps on disk besides the catalog: the plan and the live state.
 
-The catalog file itself (``envscaler.models.FarmCatalog``) is the public contract that users and
+The catalog file itself (``envscaler.wire.FarmCatalog``) is the public contract that users and
 ``envscaler run --farm`` read. Next to it, ``<catalog>.farm/`` holds the farm daemon's plan (what to run), its state (what runs,
 health, restarts, pids or containers) and logs, so ``status`` and ``down`` work from the file alone,
 even after the process that ran ``up`` was killed.
@@ -16,16 +16,12 @@ from typing import Literal, TypeVar
 from pydantic import BaseModel, Field, ValidationError
 
 from envscaler.bundle import describe_validation_error
-from envscaler.errors import EnvScalerError
+from servers.errors import FarmError
 
 Backend = Literal["docker", "process"]
 EnvStatusName = Literal["starting", "healthy", "unhealthy", "restarting", "failed"]
 
 M = TypeVar("M", bound=BaseModel)
-
-
-class FarmError(EnvScalerError):
-    """The farm cannot do what was asked (bad input, missing engine, unreadable farm files)."""
 
 
 class Limits(BaseModel):

@@ -8,7 +8,6 @@ pids and filesystem isolation need the docker backend.
 from __future__ import annotations
 
 import ctypes
-import os
 import signal
 import subprocess
 import sys
@@ -48,7 +47,7 @@ def _child_setup(memory_mb: int) -> None:
 def server_command(env: EnvPlan) -> list[str]:
     """The command line of one environment server on its loopback port."""
     return [
-        sys.executable, "-m", "servers.farm.launch", env.bundle_dir,
+        sys.executable, "-m", "servers.launch", env.bundle_dir,
         "--host", "127.0.0.1", "--port", str(env.port), "--public-url", env.url, "--log-level", "warning",
     ]
 
@@ -128,19 +127,3 @@ def _log_tail(path: Path, lines: int = 3) -> str:
     except OSError:
         return "no log"
     return " | ".join(text[-lines:]) or "no output"
-
-
-def farm_processes(farm_id: str) -> list[int]:
-    """Pids of live processes carrying this farm's id in their environment (the daemon and its servers)."""
-    marker = f"{FARM_ID_VARIABLE}={farm_id}".encode()
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/environ", "rb") as handle:
-                if marker in handle.read().split(b"\0"):
-                    found.append(int(entry.name))
-        except OSError:
-            continue  # gone, or not ours to read
-    return found

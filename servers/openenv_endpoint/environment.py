@@ -38,9 +38,9 @@ from openenv.core.env_server.mcp_types import (
 from openenv.core.env_server.types import Action, EnvironmentMetadata, Observation, State
 from pydantic import Field
 
-from envscaler import EnvScalerError, Scenario, ToolOutcome, ToolSchema, ValidationResult
-from servers.calls import CallAbandoned
-from servers.episodes import EpisodeStore, LiveEpisode, UnknownEpisode
+from envscaler import Scenario, ToolOutcome, ToolSchema, ValidationResult
+from servers.episodes import EpisodeStore, LiveEpisode
+from servers.errors import CallAbandoned, OpenEnvSessionError, UnknownEpisode
 
 FINISH_TOOL = "finish"
 _FINISH_SCHEMA = Tool(
@@ -51,10 +51,6 @@ _FINISH_SCHEMA = Tool(
         "properties": {"answer": {"type": "string", "description": "Optional final answer or summary for the user."}},
     },
 )
-
-
-class EpisodeError(EnvScalerError):
-    """A step or reset that cannot be done (no episode yet, episode over, unknown scenario)."""
 
 
 def protocol_names(tool_names: Sequence[str]) -> dict[str, str]:
@@ -119,13 +115,13 @@ class EndpointContext:
     def choose(self, scenario_id: str | None, seed: int | None) -> Scenario:
         """The scenario asked for by id, else the one a seed picks, else one at random."""
         if not self.scenarios:
-            raise EpisodeError(f"{self.env_id} has no scenarios to open an episode from")
+            raise OpenEnvSessionError(f"{self.env_id} has no scenarios to open an episode from")
         if scenario_id is not None:
             for scenario in self.scenarios:
                 if scenario.task_id == scenario_id:
                     return scenario
             known = ", ".join(s.task_id for s in self.scenarios[:5])
-            raise EpisodeError(f"{self.env_id} has no scenario {scenario_id!r} (e.g. {known}); GET /scenarios on the control API lists them")
+            raise OpenEnvSessionError(f"{self.env_id} has no scenario {scenario_id!r} (e.g. {known}); GET /scenarios on the control API lists them")
         if seed is not None:
             return self.scenarios[seed % len(self.scenarios)]
         return random.choice(self.scenarios)
@@ -155,10 +151,10 @@ class FarmEpisodeEnvironment(Environment[Action, Observation, EpisodeState]):
     # -- the OpenEnv interface -------------------------------------------------------------------
 
     def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> Observation:
-        raise EpisodeError("this environment runs on the server's event loop: the server calls reset_async")
+        raise OpenEnvSessionError("this environment runs on the server's event loop: the server calls reset_async")
 
     def step(self, action: Action, timeout_s: float | None = None, **kwargs: Any) -> Observation:
-        raise EpisodeError("this environment runs on the server's event loop: the server calls step_async")
+        raise OpenEnvSessionError("this environment runs on the server's event loop: the server calls step_async")
 
     async def reset_async(
         self, seed: int | None = None, episode_id: str | None = None, scenario_id: str | None = None, **kwargs: Any
@@ -170,7 +166,7 @@ class FarmEpisodeEnvironment(Environment[Action, Observation, EpisodeState]):
         """
         self._check_open()
         if kwargs:
-            raise EpisodeError(f"unknown reset parameters {sorted(kwargs)}; reset takes scenario_id or seed")
+            raise OpenEnvSessionError(f"unknown reset parameters {sorted(kwargs)}; reset takes scenario_id or seed")
         scenario = self.context.choose(scenario_id, seed)
         self._loop = asyncio.get_running_loop()
         self._end_current()
@@ -194,7 +190,7 @@ class FarmEpisodeEnvironment(Environment[Action, Observation, EpisodeState]):
         if isinstance(action, ListToolsAction):
             return ListToolsObservation(tools=self.context.listed)
         if not isinstance(action, CallToolAction):
-            raise EpisodeError(f"unsupported action {type(action).__name__}: send list_tools or call_tool")
+            raise OpenEnvSessionError(f"unsupported action {type(action).__name__}: send list_tools or call_tool")
         live = self._current()
         if action.tool_name == FINISH_TOOL:
             return await self._finish(live, _tool_result("The episode is over; your work has been scored.", None, False))
@@ -236,18 +232,18 @@ class FarmEpisodeEnvironment(Environment[Action, Observation, EpisodeState]):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise EpisodeError("this session was closed (idle past the server's limit, or shut down); open a new one")
+            raise OpenEnvSessionError("this session was closed (idle past the server's limit, or shut down); open a new one")
 
     def _current(self) -> LiveEpisode:
         if self._live is None:
             if self._state.done:
-                raise EpisodeError("this episode is over (done); call reset to start another")
-            raise EpisodeError("no episode yet: call reset (with scenario_id or seed) first")
+                raise OpenEnvSessionError("this episode is over (done); call reset to start another")
+            raise OpenEnvSessionError("no episode yet: call reset (with scenario_id or seed) first")
         try:
             return self.context.store.get(self._live.episode_id)
         except UnknownEpisode:
             self._live = None
-            raise EpisodeError("this episode expired on the server after being idle; call reset to start another") from None
+            raise OpenEnvSessionError("this episode expired on the server after being idle; call reset to start another") from None
 
     def _end_current(self) -> None:
         live, self._live = self._live, None
@@ -258,20 +254,17 @@ class FarmEpisodeEnvironment(Environment[Action, Observation, EpisodeState]):
                 pass  # expired on the server already
 
     def _observe(self, public_name: str, outcome: ToolOutcome) -> CallToolObservation:
-        if outcome.error_kind == "timeout":
-            return CallToolObservation(tool_name=public_name, error=ToolError(error_type=ToolErrorType.TIMEOUT, message=outcome.error or ""))
-        if outcome.error is not None:
-            # The agent's mistakes and the environment's errors are results the model can act on, as on MCP.
-            return CallToolObservation(tool_name=public_name, result=_tool_result(outcome.error, outcome.error, True))
-        text = outcome.result_text if outcome.result_text is not None else ""
-        return CallToolObservation(tool_name=public_name, result=_tool_result(text, outcome.result, False))
+        # The text and error flag the episode's MCP endpoint gives. ``data`` (what OpenEnv's
+        # MCPToolClient returns) is the result itself, or the error message when there is none.
+        data = outcome.agent_text if outcome.error is not None and outcome.result is None else outcome.result
+        return CallToolObservation(tool_name=public_name, result=_tool_result(outcome.agent_text, data, outcome.error is not None))
 
     async def _finish(self, live: LiveEpisode, result: Any, observation: CallToolObservation | None = None) -> CallToolObservation:
         """Score the episode, mark it done, and end it on the server."""
         try:
             validation: ValidationResult = await self.context.store.validate(live, None)
         except CallAbandoned:
-            raise EpisodeError(f"{self.context.env_id}: the checks of episode {live.episode_id} ran past their limit; reset to try again") from None
+            raise OpenEnvSessionError(f"{self.context.env_id}: the checks of episode {live.episode_id} ran past their limit; reset to try again") from None
         self._end_current()
         self._state.done = True
         self._state.reward = validation.score

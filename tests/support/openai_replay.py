@@ -8,10 +8,12 @@ A step is one of:
 - ``{"content": "text"}``: an assistant message;
 - ``{"tool_calls": [{"name": "add", "arguments": {"n": 1}}]}``: tool calls (``arguments`` may be a
   raw string, to script malformed JSON), optionally with ``content``;
-- ``{"status": 429}`` (or any status): an HTTP error with an OpenAI-style error body;
+- ``{"status": 429}`` (or any status): an HTTP error with an OpenAI-style error body, with the
+  response headers in ``"headers"`` if given (``{"status": 429, "headers": {"retry-after": "1"}}``);
 - ``{"delay_s": 0.5, ...}``: wait first, combined with any of the above.
 
-Every request body is recorded in ``server.requests`` so tests can count and inspect them. When a
+Every request body is recorded in ``server.requests`` (and when it arrived, in ``server.arrivals``)
+so tests can count and inspect them. When a
 script runs out the server answers 500 with a message naming the model, so a test never hangs.
 """
 
@@ -35,6 +37,7 @@ class ReplayServer:
     def __init__(self, scripts: dict[str, list[Step]] | None = None) -> None:
         self.scripts: dict[str, list[Step]] = {model: list(steps) for model, steps in (scripts or {}).items()}
         self.requests: list[dict[str, Any]] = []
+        self.arrivals: list[float] = []
         self._lock = threading.Lock()
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -93,6 +96,7 @@ class ReplayServer:
         request = json.loads(body)
         with self._lock:
             self.requests.append(request)
+            self.arrivals.append(time.monotonic())
         model = request.get("model", "")
         step = self._next_step(model)
         if step is None:
@@ -103,7 +107,7 @@ class ReplayServer:
             await anyio.sleep(step["delay_s"])
         if "status" in step:
             await _respond(send, step["status"], {"error": {"message": step.get("message", "scripted error"),
-                                                            "type": "scripted"}})
+                                                            "type": "scripted"}}, step.get("headers"))
             return
         await _respond(send, 200, _completion(model, step, len(self.requests)))
 
@@ -134,8 +138,9 @@ def _completion(model: str, step: Step, number: int) -> dict[str, Any]:
     }
 
 
-async def _respond(send: Any, status: int, payload: dict[str, Any]) -> None:
+async def _respond(send: Any, status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> None:
     body = json.dumps(payload).encode()
+    extra = [(name.encode(), value.encode()) for name, value in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra]})
     await send({"type": "http.response.body", "body": body})

@@ -1,7 +1,8 @@
 """Start one environment server with ``envscaler serve``'s flags, without loading every subcommand.
 
 ``envscaler`` loads all registered subcommands (and their imports) before it runs one; a farm starts
-fifty servers, so each one skips that work and memory. Used by the process backend and the image.
+fifty servers, so each one skips that work and memory. Used by the farm's process backend and by the
+runtime image (the Dockerfile's ENTRYPOINT).
 """
 
 from __future__ import annotations

@@ -1,0 +1,57 @@
+"""The errors the environment server and the farm raise on purpose.
+
+Part of the tree drawn in ``envscaler.errors``; the exit code applies when one reaches a command::
+
+    EnvScalerError (envscaler.errors)
+    ├── ErrorReply              -   ends one HTTP request with a status and ``{"error": message}``
+    ├── LimitReached            -   the server already holds its maximum of live episodes (HTTP 429)
+    ├── UnknownEpisode          -   no live episode has this id (HTTP 404)
+    ├── UnknownScenario         -   the environment has no scenario with this id (HTTP 404)
+    ├── OutOfMemory             -   no memory is left for another episode (HTTP 507)
+    ├── CallAbandoned           -   a call on a worker thread outlived its deadline and was left behind
+    ├── OpenEnvSessionError     -   an OpenEnv reset or step that cannot be done (sent back to the session)
+    └── FarmError               2   the farm cannot do what was asked: bad input, no engine, unreadable farm files
+
+The server-side errors never end a command: the application turns them into HTTP statuses.
+"""
+
+from __future__ import annotations
+
+from envscaler.errors import EnvScalerError
+
+
+class ErrorReply(EnvScalerError):
+    """Ends the request being served with ``status`` and a JSON ``{"error": message}`` body."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class LimitReached(EnvScalerError):
+    """The server already holds its maximum number of live episodes."""
+
+
+class UnknownEpisode(EnvScalerError):
+    """No live episode has this id (never created, ended, or expired)."""
+
+
+class UnknownScenario(EnvScalerError):
+    """The environment has no scenario with this id."""
+
+
+class OutOfMemory(EnvScalerError):
+    """The server has no memory left for another episode."""
+
+
+class CallAbandoned(EnvScalerError):
+    """The call did not finish by its deadline; its thread was left behind."""
+
+
+class FarmError(EnvScalerError):
+    """The farm cannot do what was asked (bad input, missing engine, unreadable farm files)."""
+
+
+class OpenEnvSessionError(EnvScalerError):
+    """An OpenEnv reset or step that cannot be done: no episode yet, episode over, unknown scenario."""

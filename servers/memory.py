@@ -1,0 +1,65 @@
+"""How much memory this server may still use: its limit (cgroup or address-space rlimit) minus its use.
+
+A server in a container is killed by the kernel at its cgroup limit, and one under the process
+farm's ``RLIMIT_AS`` gets ``MemoryError`` wherever an allocation fails. Either way the episode being
+created is lost without a word. Knowing the headroom lets the server refuse a new episode with a
+reason instead (``507``), and ``/info`` reports it.
+"""
+
+from __future__ import annotations
+
+import resource
+from pathlib import Path
+
+from envscaler.wire import MemoryStatus
+
+_MB = 1024 * 1024
+# cgroup v1 reports "no limit" as a huge number near 2**63.
+_NO_LIMIT = 1 << 60
+
+
+def memory_status() -> MemoryStatus:
+    """The current status; reads a few small files under /proc and /sys (tens of microseconds)."""
+    status = MemoryStatus(rss_mb=_proc_status_mb("VmRSS") or 0.0)
+    for source, limit, used in (_cgroup(), _address_space()):
+        if limit is None or used is None:
+            continue
+        headroom = limit - used
+        if status.headroom_mb is None or headroom < status.headroom_mb:
+            status.limit_mb, status.used_mb, status.headroom_mb, status.limited_by = limit, used, headroom, source
+    return status
+
+
+def _cgroup() -> tuple[str, float | None, float | None]:
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        limit, used = _read_int(limit_file), _read_int(usage_file)
+        if limit is not None and used is not None and limit < _NO_LIMIT:
+            return "cgroup", limit / _MB, used / _MB
+    return "cgroup", None, None
+
+
+def _address_space() -> tuple[str, float | None, float | None]:
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return "address space", None, None
+    return "address space", soft / _MB, _proc_status_mb("VmSize")
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        return int(Path(path).read_text().strip())
+    except (OSError, ValueError):  # absent, or "max" (no limit)
+        return None
+
+
+def _proc_status_mb(field: str) -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
