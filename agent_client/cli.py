@@ -21,8 +21,11 @@ from agent_client.errors import HarnessError
 from agent_client.models import load_farm_catalog
 from agent_client.remote import EnvControl, new_http_client
 from agent_client.runner import RunOptions, run
-from agent_client.summary import render, summarize
-from envscaler.errors import EXIT_FAILED, EXIT_OK
+from agent_client.summary import infra_reasons, render, summarize
+from envscaler.arguments import examples, non_negative_float, non_negative_int, positive_float, positive_int
+from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
+from envscaler.llm import check_endpoint
+from envscaler.wire import DEFAULT_FARM_CATALOG
 
 
 def _agent_factory(args: argparse.Namespace):
@@ -33,6 +36,7 @@ def _agent_factory(args: argparse.Namespace):
     if args.agent == "openai":
         if not args.model:
             raise HarnessError("--agent openai needs --model (and --base-url for endpoints other than OpenAI's)")
+        check_endpoint(args.base_url, None, "--agent openai")
         endpoint = LlmEndpoint(base_url=args.base_url, model=args.model, temperature=args.temperature,
                                retries=args.retries, backoff_s=args.backoff)
         return lambda: OpenAIAgent(endpoint)
@@ -45,18 +49,26 @@ def _user_endpoint(args: argparse.Namespace) -> LlmEndpoint | None:
     model = args.user_model or (args.model if args.agent == "openai" else None)
     if model is None:
         return None
+    check_endpoint(args.user_base_url or args.base_url, None, "the simulated user")
     return LlmEndpoint(base_url=args.user_base_url or args.base_url, model=model, retries=args.retries, backoff_s=args.backoff)
 
 
 def _run(args: argparse.Namespace) -> int:
-    catalog = load_farm_catalog(args.farm)
+    out = Path(args.out)
+    if out.is_dir():
+        raise HarnessError(f"--out {out} is a folder; give a file in it, such as {out / 'run.jsonl'}")
     options = RunOptions(repeats=args.repeats, concurrency=args.concurrency, max_steps=args.max_steps,
                          time_limit_s=args.time_limit, user_endpoint=_user_endpoint(args), progress=not args.quiet)
     make_agent = _agent_factory(args)
-    out = Path(args.out)
+    catalog = load_farm_catalog(args.farm)
     anyio.run(partial(run, catalog, make_agent, out, patterns=args.scenario, options=options))
     records = read_records(out)
     print(render(summarize(records, args.repeats), f"agent {args.agent}, {len(records)} episode(s) in {out}"))
+    reasons = infra_reasons(records)
+    if reasons:
+        print("infra errors (rerun the same command to retry them):")
+        for reason, count in reasons:
+            print(f"  {count:>5} x {reason}")
     return EXIT_FAILED if any(r.infra_failed for r in records) else EXIT_OK
 
 
@@ -128,35 +140,52 @@ def _episode_end(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _envscaler(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "envscaler.cli", *args], text=True, stdout=subprocess.PIPE)
+def _envscaler(*args: str, quiet: bool = False) -> subprocess.CompletedProcess[str]:
+    """``envscaler ARGS`` in a child of its own session: Ctrl-C is the demo's to handle, not the child's too."""
+    process = subprocess.Popen([sys.executable, "-m", "envscaler.cli", *args], text=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL if quiet else None, start_new_session=True)
+    try:
+        stdout, _ = process.communicate()
+    except BaseException:
+        process.kill()  # the demo tears the farm down itself
+        process.wait()
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout)
 
 
 def _demo(args: argparse.Namespace) -> int:
-    started = time.monotonic()
     out_dir = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="envscaler-demo-") as scratch:
         catalog = os.path.join(scratch, "farm.json")
-        print("demo: starting a process farm of the bundled catalog", file=sys.stderr)
-        up = _envscaler("farm", "up", *args.env_dirs, "--backend", "process", "--catalog", catalog)
-        if up.returncode != 0:
-            print("error: the farm did not start (see the lines above)", file=sys.stderr)
-            return EXIT_FAILED
         try:
-            farm = load_farm_catalog(catalog)
-            results = {}
-            for name, make_agent in (("replay", ReplayAgent), ("random", RandomAgent)):
-                path = out_dir / f"{name}.jsonl"
-                path.unlink(missing_ok=True)
-                print(f"demo: running the {name} agent over MCP on every scenario", file=sys.stderr)
-                options = RunOptions(concurrency=args.concurrency)
-                anyio.run(partial(run, farm, make_agent, path, options=options))
-                results[name] = read_records(path)
-                print()
-                print(render(summarize(results[name], 1), f"{name} agent ({path})"))
+            return _demo_on_farm(args, out_dir, catalog)
+        except KeyboardInterrupt:
+            print("demo: interrupted; its farm is stopped and its temporary files removed", file=sys.stderr)
+            return EXIT_INTERRUPTED
         finally:
-            _envscaler("farm", "down", "--catalog", catalog)
+            _envscaler("farm", "down", "--catalog", catalog, quiet=True)
+
+
+def _demo_on_farm(args: argparse.Namespace, out_dir: Path, catalog: str) -> int:
+    """The demo's work on a farm whose catalog goes to ``catalog`` (the caller stops the farm)."""
+    started = time.monotonic()
+    print("demo: starting a process farm of the bundled catalog", file=sys.stderr)
+    up = _envscaler("farm", "up", *args.env_dirs, "--backend", "process", "--catalog", catalog)
+    if up.returncode != 0:
+        print("error: the farm did not start (see the lines above)", file=sys.stderr)
+        return EXIT_FAILED
+    farm = load_farm_catalog(catalog)
+    results = {}
+    for name, make_agent in (("replay", ReplayAgent), ("random", RandomAgent)):
+        path = out_dir / f"{name}.jsonl"
+        path.unlink(missing_ok=True)
+        print(f"demo: running the {name} agent over MCP on every scenario", file=sys.stderr)
+        options = RunOptions(concurrency=args.concurrency)
+        anyio.run(partial(run, farm, make_agent, path, options=options))
+        results[name] = read_records(path)
+        print()
+        print(render(summarize(results[name], 1), f"{name} agent ({path})"))
     replay = results["replay"]
     perfect = sum(r.reward == 1.0 for r in replay)
     print(f"\ndemo: {perfect}/{len(replay)} replays scored 1.0; trajectories in {out_dir}/; {time.monotonic() - started:.1f} s")
@@ -169,32 +198,41 @@ def register_run(commands: argparse._SubParsersAction) -> None:
         "run", help="run an agent over MCP on a farm's scenarios; score and record every episode",
         description="Each episode: create, hand the MCP URL to the agent, validate, fetch the server trajectory, "
                     "append one JSONL record, end. Records already in --out are skipped (resume).",
+        epilog=examples("envscaler run --agent replay --out runs/replay.jsonl",
+                        "envscaler run --agent openai --base-url http://localhost:8000/v1 --model qwen3-8b --out runs/qwen.jsonl --repeats 4",
+                        "envscaler run --agent command --command 'python my_agent.py --url {mcp_url} --task {task}' --out runs/mine.jsonl"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--farm", required=True, metavar="CATALOG", help="catalog file written by 'envscaler farm up'")
+    parser.add_argument("--farm", default=DEFAULT_FARM_CATALOG, metavar="CATALOG",
+                        help=f"catalog file written by 'envscaler farm up' (default: {DEFAULT_FARM_CATALOG})")
     parser.add_argument("--agent", choices=["replay", "random", "openai", "command"], default="replay",
                         help="replay: reference solutions (default); random: random tools; openai: a chat model; command: an external MCP program")
     parser.add_argument("--out", required=True, metavar="FILE.jsonl", help="where records go (appended; resumable)")
     parser.add_argument("--scenario", action="append", metavar="ENV[/TASK]", help="only these environments or scenarios (repeatable)")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per scenario, for pass^k (default: 1)")
-    parser.add_argument("--concurrency", type=int, default=8, help="episodes at once (default: 8)")
-    parser.add_argument("--max-steps", type=int, default=30, help="tool calls per episode at most (default: 30)")
-    parser.add_argument("--time-limit", type=float, default=300.0, help="seconds per episode (default: 300)")
+    parser.add_argument("--repeats", type=positive_int, default=1, help="runs per scenario, for pass^k (default: 1)")
+    parser.add_argument("--concurrency", type=positive_int, default=8, help="episodes at once (default: 8)")
+    parser.add_argument("--max-steps", type=positive_int, default=30, help="tool calls per episode at most (default: 30)")
+    parser.add_argument("--time-limit", type=positive_float, default=300.0, help="seconds per episode (default: 300)")
     parser.add_argument("--base-url", help="OpenAI-compatible endpoint of the agent model (key: $OPENAI_API_KEY)")
     parser.add_argument("--model", help="the agent model (--agent openai)")
     parser.add_argument("--temperature", type=float, help="sampling temperature of the agent model")
     parser.add_argument("--user-base-url", help="endpoint of the simulated user (default: --base-url)")
     parser.add_argument("--user-model", help="model of the simulated user in conversational scenarios (default: --model)")
-    parser.add_argument("--retries", type=int, default=4, help="retries on 429/5xx/connection errors (default: 4)")
-    parser.add_argument("--backoff", type=float, default=1.0, help="first retry delay in seconds, doubled each time, plus jitter; a longer Retry-After wins (default: 1)")
+    parser.add_argument("--retries", type=non_negative_int, default=4, help="retries on 429/5xx/connection errors (default: 4)")
+    parser.add_argument("--backoff", type=non_negative_float, default=1.0, help="first retry delay in seconds, doubled each time, plus jitter; a longer Retry-After wins (default: 1)")
     parser.add_argument("--command", help="--agent command: program template, e.g. \"python my_agent.py --url {mcp_url} --task {task}\"")
-    parser.add_argument("--random-steps", type=int, default=5, help="tool calls of the random agent (default: 5)")
+    parser.add_argument("--random-steps", type=positive_int, default=5, help="tool calls of the random agent (default: 5)")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
     parser.set_defaults(func=_run)
 
 
 def register_export(commands: argparse._SubParsersAction) -> None:
     """Add ``envscaler export``."""
-    parser = commands.add_parser("export", help="turn run records into SFT files")
+    parser = commands.add_parser(
+        "export", help="turn run records into SFT files",
+        epilog=examples("envscaler export --in runs/replay.jsonl --out sft.jsonl --min-reward 1.0"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--in", dest="input", required=True, metavar="FILE", help="records written by 'envscaler run'")
     parser.add_argument("--out", metavar="FILE", help="output JSONL (default: next to the input)")
     parser.add_argument("--min-reward", type=float, default=1.0, help="keep records with at least this reward (default: 1.0)")
@@ -204,16 +242,30 @@ def register_export(commands: argparse._SubParsersAction) -> None:
 
 def register_episode(commands: argparse._SubParsersAction) -> None:
     """Add ``envscaler episode new / validate / end``."""
-    parser = commands.add_parser("episode", help="a hand-driven episode for any MCP-capable agent")
+    parser = commands.add_parser(
+        "episode", help="a hand-driven episode for any MCP-capable agent",
+        epilog=examples("envscaler episode new --scenario online_retail/online_retail_001"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     actions = parser.add_subparsers(dest="episode_command", metavar="ACTION", required=True)
-    new = actions.add_parser("new", help="create an episode; print its MCP URL, task and a client config snippet")
-    new.add_argument("--farm", required=True, metavar="CATALOG")
-    new.add_argument("--scenario", required=True, metavar="ENV/TASK")
+    new = actions.add_parser(
+        "new", help="create an episode; print its MCP URL, task and a client config snippet",
+        epilog=examples("envscaler episode new --scenario online_retail/online_retail_001"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    new.add_argument("--farm", default=DEFAULT_FARM_CATALOG, metavar="CATALOG",
+                     help=f"catalog file written by 'envscaler farm up' (default: {DEFAULT_FARM_CATALOG})")
+    new.add_argument("--scenario", required=True, metavar="ENV/TASK",
+                     help="the scenario to start ('envscaler catalog scenarios' lists them)")
     new.set_defaults(func=_episode_new)
     for name, func, text in (("validate", _episode_validate, "score the episode's current state; exit 1 below 1.0"),
                              ("end", _episode_end, "end the episode")):
-        action = actions.add_parser(name, help=text)
-        action.add_argument("--farm", required=True, metavar="CATALOG")
+        action = actions.add_parser(
+            name, help=text, epilog=examples(f"envscaler episode {name} online_retail/EPISODE_ID"),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        action.add_argument("--farm", default=DEFAULT_FARM_CATALOG, metavar="CATALOG",
+                            help=f"catalog file written by 'envscaler farm up' (default: {DEFAULT_FARM_CATALOG})")
         action.add_argument("episode", metavar="ENV/EPISODE_ID", help="as printed by 'episode new'")
         action.set_defaults(func=func)
 
@@ -223,8 +275,10 @@ def register_demo(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "demo", help="the main job: a process farm of the bundled catalog, replay and random agents over MCP, scores",
         description="Needs no Docker and no API key. Exit 1 unless every replay scores 1.0.",
+        epilog=examples("envscaler demo", "envscaler demo --out runs/demo"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("env_dirs", nargs="*", metavar="ENV_DIR", help="bundles to use (default: the bundled catalog)")
     parser.add_argument("--out", metavar="DIR", help="where trajectories go (default: runs/demo-TIMESTAMP)")
-    parser.add_argument("--concurrency", type=int, default=16, help="episodes at once (default: 16)")
+    parser.add_argument("--concurrency", type=positive_int, default=16, help="episodes at once (default: 16)")
     parser.set_defaults(func=_demo)

@@ -96,6 +96,10 @@ class Progress:
             print(file=self.stream)
 
 
+# How long an episode's end may take; past it the server's idle timeout ends the episode.
+_END_TIMEOUT_S = 10.0
+
+
 async def run_episode(http: LeanHttp, control: EnvControl, scenario: ScenarioSummary, repeat: int,
                       agent: Agent, options: RunOptions) -> Record:
     """One episode from creation to end; never raises for agent or infrastructure trouble."""
@@ -115,6 +119,20 @@ async def run_episode(http: LeanHttp, control: EnvControl, scenario: ScenarioSum
     ctx = EpisodeContext(env_id=scenario.env_id, task_id=scenario.task_id, info=info, tools=McpTools(http, info.mcp_url),
                          control=control, max_steps=options.max_steps, user=user, seed=repeat)
     try:
+        await _play_and_score(ctx, agent, control, info.episode_id, record, options)
+    finally:
+        # Shielded: an interrupted run (Ctrl-C) still ends its live episodes rather than leave them to
+        # the servers' idle timeout.
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_END_TIMEOUT_S):
+            await control.end(info.episode_id)
+    record.duration_s = time.monotonic() - started
+    return record
+
+
+async def _play_and_score(ctx: EpisodeContext, agent: Agent, control: EnvControl, episode_id: str, record: Record,
+                          options: RunOptions) -> None:
+    """The agent's run, then the validator's score and the server's trajectory, into ``record``."""
+    try:
         with anyio.fail_after(options.time_limit_s):
             result = await agent.run(ctx)
     except TimeoutError:
@@ -125,19 +143,15 @@ async def run_episode(http: LeanHttp, control: EnvControl, scenario: ScenarioSum
     record.steps, record.usage, record.user_usage = result.steps, result.usage, result.user_usage
     try:
         if result.termination != "infra_error":
-            validation = await control.validate(info.episode_id)
+            validation = await control.validate(episode_id)
             record.reward, record.checks = validation.score, validation.checks
-        trajectory = await control.trajectory(info.episode_id)
+        trajectory = await control.trajectory(episode_id)
         record.trajectory = trajectory.calls
         record.steps = record.steps or len(trajectory.calls)
         record.env_errors, record.agent_errors = trajectory.env_errors, trajectory.agent_errors
         record.tool_errors = trajectory.tool_errors
     except InfraError as e:
         record.termination, record.error, record.reward = "infra_error", str(e), None
-    finally:
-        await control.end(info.episode_id)
-    record.duration_s = time.monotonic() - started
-    return record
 
 
 async def run(catalog: FarmCatalog, make_agent: Callable[[], Agent], out: Path, *, patterns: list[str] | None = None,

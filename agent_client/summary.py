@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from math import comb
 
 from pydantic import BaseModel
@@ -55,6 +55,12 @@ def row(name: str, records: list[Record], k: int) -> Row:
     )
 
 
+def infra_reasons(records: list[Record], limit: int = 5) -> list[tuple[str, int]]:
+    """The most common reasons of infra errors, first line of each, with their counts."""
+    reasons = Counter((r.error or "no reason recorded").splitlines()[0][:200] for r in records if r.infra_failed)
+    return reasons.most_common(limit)
+
+
 def summarize(records: list[Record], k: int) -> list[Row]:
     """One row per environment, then ``overall``."""
     by_env: dict[str, list[Record]] = defaultdict(list)
@@ -69,6 +75,9 @@ def render(rows: list[Row], title: str = "") -> str:
     lines = [title] if title else []
     lines.append(f"{'environment':<24} {'episodes':>8} {'reward':>7} {'success':>8} {f'pass^{k}':>7} {'steps':>6} {'tokens':>8} {'env err':>7} {'tool err':>8} {'infra':>6}")
     for r in rows:
-        lines.append(f"{r.name:<24} {r.episodes:>8} {r.mean_reward:>7.3f} {r.success_rate:>8.1%} {r.pass_k:>7.3f} "
-                     f"{r.mean_steps:>6.1f} {r.tokens:>8} {r.env_errors:>7} {r.tool_errors:>8} {r.infra_errors:>6}")
+        if r.infra_errors == r.episodes:  # nothing was scored: a 0.000 here would read as a result
+            scores = f"{'-':>7} {'-':>8} {'-':>7} {'-':>6}"
+        else:
+            scores = f"{r.mean_reward:>7.3f} {r.success_rate:>8.1%} {r.pass_k:>7.3f} {r.mean_steps:>6.1f}"
+        lines.append(f"{r.name:<24} {r.episodes:>8} {scores} {r.tokens:>8} {r.env_errors:>7} {r.tool_errors:>8} {r.infra_errors:>6}")
     return "\n".join(lines)

@@ -72,15 +72,17 @@ def load_bundle(directory: str | Path) -> Bundle:
     spec = parse_model(EnvSpec, read_json(env_path), str(env_path))
     scenarios: list[Scenario] = []
     scenarios_path = directory / SCENARIOS_FILE
-    if scenarios_path.is_file():
-        for number, item in read_jsonl(scenarios_path):
-            scenario = parse_model(Scenario, item, f"{scenarios_path}:{number}")
-            if scenario.env_id != spec.env_id:
-                raise BundleError(
-                    f"{scenarios_path}:{number}: env_id: {scenario.env_id!r} does not match "
-                    f"{ENV_FILE}'s {spec.env_id!r}"
-                )
-            scenarios.append(scenario)
+    if not scenarios_path.is_file():
+        # Most likely a half-copied bundle: serving it would offer no tasks without saying why.
+        raise BundleError(f"{directory}: no {SCENARIOS_FILE} (an environment with no scenarios yet needs an empty one)")
+    for number, item in read_jsonl(scenarios_path):
+        scenario = parse_model(Scenario, item, f"{scenarios_path}:{number}")
+        if scenario.env_id != spec.env_id:
+            raise BundleError(
+                f"{scenarios_path}:{number}: env_id: {scenario.env_id!r} does not match "
+                f"{ENV_FILE}'s {spec.env_id!r}"
+            )
+        scenarios.append(scenario)
     require_unique_task_ids(spec.env_id, scenarios, str(scenarios_path))
     return Bundle(spec=spec, scenarios=scenarios)
 

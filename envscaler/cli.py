@@ -13,9 +13,10 @@ import json
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from importlib.metadata import entry_points
+from importlib.metadata import PackageNotFoundError, entry_points, version
 from pathlib import Path
 
+from envscaler.arguments import examples, positive_float, positive_int
 from envscaler.bundle import default_catalog, find_bundles, load_bundles
 from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EnvScalerError
 from envscaler.gate_workers import check_isolated
@@ -26,6 +27,9 @@ from envscaler.runtime import EnvRuntime
 
 def _catalog_list(args: argparse.Namespace) -> int:
     bundles = load_bundles(args.dir)
+    if not bundles:
+        print(f"error: no bundles under {args.dir} (a bundle is a folder with env.json and scenarios.jsonl)", file=sys.stderr)
+        return EXIT_USAGE
     print(f"{'env_id':<28} {'tools':>5} {'scenarios':>9} {'conv.':>5}  summary")
     totals = [0, 0, 0]
     for bundle in bundles:
@@ -37,6 +41,22 @@ def _catalog_list(args: argparse.Namespace) -> int:
         summary = bundle.spec.environment_summary[:60]
         print(f"{bundle.env_id:<28} {len(runtime.tools):>5} {len(bundle.scenarios):>9} {conversational:>5}  {summary}")
     print(f"{len(bundles)} environments, {totals[1]} scenarios ({totals[2]} conversational), {totals[0]} tools")
+    return EXIT_OK
+
+
+def _catalog_scenarios(args: argparse.Namespace) -> int:
+    where = Path(args.where)
+    if not where.exists() and (default_catalog() / args.where).is_dir():
+        where = default_catalog() / args.where  # an env_id of the bundled catalog
+    bundles = load_bundles(where)
+    if not bundles:
+        print(f"error: no bundles under {args.where}, and no environment of that name in the bundled catalog", file=sys.stderr)
+        return EXIT_USAGE
+    for bundle in bundles:
+        for scenario in bundle.scenarios:
+            marks = ("user " if scenario.conversational else "") + ("" if scenario.checklist_with_func else "unscored ")
+            task = " ".join(scenario.task.split())
+            print(f"{bundle.env_id}/{scenario.task_id:<36} {marks:<14}{task[:100]}")
     return EXIT_OK
 
 
@@ -106,26 +126,42 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="envscaler",
         description="Synthesized tool environments as isolated, resettable, scorable MCP servers.",
+        epilog=examples("envscaler demo", "envscaler catalog scenarios online_retail", "envscaler farm up && envscaler run --agent replay --out runs/replay.jsonl"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    catalog = commands.add_parser("catalog", help="list bundles or run every quality gate on them")
+    catalog = commands.add_parser("catalog", help="list bundles or scenarios, or run every quality gate on them")
     catalog_commands = catalog.add_subparsers(dest="catalog_command", metavar="ACTION", required=True)
-    listing = catalog_commands.add_parser("list", help="show each bundle's tools and scenarios")
+    listing = catalog_commands.add_parser(
+        "list", help="show each bundle's tools and scenarios",
+        epilog=examples("envscaler catalog list", "envscaler catalog list my_bundles/"), formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     listing.add_argument("dir", nargs="?", default=str(default_catalog()), help="bundle or folder of bundles (default: the bundled catalog)")
     listing.set_defaults(func=_catalog_list)
+    scenarios = catalog_commands.add_parser(
+        "scenarios", help="list task ids with their tasks (what 'run --scenario' and 'episode new --scenario' take)",
+        epilog=examples("envscaler catalog scenarios online_retail", "envscaler catalog scenarios my_bundles/"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    scenarios.add_argument("where", nargs="?", default=str(default_catalog()), metavar="DIR|ENV",
+                           help="bundle, folder of bundles, or an env_id of the bundled catalog (default: the bundled catalog)")
+    scenarios.set_defaults(func=_catalog_scenarios)
     check = catalog_commands.add_parser(
         "check",
         help="run every quality gate on every scenario; exit 1 if any fails",
-        description="Each environment is checked in its own limited process. Gates: " + ", ".join(GATES),
+        description="Gates run in limited worker processes. Gates: " + ", ".join(GATES),
+        epilog=examples("envscaler catalog check", "envscaler catalog check my_bundles/ --timeout 60 --json report.json"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     check.add_argument("dir", nargs="?", default=str(default_catalog()), help="bundle or folder of bundles (default: the bundled catalog)")
     check.add_argument(
-        "--jobs", type=int, default=os.cpu_count() or 2,
+        "--jobs", type=positive_int, default=os.cpu_count() or 2,
         help="worker processes at once, over environments and their scenarios (default: one per core)",
     )
     check.add_argument(
-        "--timeout", type=float, default=300.0,
+        "--timeout", type=positive_float, default=300.0,
         help="seconds allowed per scenario (and for loading each environment): a scenario that runs longer, or "
         "kills its worker, fails alone under the gate it was in, and the others go on (default: 300)",
     )
@@ -134,7 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     importer = commands.add_parser("import", help="convert released data sets into bundles")
     sources = importer.add_subparsers(dest="source", metavar="SOURCE", required=True)
-    envscaler = sources.add_parser("envscaler", help="EnvScaler's env metadata and scenario files")
+    envscaler = sources.add_parser(
+        "envscaler", help="EnvScaler's env metadata and scenario files",
+        epilog=examples("envscaler import envscaler --envs env_metadata.json --scenarios tasks.json --out bundles/"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     envscaler.add_argument("--envs", required=True, metavar="FILE", help="*_env_metadata.json (object keyed by env_id)")
     envscaler.add_argument("--scenarios", required=True, nargs="+", metavar="FILE", help="scenario lists (JSON list or JSONL)")
     envscaler.add_argument("--out", required=True, metavar="DIR", help="folder to write one bundle per environment into")
@@ -149,6 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         register(commands)
     return parser
+
+
+def _version() -> str:
+    try:
+        return version("envscaler-farm")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,6 +213,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly, as Unix tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    except Exception as e:  # noqa: BLE001 - a bug of ours: one line for the user, the traceback on request
+        if os.environ.get("ENVSCALER_DEBUG"):
+            raise
+        print(f"internal error: {type(e).__name__}: {e} (a bug: please report it; ENVSCALER_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import openai
 from openai.types.chat import ChatCompletion
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt, wait_exponential, wait_random
 
-from envscaler.errors import LlmUnavailable
+from envscaler.errors import EnvScalerError, LlmUnavailable
 
 TRANSIENT = (openai.RateLimitError, openai.InternalServerError, openai.APIConnectionError, openai.APITimeoutError)
 """What is worth asking again: rate limits, server errors, timeouts and connection failures."""
@@ -42,8 +42,21 @@ class RetryPolicy:
 
 def new_client(base_url: str | None, api_key: str | None = None, timeout_s: float = 120.0) -> openai.AsyncOpenAI:
     """An async client of ``base_url`` (None: OpenAI's API); the key defaults to ``$OPENAI_API_KEY``."""
-    key = api_key or os.environ.get("OPENAI_API_KEY") or "not-needed"
+    key = api_key or os.environ.get("OPENAI_API_KEY") or "not-needed"  # local servers take any key
     return openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=timeout_s)
+
+
+def check_endpoint(base_url: str | None, api_key: str | None, who: str) -> None:
+    """EnvScalerError (bad usage) when ``who`` would call OpenAI's API without a key.
+
+    Every request would fail as a connection or auth error, and retrying them would only hide why:
+    commands check this before they start.
+    """
+    if base_url is None and not (api_key or os.environ.get("OPENAI_API_KEY")):
+        raise EnvScalerError(
+            f"{who}: no LLM endpoint: set $OPENAI_API_KEY for OpenAI's API, or pass --base-url with an "
+            "OpenAI-compatible endpoint (a local vLLM or llama.cpp server, say)"
+        )
 
 
 def _retry_after_s(error: BaseException | None) -> float:

@@ -182,6 +182,10 @@ class EnvEndpoint(_Open):
     token: str
 
 
+DEFAULT_FARM_CATALOG = ".envscaler/farm.json"
+"""Where ``farm up`` writes its catalog and ``run`` / ``episode`` read it, unless told otherwise."""
+
+
 class FarmCatalog(_Open):
     """The catalog file ``envscaler farm up`` writes and ``envscaler run`` reads: the contract between them.
 

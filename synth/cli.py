@@ -13,8 +13,10 @@ from typing import Any
 import anyio
 from pydantic import ValidationError
 
+from envscaler.arguments import non_negative_float, non_negative_int, positive_int
 from envscaler.bundle import describe_validation_error, find_bundles, read_json
 from envscaler.errors import EXIT_FAILED, EXIT_OK, LlmUnavailable
+from envscaler.llm import check_endpoint
 from envscaler.logs import configure
 from synth.errors import SynthError
 from synth.models import RunReport, SynthConfig
@@ -45,9 +47,12 @@ def config_from(args: argparse.Namespace) -> SynthConfig:
     }
     values.update({k: v for k, v in flags.items() if v is not None})
     try:
-        return SynthConfig.model_validate(values)
+        config = SynthConfig.model_validate(values)
     except ValidationError as e:
         raise SynthError(f"invalid synthesis settings: {describe_validation_error(e)}") from None
+    for stage in STAGES:
+        check_endpoint(config.stage(stage).base_url, config.api_key, f"stage {stage!r}")
+    return config
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -58,12 +63,12 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     llm.add_argument("--config", metavar="FILE",
                      help='JSON settings; per-stage endpoints as {"stages": {"method": {"model": ..., '
                           f'"base_url": ..., "temperature": ...}}}}}}. Stages: {", ".join(STAGES)}')
-    llm.add_argument("--concurrency", type=int, help="LLM requests in flight at once (default: 4)")
-    llm.add_argument("--retries", type=int, help="retries per request on 429/5xx/connection errors (default: 4)")
-    llm.add_argument("--backoff", type=float, help="first retry delay in seconds, doubling, plus jitter; a longer Retry-After wins (default: 1)")
-    llm.add_argument("--json-retries", type=int, help="re-asks after an answer that is not the JSON asked for (default: 2)")
+    llm.add_argument("--concurrency", type=positive_int, help="LLM requests in flight at once (default: 4)")
+    llm.add_argument("--retries", type=non_negative_int, help="retries per request on 429/5xx/connection errors (default: 4)")
+    llm.add_argument("--backoff", type=non_negative_float, help="first retry delay in seconds, doubling, plus jitter; a longer Retry-After wins (default: 1)")
+    llm.add_argument("--json-retries", type=non_negative_int, help="re-asks after an answer that is not the JSON asked for (default: 2)")
     quality = parser.add_argument_group("quality")
-    quality.add_argument("--max-repairs", type=int, help="repair rounds before a draft is dropped (default: 2)")
+    quality.add_argument("--max-repairs", type=non_negative_int, help="repair rounds before a draft is dropped (default: 2)")
     quality.add_argument("--threshold", type=float, help="dual-agent (pass+warning)/total to keep an env (default: 0.85)")
     quality.add_argument("--min-score", type=int, help="minimum usefulness and modelability, 1-10 (default: 7)")
     run = parser.add_argument_group("run")
@@ -82,21 +87,21 @@ def register_synth(subparsers: Any) -> None:
     skeleton = actions.add_parser("skeleton", help="seed tasks -> environment bundles (SkelBuilder)")
     skeleton.add_argument("--tasks", default=str(bundled_seeds()), help=seeds_help)
     skeleton.add_argument("--out", required=True, metavar="DIR", help="folder to write one bundle per environment into")
-    skeleton.add_argument("--limit", type=int, help="use only the first N seed tasks")
+    skeleton.add_argument("--limit", type=positive_int, help="use only the first N seed tasks")
     _add_common(skeleton)
     skeleton.set_defaults(func=_skeleton)
 
     scenarios = actions.add_parser("scenarios", help="append gated scenarios to bundles (ScenGenerator)")
     scenarios.add_argument("--env", required=True, metavar="DIR", help="a bundle, or a folder of bundles")
-    scenarios.add_argument("--n", type=int, default=3, help="scenarios to add per environment (default: 3)")
+    scenarios.add_argument("--n", type=positive_int, default=3, help="scenarios to add per environment (default: 3)")
     _add_common(scenarios)
     scenarios.set_defaults(func=_scenarios)
 
     everything = actions.add_parser("all", help="skeleton, then scenarios for every accepted environment")
     everything.add_argument("--tasks", default=str(bundled_seeds()), help=seeds_help)
     everything.add_argument("--out", required=True, metavar="DIR", help="folder to write the bundles into")
-    everything.add_argument("--limit", type=int, help="use only the first N seed tasks")
-    everything.add_argument("--n", type=int, default=3, help="scenarios per environment (default: 3)")
+    everything.add_argument("--limit", type=positive_int, help="use only the first N seed tasks")
+    everything.add_argument("--n", type=positive_int, default=3, help="scenarios per environment (default: 3)")
     _add_common(everything)
     everything.set_defaults(func=_all)
 

@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 from envscaler.bundle import default_catalog, find_bundles
-from envscaler.errors import EXIT_FAILED, EXIT_OK
+from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
+from envscaler.wire import DEFAULT_FARM_CATALOG
 from servers.errors import FarmError
 from servers.farm.images import docker_answers
 from servers.farm.models import Backend, FarmPaths, FarmPlan, FarmState, Limits, read_json, write_json
@@ -25,7 +26,7 @@ from servers.farm.plan import plan_farm
 from servers.farm.process import FARM_ID_VARIABLE, describe_exit
 from servers.farm.teardown import pid_alive, tear_down
 
-DEFAULT_CATALOG = ".envscaler/farm.json"
+DEFAULT_CATALOG = DEFAULT_FARM_CATALOG
 
 
 def _state(paths: FarmPaths) -> FarmState | None:
@@ -104,8 +105,13 @@ def farm_up(args: argparse.Namespace) -> int:
     limits = Limits(memory_mb=args.memory_mb, cpus=args.cpus, pids=args.pids)
     plan = plan_farm(args.env_dirs or [str(default_catalog())], backend, paths.catalog, limits, args.gateway_port)
     print(f"farm: starting {len(plan.envs)} environment(s) with the {backend} backend (farm {plan.farm_id})", file=sys.stderr)
-    daemon = _spawn_daemon(plan, paths)
-    state, problem = _wait_ready(daemon, paths, len(plan.envs), args.timeout)
+    try:
+        daemon = _spawn_daemon(plan, paths)
+        state, problem = _wait_ready(daemon, paths, len(plan.envs), args.timeout)
+    except KeyboardInterrupt:
+        tear_down(paths)
+        print("farm: interrupted; stopped everything it had started", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         for record in (state.envs.values() if state else []):

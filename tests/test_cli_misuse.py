@@ -1,0 +1,188 @@
+"""What a new user hits first, through the real command line: one line, the right exit code, no traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agent_client.models import Record
+from agent_client.summary import render, summarize
+from tests.support.bundles import counter_bundle, counter_spec, write_bundle
+from tests.support.cli import envscaler
+from tests.support.server import serve
+
+
+def assert_usage_error(done: subprocess.CompletedProcess[str], *words: str) -> None:
+    """Exit 2 with one line on stderr that says what is wrong."""
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    for word in words:
+        assert word in last, last
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--concurrency", "0"], ["--concurrency", "at least 1"]),
+        (["--concurrency", "-1"], ["--concurrency", "at least 1"]),
+        (["--repeats", "0"], ["--repeats", "at least 1"]),
+        (["--time-limit", "0"], ["--time-limit", "more than 0"]),
+        (["--max-steps", "many"], ["--max-steps", "whole number"]),
+    ],
+)
+def test_bad_run_numbers_are_refused_at_parse_time(tmp_path, flags, words):
+    assert_usage_error(envscaler("run", "--out", str(tmp_path / "out.jsonl"), *flags), *words)
+
+
+def test_bad_numbers_of_other_commands_are_refused(tmp_path):
+    assert_usage_error(envscaler("catalog", "check", "--jobs", "0"), "--jobs")
+    assert_usage_error(envscaler("catalog", "check", "--timeout", "-5"), "--timeout")
+    assert_usage_error(envscaler("demo", "--concurrency", "0"), "--concurrency")
+    assert_usage_error(envscaler("synth", "all", "--out", str(tmp_path), "--concurrency", "0"), "--concurrency")
+
+
+def test_run_out_that_is_a_folder(tmp_path):
+    catalog = tmp_path / "farm.json"
+    catalog.write_text(json.dumps({"envs": {}}))
+    assert_usage_error(envscaler("run", "--farm", str(catalog), "--out", str(tmp_path)), "is a folder", "run.jsonl")
+
+
+def test_run_and_episode_default_to_the_farms_catalog_and_say_how_to_make_one(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "envscaler.cli", "run", "--out", "x.jsonl"], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=60)
+    assert_usage_error(done, ".envscaler/farm.json", "farm up")
+    new = subprocess.run([sys.executable, "-m", "envscaler.cli", "episode", "new", "--scenario", "a/b"], capture_output=True,
+                         text=True, cwd=tmp_path, timeout=60)
+    assert_usage_error(new, ".envscaler/farm.json")
+
+
+def test_synth_without_an_endpoint_names_the_missing_key(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENAI_API_KEY", "OPENAI_BASE_URL")}
+    done = subprocess.run([sys.executable, "-m", "envscaler.cli", "synth", "all", "--out", str(tmp_path / "out"), "--limit", "1"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert_usage_error(done, "OPENAI_API_KEY", "--base-url")
+    run = subprocess.run([sys.executable, "-m", "envscaler.cli", "run", "--agent", "openai", "--model", "m", "--out",
+                          str(tmp_path / "o.jsonl")], capture_output=True, text=True, env=env, timeout=60)
+    assert_usage_error(run, "OPENAI_API_KEY")
+
+
+def test_catalog_list_of_an_empty_folder_and_a_bundle_without_scenarios(tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert_usage_error(envscaler("catalog", "list", str(tmp_path / "empty")), "no bundles")
+    bundle = write_bundle(tmp_path / "half", counter_spec(), [])
+    (bundle / "scenarios.jsonl").unlink()
+    assert_usage_error(envscaler("catalog", "list", str(bundle)), "no scenarios.jsonl")
+
+
+def test_catalog_scenarios_lists_task_ids_by_env_id_or_folder(tmp_path):
+    by_name = envscaler("catalog", "scenarios", "online_retail")
+    assert by_name.returncode == 0 and by_name.stdout.startswith("online_retail/online_retail_001")
+    by_folder = envscaler("catalog", "scenarios", str(counter_bundle(tmp_path)))
+    assert [line.split()[0] for line in by_folder.stdout.splitlines()] == ["counter/counter_001", "counter/counter_002"]
+    assert_usage_error(envscaler("catalog", "scenarios", "no_such_env"), "no_such_env")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [[], ["run"], ["export"], ["demo"], ["episode"], ["episode", "new"], ["episode", "validate"], ["catalog", "list"],
+     ["catalog", "scenarios"], ["catalog", "check"], ["import", "envscaler"]],
+)
+def test_every_help_has_an_example(command):
+    done = envscaler(*command, "--help")
+    assert done.returncode == 0 and "examples:\n  envscaler " in done.stdout
+
+
+def test_version_and_a_broken_pipe():
+    version = envscaler("--version")
+    assert version.returncode == 0 and version.stdout.startswith("envscaler ")
+    piped = subprocess.run(f"{sys.executable} -m envscaler.cli catalog scenarios | head -1", shell=True, capture_output=True,
+                           text=True, timeout=60)
+    assert piped.stdout.count("\n") == 1 and "Traceback" not in piped.stderr
+
+
+def test_an_environment_with_only_infra_errors_shows_no_score():
+    records = [Record(env_id="down", task_id="t", repeat=0, agent="replay", termination="infra_error", started_at=0, duration_s=0,
+                      error="connection refused"),
+               Record(env_id="up", task_id="t", repeat=0, agent="replay", termination="finished", started_at=0, duration_s=0,
+                      reward=1.0)]
+    table = render(summarize(records, 1)).splitlines()
+    down = next(line for line in table if line.startswith("down"))
+    assert "0.000" not in down and down.split()[2] == "-"
+
+
+def test_ctrl_c_during_run_ends_the_live_episodes(tmp_path):
+    with serve(counter_bundle(tmp_path)) as server:
+        catalog = tmp_path / "farm.json"
+        catalog.write_text(json.dumps({"envs": {"counter": {"url": server.url, "token": server.token}}}))
+        command = [sys.executable, "-m", "envscaler.cli", "run", "--farm", str(catalog), "--out", str(tmp_path / "out.jsonl"),
+                   "--agent", "command", "--command", f"{sys.executable} -c 'import time; time.sleep(60)'", "--quiet"]
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        with server.client() as http:
+            deadline = time.monotonic() + 60
+            while len(http.get("/episodes").json()["episodes"]) < 2:
+                assert time.monotonic() < deadline and process.poll() is None, "the run never started its episodes"
+                time.sleep(0.2)
+            os.killpg(process.pid, signal.SIGINT)
+            _, stderr = process.communicate(timeout=60)
+            assert process.returncode == 130 and "Traceback" not in stderr
+            assert http.get("/episodes").json()["episodes"] == []
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(cmdline)
+    return found
+
+
+@pytest.mark.parametrize("moment", ["demo: starting a process farm", "demo: running the replay agent"])
+def test_ctrl_c_during_demo_leaves_nothing_behind_and_says_one_line(tmp_path, moment):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch), "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "envscaler.cli", "demo", "--out", str(tmp_path / "out")], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines = []
+    for line in process.stderr:  # type: ignore[union-attr]
+        lines.append(line)
+        if moment in line:
+            break
+    time.sleep(1.0)
+    os.killpg(process.pid, signal.SIGINT)
+    rest = process.stderr.read()  # type: ignore[union-attr]
+    process.wait(120)
+    assert process.returncode == 130, "".join(lines) + rest
+    assert "Traceback" not in rest and rest.count("interrupted") == 1, rest
+    assert list(scratch.iterdir()) == []
+    assert _processes_mentioning(str(scratch)) == []
+
+
+def test_ctrl_c_during_farm_up_stops_what_it_started(tmp_path):
+    catalog = tmp_path / "farm" / "farm.json"
+    process = subprocess.Popen([sys.executable, "-m", "envscaler.cli", "farm", "up", "--backend", "process", "--catalog", str(catalog)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    for line in process.stderr:  # type: ignore[union-attr]
+        if "farm: starting" in line:
+            break
+    time.sleep(1.5)
+    os.killpg(process.pid, signal.SIGINT)
+    rest = process.stderr.read()  # type: ignore[union-attr]
+    process.wait(120)
+    assert process.returncode == 130 and "Traceback" not in rest and "stopped everything it had started" in rest, rest
+    deadline = time.monotonic() + 30
+    while _processes_mentioning(str(catalog)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _processes_mentioning(str(catalog)) == []
