@@ -51,7 +51,7 @@ def serve(bundle_dir: str, host: str, port: int, config: ServerConfig, *, announ
 
     async def serve_all() -> None:
         if listener is not None:
-            listener.start()
+            await listener.start()
         try:
             await server.serve(sock, on_ready=announce)
         finally:

@@ -19,7 +19,9 @@ from openenv.core.generic_client import GenericEnvClient  # noqa: E402
 from openenv.core.mcp_client import MCPToolClient  # noqa: E402
 
 from envscaler import EnvRuntime, default_catalog, find_bundles, load_bundle  # noqa: E402
+from envscaler.wire import FarmCatalog  # noqa: E402
 from tests.support.bundles import write_bundle  # noqa: E402
+from tests.support.cli import envscaler  # noqa: E402
 from tests.support.openenv_servers import serve_openenv  # noqa: E402
 
 pytestmark = pytest.mark.anyio
@@ -259,3 +261,30 @@ async def test_a_dead_server_is_an_error_not_a_zero_reward(tmp_path):
                 await client.step(CallToolAction(tool_name="finish", arguments={}))
         with pytest.raises(ConnectionError):
             await MCPToolClient(base_url=server.openenv_url).connect()
+
+
+async def test_farm_up_with_openenv_writes_each_listener_into_the_catalog(tmp_path):
+    catalog = tmp_path / "farm.json"
+    names = ["library_circulation", "it_helpdesk"]
+    up = envscaler("farm", "up", *(str(default_catalog() / n) for n in names), "--backend", "process", "--openenv", "--catalog", str(catalog))
+    assert up.returncode == 0, up.stderr
+    try:
+        farm = FarmCatalog.model_validate_json(catalog.read_text())
+        assert sorted(farm.envs) == sorted(names)
+        assert len({endpoint.openenv_url for endpoint in farm.envs.values()} | {farm.envs[n].url for n in names}) == 4
+        bundle = load_bundle(default_catalog() / "library_circulation")
+        scenario = next(s for s in bundle.scenarios if s.reference_solution and s.checklist_with_func)
+        async with MCPToolClient(base_url=farm.envs["library_circulation"].openenv_url) as client:
+            await client.reset(scenario_id=scenario.task_id)
+            for call in scenario.reference_solution:
+                await client.step(CallToolAction(tool_name=call.name, arguments=call.arguments))
+            final = await client.step(CallToolAction(tool_name="finish", arguments={}))
+        assert (final.done, final.reward) == (True, 1.0)
+    finally:
+        envscaler("farm", "down", "--catalog", str(catalog))
+
+
+def test_farm_up_with_openenv_needs_the_process_backend(tmp_path):
+    up = envscaler("farm", "up", "--backend", "docker", "--openenv", "--catalog", str(tmp_path / "farm.json"))
+    assert up.returncode == 2 and "--openenv needs the process backend" in up.stderr, up.stderr
+    assert not (tmp_path / "farm.json").exists()

@@ -87,8 +87,14 @@ class OpenEnvListener:
         self._server = _EmbeddedServer(uvicorn_config)
         self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        """Serve in the background; returns once the listener answers (the server's ready line promises it)."""
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[self.sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # its startup error
+                raise RuntimeError("the OpenEnv listener stopped before it started")
+            await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
         self._server.should_exit = True
