@@ -59,6 +59,8 @@ class Agent(Protocol):
     name: str
     # True when the agent holds a conversation: a scenario's simulated user then speaks to it.
     converses: bool
+    # What else tells this agent's runs apart (the model, the command line); None when nothing does.
+    model: str | None
 
     async def run(self, ctx: EpisodeContext) -> AgentResult:
         """Drive the episode until done; tool calls go through ``ctx.tools``."""
@@ -79,6 +81,7 @@ class ReplayAgent:
 
     name = "replay"
     converses = False
+    model = None
 
     async def run(self, ctx: EpisodeContext) -> AgentResult:
         scenario = await ctx.control.scenario(ctx.task_id)
@@ -125,6 +128,7 @@ class RandomAgent:
 
     name = "random"
     converses = False
+    model = None
 
     def __init__(self, steps: int = 5) -> None:
         self.steps = steps
@@ -154,6 +158,7 @@ class OpenAIAgent:
 
     def __init__(self, endpoint: LlmEndpoint) -> None:
         self.endpoint = endpoint
+        self.model = endpoint.model  # recorded, and checked when a run resumes
         self.client = endpoint.client()
 
     async def run(self, ctx: EpisodeContext) -> AgentResult:
@@ -219,6 +224,7 @@ class CommandAgent:
 
     def __init__(self, template: str, timeout_s: float = 600.0) -> None:
         self.template = shlex.split(template)
+        self.model = template  # recorded, and checked when a run resumes
         self.timeout_s = timeout_s
 
     async def run(self, ctx: EpisodeContext) -> AgentResult:

@@ -58,7 +58,8 @@ def _run(args: argparse.Namespace) -> int:
     if out.is_dir():
         raise HarnessError(f"--out {out} is a folder; give a file in it, such as {out / 'run.jsonl'}")
     options = RunOptions(repeats=args.repeats, concurrency=args.concurrency, max_steps=args.max_steps,
-                         time_limit_s=args.time_limit, user_endpoint=_user_endpoint(args), progress=not args.quiet)
+                         time_limit_s=args.time_limit, user_endpoint=_user_endpoint(args), progress=not args.quiet,
+                         rerun_infra_errors=not args.keep_infra_errors)
     make_agent = _agent_factory(args)
     catalog = load_farm_catalog(args.farm)
     anyio.run(partial(run, catalog, make_agent, out, patterns=args.scenario, options=options))
@@ -66,9 +67,9 @@ def _run(args: argparse.Namespace) -> int:
     print(render(summarize(records, args.repeats), f"agent {args.agent}, {len(records)} episode(s) in {out}"))
     reasons = infra_reasons(records)
     if reasons:
-        print("infra errors (rerun the same command to retry them):")
+        print("infra errors (rerun the same command to retry them):", file=sys.stderr)
         for reason, count in reasons:
-            print(f"  {count:>5} x {reason}")
+            print(f"  {count:>5} x {reason}", file=sys.stderr)
     return EXIT_FAILED if any(r.infra_failed for r in records) else EXIT_OK
 
 
@@ -222,6 +223,8 @@ def register_run(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--backoff", type=non_negative_float, default=1.0, help="first retry delay in seconds, doubled each time, plus jitter; a longer Retry-After wins (default: 1)")
     parser.add_argument("--command", help="--agent command: program template, e.g. \"python my_agent.py --url {mcp_url} --task {task}\"")
     parser.add_argument("--random-steps", type=positive_int, default=5, help="tool calls of the random agent (default: 5)")
+    parser.add_argument("--keep-infra-errors", action="store_true",
+                        help="on resume, count episodes that ended in an infra error as done (default: run them again)")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
     parser.set_defaults(func=_run)
 

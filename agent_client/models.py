@@ -55,6 +55,8 @@ class Record(BaseModel):
     task_id: str
     repeat: int
     agent: str
+    # The model (openai agent) or command line (command agent) that made the record.
+    model: str | None = None
     episode_id: str | None = None
     reward: float | None = None
     checks: list[CheckResult] = Field(default_factory=list)

@@ -37,24 +37,57 @@ class RunOptions:
     time_limit_s: float = 300.0
     user_endpoint: LlmEndpoint | None = None
     progress: bool = True
+    # Records of episodes that could not be judged (infra errors) count as not done: a rerun redoes them.
+    rerun_infra_errors: bool = True
 
 
-def read_done(path: Path) -> set[tuple[str, str, int]]:
-    """Keys of the records already in ``path``; a torn last line (from a kill) is dropped."""
+@dataclass(frozen=True)
+class RunIdentity:
+    """What made a run's records: resuming into a file written by another agent or model would mix them."""
+
+    agent: str
+    model: str | None
+    env_ids: frozenset[str]
+
+    def mismatch(self, item: dict) -> str | None:
+        """Why the record ``item`` cannot belong to this run, or None."""
+        if item.get("agent") != self.agent:
+            return f"agent {item.get('agent')!r}, not {self.agent!r}"
+        if item.get("model") and self.model and item["model"] != self.model:
+            return f"model {item['model']!r}, not {self.model!r}"
+        if item.get("env_id") not in self.env_ids:
+            return f"environment {item.get('env_id')!r}, which this farm does not serve"
+        return None
+
+
+def read_done(path: Path, identity: RunIdentity, *, rerun_infra_errors: bool = True) -> set[tuple[str, str, int]]:
+    """Keys of the records already in ``path``, rewriting it without what will run again.
+
+    Dropped: a torn last line (from a kill) and, with ``rerun_infra_errors``, the records of episodes
+    that could not be judged (a server or endpoint failed), so that a rerun redoes them. HarnessError
+    when a record was made by another agent, model or farm than ``identity``.
+    """
     done: set[tuple[str, str, int]] = set()
     if not path.exists():
         return done
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    good = []
-    for line in lines:
+    kept = []
+    for number, line in enumerate(lines, start=1):
         try:
             item = json.loads(line)
-            done.add((item["env_id"], item["task_id"], item["repeat"]))
-            good.append(line if line.endswith("\n") else line + "\n")
+            key = (item["env_id"], item["task_id"], item["repeat"])
         except (json.JSONDecodeError, KeyError, TypeError):
             continue
-    if len(good) != len(lines) or (lines and not lines[-1].endswith("\n")):
-        path.write_text("".join(good), encoding="utf-8")
+        problem = identity.mismatch(item)
+        if problem is not None:
+            raise HarnessError(f"{path}:{number} is a record of {problem}: write this run to another --out, "
+                               "or remove the file to start over")
+        if rerun_infra_errors and item.get("termination") == "infra_error":
+            continue
+        done.add(key)
+        kept.append(line if line.endswith("\n") else line + "\n")
+    if len(kept) != len(lines) or (lines and not lines[-1].endswith("\n")):
+        path.write_text("".join(kept), encoding="utf-8")
     return done
 
 
@@ -104,7 +137,7 @@ async def run_episode(http: LeanHttp, control: EnvControl, scenario: ScenarioSum
                       agent: Agent, options: RunOptions) -> Record:
     """One episode from creation to end; never raises for agent or infrastructure trouble."""
     started_wall, started = time.time(), time.monotonic()
-    record = Record(env_id=scenario.env_id, task_id=scenario.task_id, repeat=repeat, agent=agent.name,
+    record = Record(env_id=scenario.env_id, task_id=scenario.task_id, repeat=repeat, agent=agent.name, model=agent.model,
                     termination="infra_error", started_at=started_wall, duration_s=0.0)
     try:
         info = await control.create(scenario.task_id)
@@ -159,7 +192,9 @@ async def run(catalog: FarmCatalog, make_agent: Callable[[], Agent], out: Path, 
     """Run every selected scenario ``repeats`` times; append records to ``out``; return this run's records."""
     options = options or RunOptions()
     out.parent.mkdir(parents=True, exist_ok=True)
-    done = read_done(out)
+    agent = make_agent()
+    identity = RunIdentity(agent.name, agent.model, frozenset(catalog.envs))
+    done = read_done(out, identity, rerun_infra_errors=options.rerun_infra_errors)
     records: list[Record] = []
     async with new_http_client() as http:
         controls = {env_id: EnvControl(http, env_id, endpoint) for env_id, endpoint in catalog.envs.items()}
@@ -171,7 +206,6 @@ async def run(catalog: FarmCatalog, make_agent: Callable[[], Agent], out: Path, 
         if len(done):
             print(f"resuming: {len(done)} record(s) already in {out}, {len(jobs)} to run", file=sys.stderr)
         limiter = anyio.Semaphore(options.concurrency)
-        agent = make_agent()
         with out.open("a", encoding="utf-8") as sink:
 
             async def one(scenario: ScenarioSummary, repeat: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import linecache
 import sys
@@ -18,6 +19,28 @@ def code_filename(env_id: str) -> str:
     return f"<env {env_id}>"
 
 
+def _compile(spec: EnvSpec) -> types.CodeType:
+    try:
+        return compile(spec.env_class_code, code_filename(spec.env_id), "exec")
+    except SyntaxError as e:
+        raise EnvCodeError(f"{spec.env_id}: syntax error in class code, line {e.lineno}: {e.msg}") from None
+
+
+def precheck_class(spec: EnvSpec) -> None:
+    """EnvCodeError when the code cannot compile or defines no top-level ``env_class_name``; runs none of it.
+
+    Safe in any process, and cheap: commands that start servers or build images (``farm up``,
+    ``build``) call it first, so a broken class fails at once with its cause, not in a crash loop.
+    """
+    _compile(spec)  # a syntax error, named by its line
+    names = [node.name for node in ast.parse(spec.env_class_code).body if isinstance(node, ast.ClassDef)]
+    if spec.env_class_name not in names:
+        raise EnvCodeError(
+            f"{spec.env_id}: class code defines no class {spec.env_class_name!r} at its top level "
+            f"(it defines: {', '.join(names) or 'none'})"
+        )
+
+
 def load_class(spec: EnvSpec) -> type:
     """Compile ``spec.env_class_code`` and return ``spec.env_class_name`` from it.
 
@@ -30,10 +53,7 @@ def load_class(spec: EnvSpec) -> type:
     if cached is not None:
         return cached
     filename = code_filename(spec.env_id)
-    try:
-        code = compile(spec.env_class_code, filename, "exec")
-    except SyntaxError as e:
-        raise EnvCodeError(f"{spec.env_id}: syntax error in class code, line {e.lineno}: {e.msg}") from None
+    code = _compile(spec)
     module_name = f"envscaler_env_{digest}"
     module = types.ModuleType(module_name)
     module.__file__ = filename

@@ -9,6 +9,7 @@ Field names are wire names that users' scripts rely on: add fields freely, renam
   :class:`EpisodeValidation` (for a :class:`ValidationRequest`), :class:`Trajectory`,
   :class:`EpisodeState`, :class:`EpisodeEnded`, :class:`EpisodeIds`, :class:`ScenarioListing`,
   :class:`ServerInfo` and :class:`Health`. Errors are ``{"error": message}`` with an HTTP status.
+- The farm gateway's own ``GET /healthz``: :class:`GatewayHealth`.
 - The farm catalog file: :class:`FarmCatalog` of :class:`EnvEndpoint`.
 - MCP, both eras on ``/episodes/{id}/mcp``: protocol versions, ``_meta`` keys, header names, JSON-RPC
   error codes and the HTTP status each is sent with, and the header value codec. The values are the
@@ -170,6 +171,17 @@ class Health(BaseModel):
     status: str = "ok"
     env_id: str
     episodes: int
+    # The replica id that this server's episode ids start with (``serve --replica-id``); None when it is alone.
+    replica: str | None = None
+
+
+class GatewayHealth(BaseModel):
+    """Reply of the farm gateway's ``GET /healthz`` (no token needed)."""
+
+    status: str = "ok"
+    envs: int
+    # Replicated environments (swarm): env_id -> replicas answering now, as this gateway sees them.
+    replicas: dict[str, int] | None = None
 
 
 # -- the farm catalog ------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from envscaler.wire import (
     ValidationRequest,
 )
 from servers.asgi import json_bytes, read_body, send_json
+from servers.episode_ids import REPLICA_ID_PATTERN
 from servers.episodes import EpisodeStore, LiveEpisode
 from servers.errors import (
     CallAbandoned,
@@ -71,6 +72,8 @@ class ServerConfig(BaseModel):
     memory_reserve_mb: float = Field(default=32.0, ge=0)
     # The OpenEnv listener (``--openenv-port``), off unless asked for.
     openenv: OpenEnvConfig | None = None
+    # Set when this server is one replica of many: episode ids then name it (servers.episode_ids).
+    replica_id: str | None = Field(default=None, pattern=REPLICA_ID_PATTERN)
 
 
 class EnvServerApp:
@@ -88,6 +91,7 @@ class EnvServerApp:
             worker_threads=config.worker_threads,
             inline_budget_s=config.inline_budget_s,
             memory_reserve_mb=config.memory_reserve_mb,
+            replica_id=config.replica_id,
         )
         self.mcp = McpEndpoint(self.store, f"envscaler-{bundle.env_id}", bundle.spec.environment_introduction)
         self._token = f"Bearer {config.token}".encode()
@@ -134,7 +138,8 @@ class EnvServerApp:
             await self._mcp(scope, receive, send, parts[1])
             return
         if path == "/healthz":
-            await send_json(send, 200, json_bytes(Health(env_id=self.bundle.env_id, episodes=len(self.store.episodes))))
+            health = Health(env_id=self.bundle.env_id, episodes=len(self.store.episodes), replica=self.config.replica_id)
+            await send_json(send, 200, json_bytes(health))
             return
         self._authorize(scope)
         result: BaseModel | dict[str, Any]

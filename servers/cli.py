@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from envscaler import EnvScalerError, logs
 from servers.app import ServerConfig
+from servers.episode_ids import new_replica_id
 from servers.openenv_endpoint.config import OpenEnvConfig
 
 # ServerConfig field -> the flag that sets it, so that a bad value is reported in the user's words.
@@ -29,13 +31,14 @@ _FLAGS = {
     "max_sessions": "--openenv-sessions",
     "session_idle_s": "--openenv-idle",
     "max_steps": "--openenv-max-steps",
+    "replica_id": "--replica-id",
 }
 
 
 def _serve(args: argparse.Namespace) -> int:
     from servers.serve import serve
 
-    token = args.token or os.environ.get("ENVSCALER_TOKEN")
+    token = args.token or _read_token_file(args.token_file) or os.environ.get("ENVSCALER_TOKEN")
     generated = token is None
     try:
         config = _config(args, token or secrets.token_urlsafe(24))
@@ -45,6 +48,19 @@ def _serve(args: argparse.Namespace) -> int:
     logs.configure(args.log_level)
     serve(args.env_dir, args.host, args.port, config, announce_token=generated)
     return 0
+
+
+def _read_token_file(path: str | None) -> str | None:
+    """The token in ``path`` (a Docker or Kubernetes secret, say), surrounding whitespace dropped."""
+    if path is None:
+        return None
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except OSError as e:
+        raise EnvScalerError(f"serve: --token-file {path}: {e.strerror or e}") from None
+    if not token:
+        raise EnvScalerError(f"serve: --token-file {path} is empty")
+    return token
 
 
 def _config(args: argparse.Namespace, token: str) -> ServerConfig:
@@ -66,6 +82,7 @@ def _config(args: argparse.Namespace, token: str) -> ServerConfig:
             session_idle_s=args.openenv_idle,
             max_steps=args.openenv_max_steps,
         ),
+        replica_id=new_replica_id() if args.replica_id == "auto" else args.replica_id,
     )
 
 
@@ -84,6 +101,8 @@ def register_serve(commands: Any) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (default: 8000)")
     parser.add_argument("--token", help="control token (default: $ENVSCALER_TOKEN, else generated and printed)")
+    parser.add_argument("--token-file", metavar="PATH",
+                        help="read the control token from this file, e.g. a secret mounted by the orchestrator (used when --token is not given)")
     parser.add_argument("--public-url", help="base URL agents reach this server at; makes mcp_url absolute")
     parser.add_argument("--max-episodes", type=int, default=20_000, help="live episodes at most (default: 20000)")
     parser.add_argument("--idle-ttl", type=float, default=3600.0, help="seconds before an unused episode is ended (default: 3600)")
@@ -115,5 +134,8 @@ def register_serve(commands: Any) -> None:
     parser.add_argument("--openenv-sessions", type=int, default=2048, help="OpenEnv sessions at most (default: 2048)")
     parser.add_argument("--openenv-idle", type=float, default=600.0, help="seconds before an idle OpenEnv session is reaped (default: 600)")
     parser.add_argument("--openenv-max-steps", type=int, default=50, help="tool calls per OpenEnv episode before it is scored and done (default: 50)")
+    parser.add_argument("--replica-id", metavar="ID",
+                        help="this server is one replica of many: prefix episode ids with ID ('auto': a fresh random one) "
+                             "so that a gateway can route each episode to the replica holding it")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.set_defaults(func=_serve)

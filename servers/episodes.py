@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from typing import Any
 
@@ -29,6 +28,7 @@ from envscaler.guard import Preempted, can_preempt
 from envscaler.models import CheckItem
 from envscaler.wire import Trajectory
 from servers.calls import CallRunner
+from servers.episode_ids import new_episode_id
 from servers.errors import CallAbandoned, LimitReached, OutOfMemory, UnknownEpisode, UnknownScenario
 from servers.memory import memory_status
 
@@ -94,8 +94,11 @@ class EpisodeStore:
         worker_threads: int,
         inline_budget_s: float,
         memory_reserve_mb: float = 0.0,
+        replica_id: str | None = None,
     ) -> None:
         self.bundle = bundle
+        # Prefixes every episode id when this server is one replica of many (servers.episode_ids).
+        self.replica_id = replica_id
         self.runtime = runtime
         self.max_episodes = max_episodes
         self.idle_ttl_s = idle_ttl_s
@@ -152,7 +155,7 @@ class EpisodeStore:
         self._check_room()
         episode, scenario = await self._build(scenario_id, init_config)
         self._check_room()  # others may have been created while this one was built
-        live = LiveEpisode(secrets.token_urlsafe(24), episode, scenario, None if scenario else (init_config or {}))
+        live = LiveEpisode(new_episode_id(self.replica_id), episode, scenario, None if scenario else (init_config or {}))
         self.episodes[live.episode_id] = live
         log.info("episode created", extra={"env": self.runtime.env_id, "episode": live.episode_id, "scenario": scenario_id})
         return live

@@ -148,6 +148,22 @@ def test_resume_after_an_interrupted_run_writes_no_duplicates(farm, tmp_path):
     assert "pass^2" in resumed.stdout
 
 
+def test_resume_runs_infra_errors_again_in_their_place(farm, tmp_path):
+    out = tmp_path / "out.jsonl"
+    args = ("run", "--farm", str(farm), "--agent", "replay", "--out", str(out),
+            "--scenario", "counter/counter_001", "--scenario", "counter/counter_002")
+    assert envscaler(*args).returncode == 0
+    first, second = records(out)
+    # As a run records an episode whose environment instance died under it.
+    second.update(termination="infra_error", reward=None, checks=[], error="environment instance gone")
+    out.write_text(json.dumps(first) + "\n" + json.dumps(second) + "\n")
+    resumed = envscaler(*args)
+    assert resumed.returncode == 0 and "resuming: 1 record(s)" in resumed.stderr
+    after = records(out)
+    assert [(r["task_id"], r["termination"], r["reward"]) for r in after] == [
+        (first["task_id"], "finished", 1.0), (second["task_id"], "finished", 1.0)]
+
+
 def test_export_writes_valid_sft_files(farm, tmp_path):
     out = tmp_path / "run.jsonl"
     assert envscaler("run", "--farm", str(farm), "--agent", "replay", "--out", str(out)).returncode == 0

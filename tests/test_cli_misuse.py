@@ -148,8 +148,8 @@ def _processes_mentioning(text: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("moment", ["demo: starting a process farm", "demo: running the replay agent"])
-def test_ctrl_c_during_demo_leaves_nothing_behind_and_says_one_line(tmp_path, moment):
+def test_ctrl_c_during_demo_leaves_nothing_behind_and_says_one_line(tmp_path):
+    moment = "demo: starting a process farm"
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     env = {**os.environ, "TMPDIR": str(scratch), "PYTHONUNBUFFERED": "1"}
@@ -185,4 +185,49 @@ def test_ctrl_c_during_farm_up_stops_what_it_started(tmp_path):
     deadline = time.monotonic() + 30
     while _processes_mentioning(str(catalog)) and time.monotonic() < deadline:
         time.sleep(0.5)
+    assert _processes_mentioning(str(catalog)) == []
+
+
+def test_resume_reruns_infra_errors_and_refuses_another_agents_file(tmp_path):
+    bundle = counter_bundle(tmp_path)
+    catalog, out = tmp_path / "farm.json", tmp_path / "out.jsonl"
+    with serve(bundle) as server:
+        catalog.write_text(json.dumps({"envs": {"counter": {"url": server.url, "token": server.token}}}))
+        first = envscaler("run", "--farm", str(catalog), "--out", str(out), "--quiet")
+        assert first.returncode == 0, first.stderr
+        records = [json.loads(line) for line in out.read_text().splitlines()]
+        # As if the first episode's server had died mid-run.
+        records[0]["termination"], records[0]["reward"], records[0]["error"] = "infra_error", None, "server gone"
+        out.write_text("".join(json.dumps(r) + "\n" for r in records))
+        kept = envscaler("run", "--farm", str(catalog), "--out", str(out), "--keep-infra-errors", "--quiet")
+        assert "0 to run" in kept.stderr and kept.returncode == 1  # the infra error is still in the file
+        again = envscaler("run", "--farm", str(catalog), "--out", str(out), "--quiet")
+        assert again.returncode == 0 and "1 to run" in again.stderr, again.stderr
+        assert [json.loads(line)["termination"] for line in out.read_text().splitlines()].count("infra_error") == 0
+        other = envscaler("run", "--farm", str(catalog), "--out", str(out), "--agent", "random", "--quiet")
+        assert_usage_error(other, "agent 'replay', not 'random'", "another --out")
+
+
+def test_a_class_that_cannot_load_fails_build_and_farm_up_at_once(tmp_path):
+    broken = write_bundle(tmp_path, counter_spec(env_class_code="class Counter(:\n    pass\n"), [])
+    for command in (["build", str(broken)], ["farm", "up", str(broken), "--backend", "process", "--catalog", str(tmp_path / "f.json")]):
+        done = envscaler(*command, timeout=60)
+        assert_usage_error(done, "counter: syntax error in class code, line 1")
+    renamed = write_bundle(tmp_path / "other", counter_spec(env_class_code="class Other:\n    pass\n"), [])
+    assert_usage_error(envscaler("build", str(renamed)), "no class 'Counter'", "Other")
+
+
+def test_status_of_a_farm_whose_daemon_died_reports_nothing_healthy(tmp_path):
+    catalog = tmp_path / "farm.json"
+    up = envscaler("farm", "up", str(counter_bundle(tmp_path)), "--backend", "process", "--catalog", str(catalog), timeout=180)
+    assert up.returncode == 0, up.stderr
+    try:
+        daemon = json.loads(envscaler("farm", "status", "--catalog", str(catalog), "--json").stdout)["daemon_pid"]
+        os.kill(daemon, signal.SIGKILL)
+        time.sleep(0.5)
+        status = envscaler("farm", "status", "--catalog", str(catalog))
+        assert status.returncode == 1 and "NOT RUNNING" in status.stdout
+        assert "healthy" not in status.stdout.split("\n", 1)[1] and "farm down" in status.stderr
+    finally:
+        envscaler("farm", "down", "--catalog", str(catalog))
     assert _processes_mentioning(str(catalog)) == []

@@ -16,8 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from envscaler.bundle import default_catalog, find_bundles
+from envscaler.bundle import default_catalog, find_bundles, load_bundle
 from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
+from envscaler.loader import precheck_class
 from envscaler.wire import DEFAULT_FARM_CATALOG
 from servers.errors import FarmError
 from servers.farm.images import docker_answers
@@ -98,6 +99,9 @@ def farm_up(args: argparse.Namespace) -> int:
     existing = _state(paths)
     if existing and pid_alive(existing.daemon_pid):
         raise FarmError(f"a farm is already running for {paths.catalog} (daemon pid {existing.daemon_pid}); run 'envscaler farm down --catalog {args.catalog}' first")
+    previous = read_json(paths.plan, FarmPlan)
+    if previous and previous.backend == "swarm" and paths.catalog.exists():
+        raise FarmError(f"a swarm farm is already running for {paths.catalog}; run 'envscaler farm down --catalog {args.catalog}' first")
     if paths.dir.exists():
         # Leftovers of a farm whose daemon was killed: remove them before starting over.
         tear_down(paths)
@@ -107,6 +111,10 @@ def farm_up(args: argparse.Namespace) -> int:
     limits = Limits(memory_mb=args.memory_mb, cpus=args.cpus, pids=args.pids)
     plan = plan_farm(args.env_dirs or [str(default_catalog())], backend, paths.catalog, limits, args.gateway_port, args.openenv)
     print(f"farm: starting {len(plan.envs)} environment(s) with the {backend} backend (farm {plan.farm_id})", file=sys.stderr)
+    if backend == "swarm":
+        from servers.farm.swarm_backend import swarm_up
+
+        return swarm_up(args, paths, plan)
     try:
         daemon = _spawn_daemon(plan, paths)
         state, problem = _wait_ready(daemon, paths, len(plan.envs), args.timeout)
@@ -131,6 +139,11 @@ def farm_up(args: argparse.Namespace) -> int:
 
 def farm_status(args: argparse.Namespace) -> int:
     paths = FarmPaths(args.catalog)
+    plan = read_json(paths.plan, FarmPlan)
+    if plan and plan.backend == "swarm":
+        from servers.farm.swarm_backend import swarm_status
+
+        return swarm_status(paths, args.json)
     state = _state(paths)
     if state is None:
         print(f"no farm at {paths.catalog}", file=sys.stderr)
@@ -144,7 +157,12 @@ def farm_status(args: argparse.Namespace) -> int:
         print(f"{'env_id':<28} {'status':<11} {'restarts':>8}  {'url':<24} last exit")
         for record in state.envs.values():
             oom = " (out of memory)" if record.oom_killed else ""
-            print(f"{record.env_id:<28} {record.status:<11} {record.restarts:>8}  {record.url:<24} {record.last_exit or ''}{oom}")
+            # Without its daemon nobody watches the servers: their last known status says nothing now.
+            status = record.status if alive else "unknown"
+            print(f"{record.env_id:<28} {status:<11} {record.restarts:>8}  {record.url:<24} {record.last_exit or ''}{oom}")
+        if not alive:
+            print(f"the farm's daemon is gone: run 'envscaler farm down --catalog {args.catalog}' to stop what it left running",
+                  file=sys.stderr)
     healthy = alive and all(r.status == "healthy" for r in state.envs.values())
     return EXIT_OK if healthy else EXIT_FAILED
 
@@ -173,17 +191,29 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
         description="Starts a detached farm daemon and returns once every server answers /healthz.",
     )
     up.add_argument("env_dirs", nargs="*", metavar="ENV_DIR", help="bundles or folders of bundles (default: the bundled catalog)")
-    up.add_argument("--backend", choices=["docker", "process"],
-                    help="docker (hardened containers) or process (local subprocesses); default: docker when an engine answers, else process")
+    up.add_argument("--backend", choices=["docker", "process", "swarm"],
+                    help="docker (hardened containers), process (local subprocesses) or swarm (services of the Docker Swarm "
+                         "that DOCKER_HOST or the local engine manages); default: docker when an engine answers, else process")
     catalog_flag(up)
-    up.add_argument("--gateway-port", type=int, default=0, help="port of the gateway on 127.0.0.1 (default: a free one)")
+    up.add_argument("--gateway-port", type=int, default=0,
+                    help="port of the gateway: on 127.0.0.1 (default: a free one); swarm: the published port (default: "
+                         "Swarm's choice on the ingress, or one derived from the farm id with --gateway-publish host)")
     up.add_argument("--memory-mb", type=int, default=256, help="memory limit per server in MB (default: 256)")
-    up.add_argument("--cpus", type=float, default=1.0, help="CPU limit per server, docker backend (default: 1.0)")
-    up.add_argument("--pids", type=int, default=128, help="process/thread limit per server, docker backend (default: 128)")
+    up.add_argument("--cpus", type=float, default=1.0, help="CPU limit per server, docker and swarm backends (default: 1.0)")
+    up.add_argument("--pids", type=int, default=128, help="process/thread limit per server, docker and swarm backends (default: 128)")
     up.add_argument("--openenv", action="store_true",
                     help="also serve the OpenEnv protocol from every server (process backend, needs the [openenv] extra); "
                     "the catalog gives each environment's openenv_url")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for every server to be healthy (default: 120)")
+    swarm = up.add_argument_group("swarm backend")
+    swarm.add_argument("--registry", metavar="HOST:PORT", help="registry the farm's images are pushed to and every node pulls from (required)")
+    swarm.add_argument("--replicas", type=int, default=1, help="servers per environment, spread over the nodes (default: 1)")
+    swarm.add_argument("--gateway-publish", choices=["ingress", "host"], default="ingress",
+                       help="ingress: --gateway-replicas gateways behind Swarm's routing mesh; host: one gateway on every "
+                            "node, on the same port (for kernels without IPVS) (default: ingress)")
+    swarm.add_argument("--gateway-replicas", type=int, default=2, help="gateways with --gateway-publish ingress (default: 2)")
+    swarm.add_argument("--gateway-host", metavar="HOST",
+                       help="address the catalog names for the gateway (default: the manager's advertised address)")
     up.set_defaults(func=farm_up)
 
     status = actions.add_parser("status", help="show each environment's health and restarts; exit 1 unless all are healthy")
@@ -202,6 +232,8 @@ def _build(args: argparse.Namespace) -> int:
     bundle_dirs = [Path(d) for root in (args.env_dirs or []) for d in find_bundles(root)]
     if not bundle_dirs and not args.runtime_only:
         raise FarmError("name at least one ENV_DIR (or pass --runtime-only)")
+    for directory in bundle_dirs:
+        precheck_class(load_bundle(directory).spec)  # before minutes of image building, not in a crash loop after
     results = build_images(bundle_dirs, runtime_only=args.runtime_only, base=args.base_image)
     if args.runtime_only:
         print("built the runtime image (envscaler-runtime:latest)", file=sys.stderr)

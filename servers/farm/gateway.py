@@ -8,12 +8,14 @@ Routes of its own: ``GET /healthz`` (open) and ``GET /envs`` (the environment id
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from typing import Any
 
 import httpx
 
+from envscaler.wire import GatewayHealth
 from servers.asgi import json_bytes, read_body, send_json
+from servers.farm.routing import ReplicaRouter, RouteError
 
 Scope = dict[str, Any]
 
@@ -28,9 +30,11 @@ _MAX_BODY = 16 * 1024 * 1024
 class Gateway:
     """ASGI proxy from ``/envs/{env_id}/rest`` to ``routes[env_id] + /rest``."""
 
-    def __init__(self, routes: Mapping[str, str], *, read_timeout_s: float = 300.0) -> None:
+    def __init__(self, routes: Mapping[str, str], *, read_timeout_s: float = 300.0, router: ReplicaRouter | None = None) -> None:
         # A live mapping: a restarted container may come back at another address.
         self.routes = routes
+        # Replicated environments (swarm): the router picks the replica for each request instead of ``routes``.
+        self.router = router
         # Tool calls are short; validation and long tool calls are bounded by the servers themselves.
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(read_timeout_s, connect=5.0),
@@ -58,7 +62,8 @@ class Gateway:
         raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
         path = raw_path.split(b"?", 1)[0]
         if path == b"/healthz":
-            await send_json(send, 200, json_bytes({"status": "ok", "envs": len(self.routes)}))
+            replicas = self.router.health() if self.router is not None else None
+            await send_json(send, 200, json_bytes(GatewayHealth(envs=len(self.routes), replicas=replicas)))
             return
         if path in (b"/envs", b"/envs/") and scope["method"] == "GET":
             await send_json(send, 200, json_bytes({"envs": sorted(self.routes)}))
@@ -82,10 +87,19 @@ class Gateway:
         headers = [(k, v) for k, v in scope["headers"] if k not in _HOP_BY_HOP]
         headers.append((b"x-envscaler-base-url", f"{_origin(scope)}/envs/{env_id}".encode()))
         query = scope.get("query_string") or b""
-        url = upstream + rest.decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
-        request = self.client.build_request(scope["method"], url, headers=headers, content=body)
+        target = rest.decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
+
+        def attempt(base: str) -> Awaitable[httpx.Response]:
+            return self.client.send(self.client.build_request(scope["method"], base + target, headers=headers, content=body), stream=True)
+
         try:
-            response = await self.client.send(request, stream=True)
+            if self.router is None:
+                response = await attempt(upstream)
+            else:
+                response = await self.router.forward(env_id, scope["method"], rest, attempt)
+        except RouteError as e:
+            await send_json(send, e.status, json_bytes({"error": e.message}))
+            return
         except httpx.TimeoutException:
             await send_json(send, 504, json_bytes({"error": f"environment {env_id!r} did not answer in time at {upstream}"}))
             return

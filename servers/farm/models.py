@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field, ValidationError
 from envscaler.bundle import describe_validation_error
 from servers.errors import FarmError
 
-Backend = Literal["docker", "process"]
+Backend = Literal["docker", "process", "swarm"]
 EnvStatusName = Literal["starting", "healthy", "unhealthy", "restarting", "failed"]
 
 M = TypeVar("M", bound=BaseModel)

@@ -7,6 +7,7 @@ import socket
 from pathlib import Path
 
 from envscaler.bundle import find_bundles, load_bundle
+from envscaler.loader import precheck_class
 from servers.errors import FarmError
 from servers.farm.models import Backend, EnvPlan, FarmPlan, Limits
 
@@ -41,6 +42,7 @@ def plan_farm(
     openenv_ports: list[int | None] = list(ports[len(bundle_dirs):]) if openenv else [None] * len(bundle_dirs)
     for directory, port, openenv_port in zip(bundle_dirs, ports, openenv_ports):
         bundle = load_bundle(directory)
+        precheck_class(bundle.spec)
         if bundle.env_id in seen:
             raise FarmError(f"env_id {bundle.env_id!r} appears twice: {seen[bundle.env_id]} and {directory}")
         seen[bundle.env_id] = directory

@@ -1,7 +1,8 @@
 """Stopping a farm from its files alone: the daemon, every process and container it started, its files.
 
 Works also after the daemon was killed (``kill -9``): processes are found by the farm id in their
-environment, containers and networks by the farm's label.
+environment, containers and networks by the farm's label, and a swarm farm's services, networks,
+secrets and configs by the farm's label on the swarm.
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ def tear_down(paths: FarmPaths) -> int:
             from servers.farm.docker_backend import remove_farm_resources
 
             removed += remove_farm_resources(farm_id)
+        if backend == "swarm":
+            from servers.farm.swarm_backend import remove_swarm_farm
+
+            removed += remove_swarm_farm(paths, farm_id)
     paths.catalog.unlink(missing_ok=True)
     shutil.rmtree(paths.dir, ignore_errors=True)
     return removed

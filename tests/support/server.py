@@ -35,8 +35,11 @@ class RunningServer:
 
 @contextmanager
 def serve(bundle_dir: Path | str, *flags: str, token: str = TOKEN, log: Any = None) -> Iterator[RunningServer]:
-    """Run ``envscaler serve BUNDLE --port 0`` until the block ends; stderr goes to ``log`` (a file) or the test log."""
-    command = [sys.executable, "-m", "envscaler.cli", "serve", str(bundle_dir), "--port", "0", "--token", token, *flags]
+    """Run ``envscaler serve BUNDLE --port 0`` until the block ends; stderr goes to ``log`` (a file) or the test log.
+
+    ``token=""`` passes no --token: the server takes it from ``flags`` (--token-file) or the environment.
+    """
+    command = [sys.executable, "-m", "envscaler.cli", "serve", str(bundle_dir), "--port", "0", *(["--token", token] if token else []), *flags]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     try:
