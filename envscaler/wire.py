@@ -192,6 +192,8 @@ class EnvEndpoint(_Open):
 
     url: str
     token: str
+    # Its OpenEnv listener, when the farm was started with ``--openenv`` (no token there).
+    openenv_url: str | None = None
 
 
 DEFAULT_FARM_CATALOG = ".envscaler/farm.json"

@@ -47,6 +47,7 @@ from servers.errors import (
 )
 from servers.mcp_endpoint import ROUTING_HEADERS, McpEndpoint, parse_error
 from servers.memory import memory_status
+from servers.openenv_endpoint.config import OpenEnvConfig
 from servers.sse import SseSessions
 
 log = logging.getLogger("envscaler.server")
@@ -74,6 +75,8 @@ class ServerConfig(BaseModel):
     inline_budget_s: float = Field(default=0.02, ge=0)
     allowed_origins: list[str] = Field(default_factory=list)
     memory_reserve_mb: float = Field(default=32.0, ge=0)
+    # The OpenEnv listener (``--openenv-port``), off unless asked for.
+    openenv: OpenEnvConfig | None = None
     # Set when this server is one replica of many: episode ids then name it (servers.episode_ids).
     replica_id: str | None = Field(default=None, pattern=REPLICA_ID_PATTERN)
 

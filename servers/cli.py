@@ -14,6 +14,7 @@ from envscaler import EnvScalerError, logs
 from envscaler.arguments import with_examples
 from servers.app import ServerConfig
 from servers.episode_ids import new_replica_id
+from servers.openenv_endpoint.config import OpenEnvConfig
 
 # ServerConfig field -> the flag that sets it, so that a bad value is reported in the user's words.
 _FLAGS = {
@@ -27,6 +28,10 @@ _FLAGS = {
     "inline_budget_s": "--inline-budget",
     "allowed_origins": "--allowed-origin",
     "memory_reserve_mb": "--memory-reserve",
+    "openenv_port": "--openenv-port",
+    "max_sessions": "--openenv-sessions",
+    "session_idle_s": "--openenv-idle",
+    "max_steps": "--openenv-max-steps",
     "replica_id": "--replica-id",
 }
 
@@ -72,6 +77,12 @@ def _config(args: argparse.Namespace, token: str) -> ServerConfig:
         inline_budget_s=args.inline_budget,
         allowed_origins=args.allowed_origin or [],
         memory_reserve_mb=args.memory_reserve,
+        openenv=None if args.openenv_port is None else OpenEnvConfig(
+            openenv_port=args.openenv_port,
+            max_sessions=args.openenv_sessions,
+            session_idle_s=args.openenv_idle,
+            max_steps=args.openenv_max_steps,
+        ),
         replica_id=new_replica_id() if args.replica_id == "auto" else args.replica_id,
     )
 
@@ -117,6 +128,15 @@ def register_serve(commands: Any) -> None:
         "are refused with 507 and a reason rather than the server being killed (default: 32)",
     )
     parser.add_argument("--allowed-origin", action="append", help="browser Origin allowed on MCP routes (repeatable; '*' for any)")
+    parser.add_argument(
+        "--openenv-port",
+        type=int,
+        help="also serve the OpenEnv protocol (WebSocket /ws, /reset, /step, /state) on this port; 0 picks a free one "
+        "(needs the [openenv] extra; no token: bind it where only trainers reach it)",
+    )
+    parser.add_argument("--openenv-sessions", type=int, default=2048, help="OpenEnv sessions at most (default: 2048)")
+    parser.add_argument("--openenv-idle", type=float, default=600.0, help="seconds before an idle OpenEnv session is reaped (default: 600)")
+    parser.add_argument("--openenv-max-steps", type=int, default=50, help="tool calls per OpenEnv episode before it is scored and done (default: 50)")
     parser.add_argument("--replica-id", metavar="ID",
                         help="this server is one replica of many: prefix episode ids with ID ('auto': a fresh random one) "
                              "so that a gateway can route each episode to the replica holding it")

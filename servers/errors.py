@@ -9,6 +9,7 @@ Part of the tree drawn in ``envscaler.errors``; the exit code applies when one r
     ├── UnknownScenario         -   the environment has no scenario with this id (HTTP 404)
     ├── OutOfMemory             -   no memory is left for another episode (HTTP 507)
     ├── CallAbandoned           -   a call on a worker thread outlived its deadline and was left behind
+    ├── OpenEnvSessionError     -   an OpenEnv reset or step that cannot be done (sent back to the session)
     └── FarmError               2   the farm cannot do what was asked: bad input, no engine, unreadable farm files
 
 The server-side errors never end a command: the application turns them into HTTP statuses.
@@ -50,3 +51,7 @@ class CallAbandoned(EnvScalerError):
 
 class FarmError(EnvScalerError):
     """The farm cannot do what was asked (bad input, missing engine, unreadable farm files)."""
+
+
+class OpenEnvSessionError(EnvScalerError):
+    """An OpenEnv reset or step that cannot be done: no episode yet, episode over, unknown scenario."""

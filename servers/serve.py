@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from envscaler import load_bundle
+from envscaler import EnvScalerError, load_bundle
 from envscaler.guard import keep_alarm_handler
 from servers.app import EnvServerApp, ServerConfig
 from servers.http_server import HttpServer
@@ -44,22 +44,38 @@ def serve(
     bundle = load_bundle(bundle_dir)
     if heartbeat is not None:
         threading.Thread(target=_stop_when_stale, args=(Path(heartbeat),), name="heartbeat", daemon=True).start()
+    listener_class = _openenv_listener() if config.openenv is not None else None
     sock = bind(host, port)
     actual_port = sock.getsockname()[1]
-    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{actual_port}"
+    shown_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    url = f"http://{shown_host}:{actual_port}"
     app = EnvServerApp(bundle, config)
     keep_alarm_handler()  # tool calls on the event loop are preempted with SIGALRM
     ready: dict[str, object] = {"event": "listening", "env_id": bundle.env_id, "url": url, "port": actual_port}
     if announce_token:
         ready["token"] = config.token
     server = HttpServer(app, max_body_bytes=config.max_body_bytes)
+    listener = None
+    if listener_class is not None and config.openenv is not None:
+        openenv_sock = bind(host, config.openenv.openenv_port)
+        ready["openenv_url"] = f"http://{shown_host}:{openenv_sock.getsockname()[1]}"
+        listener = listener_class(app, config.openenv, openenv_sock)
 
     def announce() -> None:
         # Only once SIGTERM stops us gracefully: a supervisor may stop us right after this line.
         print(json.dumps(ready), flush=True)
 
+    async def serve_all() -> None:
+        if listener is not None:
+            await listener.start()
+        try:
+            await server.serve(sock, on_ready=announce)
+        finally:
+            if listener is not None:
+                await listener.stop()
+
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        runner.run(server.serve(sock, on_ready=announce))
+        runner.run(serve_all())
     sys.stdout.flush()
 
 
@@ -78,6 +94,15 @@ def _stop_when_stale(heartbeat: Path) -> None:
             log.warning("the supervisor's heartbeat stopped; stopping", extra={"heartbeat": str(heartbeat)})
             os.kill(os.getpid(), signal.SIGTERM)  # the graceful stop, as if the supervisor had asked
             return
+
+
+def _openenv_listener() -> type:
+    """The OpenEnv listener class; a clear error when the [openenv] extra is not installed."""
+    try:
+        from servers.openenv_endpoint.app import OpenEnvListener
+    except ImportError as e:
+        raise EnvScalerError(f"--openenv-port needs openenv-core ({e}); install it with: pip install 'envscaler-farm[openenv]'") from None
+    return OpenEnvListener
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:

@@ -107,8 +107,10 @@ def farm_up(args: argparse.Namespace) -> int:
         # Leftovers of a farm whose daemon was killed: remove them before starting over.
         tear_down(paths)
     backend: Backend = args.backend or ("docker" if docker_answers() else "process")
+    if args.openenv and backend != "process":
+        raise FarmError("--openenv needs the process backend: add --backend process")
     limits = Limits(memory_mb=args.memory_mb, cpus=args.cpus, pids=args.pids)
-    plan = plan_farm(args.env_dirs or [str(default_catalog())], backend, paths.catalog, limits, args.gateway_port)
+    plan = plan_farm(args.env_dirs or [str(default_catalog())], backend, paths.catalog, limits, args.gateway_port, args.openenv)
     plan.allowed_origins = args.allowed_origin or []
     print(f"farm: starting {len(plan.envs)} environment(s) with the {backend} backend (farm {plan.farm_id})", file=sys.stderr)
     if backend == "swarm":
@@ -206,6 +208,9 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--pids", type=int, default=128, help="process/thread limit per server, docker and swarm backends (default: 128)")
     up.add_argument("--allowed-origin", action="append", metavar="ORIGIN",
                     help="browser Origin the gateway answers with CORS headers (repeatable; '*' for any)")
+    up.add_argument("--openenv", action="store_true",
+                    help="also serve the OpenEnv protocol from every server (process backend, needs the [openenv] extra); "
+                    "the catalog gives each environment's openenv_url")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for every server to be healthy (default: 120)")
     swarm = up.add_argument_group("swarm backend")
     swarm.add_argument("--registry", metavar="HOST:PORT", help="registry the farm's images are pushed to and every node pulls from (required)")

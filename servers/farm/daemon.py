@@ -118,7 +118,7 @@ async def _check(client: httpx.AsyncClient, board: Board, env_id: str) -> None:
 
 def _write_catalog(plan: FarmPlan, paths: FarmPaths, board: Board) -> None:
     catalog = FarmCatalog(
-        envs={env.env_id: EnvEndpoint(url=board.env(env.env_id).url, token=env.token) for env in plan.envs},
+        envs={env.env_id: EnvEndpoint(url=board.env(env.env_id).url, token=env.token, openenv_url=env.openenv_url) for env in plan.envs},
         gateway=board.state.gateway or "",
         backend=plan.backend,
         farm_id=plan.farm_id,

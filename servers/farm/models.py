@@ -39,6 +39,8 @@ class EnvPlan(BaseModel):
     bundle_dir: str
     token: str
     port: int
+    # The server's OpenEnv listener (``farm up --openenv``, process backend).
+    openenv_port: int | None = None
     image: str | None = None
     spec_hash: str
 
@@ -46,6 +48,11 @@ class EnvPlan(BaseModel):
     def url(self) -> str:
         """The environment's own base URL, on 127.0.0.1 with either backend."""
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def openenv_url(self) -> str | None:
+        """The server's OpenEnv listener on 127.0.0.1, when one is planned."""
+        return None if self.openenv_port is None else f"http://127.0.0.1:{self.openenv_port}"
 
 
 class FarmPlan(BaseModel):

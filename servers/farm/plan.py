@@ -26,15 +26,21 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def plan_farm(env_dirs: list[str], backend: Backend, catalog: Path, limits: Limits, gateway_port: int) -> FarmPlan:
-    """One EnvPlan per bundle found under ``env_dirs``; FarmError on duplicates or nothing found."""
+def plan_farm(
+    env_dirs: list[str], backend: Backend, catalog: Path, limits: Limits, gateway_port: int, openenv: bool = False
+) -> FarmPlan:
+    """One EnvPlan per bundle found under ``env_dirs``; FarmError on duplicates or nothing found.
+
+    With ``openenv`` each server also gets a port for its OpenEnv listener.
+    """
     bundle_dirs = [d for root in env_dirs for d in find_bundles(root)]
     if not bundle_dirs:
         raise FarmError(f"no bundles (env.json + scenarios.jsonl) under {', '.join(env_dirs)}")
     envs: list[EnvPlan] = []
     seen: dict[str, Path] = {}
-    ports = free_ports(len(bundle_dirs))
-    for directory, port in zip(bundle_dirs, ports):
+    ports = free_ports(len(bundle_dirs) * (2 if openenv else 1))
+    openenv_ports: list[int | None] = list(ports[len(bundle_dirs):]) if openenv else [None] * len(bundle_dirs)
+    for directory, port, openenv_port in zip(bundle_dirs, ports, openenv_ports):
         bundle = load_bundle(directory)
         precheck_class(bundle.spec)
         if bundle.env_id in seen:
@@ -46,6 +52,7 @@ def plan_farm(env_dirs: list[str], backend: Backend, catalog: Path, limits: Limi
                 bundle_dir=str(Path(directory).absolute()),
                 token=secrets.token_urlsafe(24),
                 port=port,
+                openenv_port=openenv_port,
                 spec_hash=bundle.spec.content_hash(),
             )
         )

@@ -45,11 +45,14 @@ def _child_setup(memory_mb: int) -> None:
 
 
 def server_command(env: EnvPlan) -> list[str]:
-    """The command line of one environment server on its loopback port."""
-    return [
+    """The command line of one environment server on its loopback port (and OpenEnv port, if planned)."""
+    command = [
         sys.executable, "-m", "servers.launch", env.bundle_dir,
         "--host", "127.0.0.1", "--port", str(env.port), "--public-url", env.url, "--log-level", "warning",
     ]
+    if env.openenv_port is not None:
+        command += ["--openenv-port", str(env.openenv_port)]
+    return command
 
 
 class ProcessBackend:
