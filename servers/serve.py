@@ -21,6 +21,10 @@ from servers.http_server import HttpServer
 
 log = logging.getLogger("envscaler.server")
 
+# A supervisor that passes a pipe's write end in this variable learns that the server listens
+# (one JSON line, then EOF) without polling it.
+READY_FD_VARIABLE = "ENVSCALER_READY_FD"
+
 
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket; port 0 picks a free one."""
@@ -64,6 +68,7 @@ def serve(
     def announce() -> None:
         # Only once SIGTERM stops us gracefully: a supervisor may stop us right after this line.
         print(json.dumps(ready), flush=True)
+        _notify_supervisor(json.dumps({key: value for key, value in ready.items() if key != "token"}))
 
     async def serve_all() -> None:
         if listener is not None:
@@ -77,6 +82,19 @@ def serve(
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(serve_all())
     sys.stdout.flush()
+
+
+def _notify_supervisor(line: str) -> None:
+    """Write the listening line to the pipe named by ``ENVSCALER_READY_FD`` and close it, if there is one."""
+    value = os.environ.pop(READY_FD_VARIABLE, None)
+    if value is None:
+        return
+    try:
+        fd = int(value)
+        with os.fdopen(fd, "w", closefd=True) as pipe:
+            pipe.write(line + "\n")
+    except (ValueError, OSError) as e:
+        log.warning("could not tell the supervisor that the server listens", extra={"ready_fd": value, "error": repr(e)})
 
 
 HEARTBEAT_STALE_S = 15.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from envscaler.wire import (
     ServerInfo,
     Trajectory,
 )
+from servers.serve import READY_FD_VARIABLE
 from tests.support.bundles import (
     counter_bundle,
     counter_scenario,
@@ -482,4 +484,22 @@ def test_a_server_out_of_memory_refuses_episodes_with_507_and_keeps_serving(tmp_
             assert validation.status_code == 200 and validation.json()["score"] < 1.0
     finally:
         process.kill()  # its graceful stop would free a gigabyte of episodes first: not what this test is about
+        process.wait(30)
+
+
+def test_a_server_tells_its_supervisor_it_listens_through_the_ready_pipe(tmp_path):
+    bundle = default_catalog() / "library_circulation"
+    read_end, write_end = os.pipe()
+    command = [sys.executable, "-m", "servers.launch", str(bundle), "--port", "0", "--log-level", "warning"]
+    environment = {**os.environ, READY_FD_VARIABLE: str(write_end), "ENVSCALER_TOKEN": "t"}
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=environment, pass_fds=[write_end])
+    os.close(write_end)
+    try:
+        with os.fdopen(read_end) as pipe:
+            ready = json.loads(pipe.readline())
+            assert pipe.read() == ""  # the server closed its end: EOF, not a pipe held open
+        assert ready["event"] == "listening" and ready["env_id"] == "library_circulation" and "token" not in ready
+        assert httpx.get(ready["url"] + "/healthz").status_code == 200
+    finally:
+        process.terminate()
         process.wait(30)
