@@ -25,6 +25,7 @@ from agent_client.llm import LlmEndpoint, complete
 from agent_client.models import AgentResult
 from agent_client.remote import EnvControl, McpTools
 from agent_client.user import SimulatedUser
+from envscaler.jsonl import replace_surrogates
 from envscaler.wire import EpisodeCreated
 
 SYSTEM_PROMPT = (
@@ -165,7 +166,7 @@ class OpenAIAgent:
         result = AgentResult()
         tools = ctx.info.tools
         if ctx.user is not None:
-            first = await ctx.user.start(result.user_usage)
+            first = _sendable(await ctx.user.start(result.user_usage), result)
         else:
             first = ctx.info.task
         ctx.opening(first)
@@ -176,39 +177,49 @@ class OpenAIAgent:
                 return result
             response = await complete(self.endpoint, self.client, result.usage, messages=ctx.messages, tools=tools)
             message = response.choices[0].message
-            calls = message.tool_calls or []
-            entry: dict[str, Any] = {"role": "assistant", "content": message.content}
+            content = _sendable(message.content, result)
+            calls = [{"id": c.id, "type": "function", "function": {"name": _sendable(c.function.name, result),
+                                                                  "arguments": _sendable(c.function.arguments, result)}}
+                     for c in message.tool_calls or []]
+            entry: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
-                entry["tool_calls"] = [_tool_call_dict(c) for c in calls]
+                entry["tool_calls"] = calls
             ctx.messages.append(entry)
             if not calls:
                 if ctx.user is None:
                     return result
-                reply, stop = await ctx.user.reply(message.content or "", result.user_usage)
+                reply, stop = await ctx.user.reply(content or "", result.user_usage)
                 if stop:
                     result.termination = "user_stop"
                     return result
-                ctx.messages.append({"role": "user", "content": reply})
+                ctx.messages.append({"role": "user", "content": _sendable(reply, result)})
                 continue
             for call in calls:
                 result.steps += 1
-                await self._answer(ctx, call)
+                await self._answer(ctx, call, result)
 
-    async def _answer(self, ctx: EpisodeContext, call: Any) -> None:
+    async def _answer(self, ctx: EpisodeContext, call: dict[str, Any], result: AgentResult) -> None:
+        name, raw = call["function"]["name"], call["function"]["arguments"]
         try:
-            arguments = json.loads(call.function.arguments or "{}")
+            arguments = json.loads(raw or "{}")
         except json.JSONDecodeError as e:
-            text = f"Error: the arguments of {call.function.name!r} are not valid JSON ({e.msg} at position {e.pos}). Send a JSON object."
-            ctx.messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
+            text = f"Error: the arguments of {name!r} are not valid JSON ({e.msg} at position {e.pos}). Send a JSON object."
+            ctx.messages.append({"role": "tool", "tool_call_id": call["id"], "content": text})
             return
         if not isinstance(arguments, dict):
-            ctx.messages.append({"role": "tool", "tool_call_id": call.id, "content": "Error: arguments must be a JSON object."})
+            ctx.messages.append({"role": "tool", "tool_call_id": call["id"], "content": "Error: arguments must be a JSON object."})
             return
-        await _run_call(ctx, call.id, call.function.name, arguments)
+        text, _ = await ctx.tools.call(name, arguments)
+        ctx.messages.append({"role": "tool", "tool_call_id": call["id"], "content": _sendable(text, result)})
 
 
-def _tool_call_dict(call: Any) -> dict[str, Any]:
-    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}
+def _sendable(text: str | None, result: AgentResult) -> str | None:
+    """``text`` as a model request can carry it (UTF-8): lone surrogates replaced by U+FFFD, counted in ``result``."""
+    if text is None:
+        return None
+    text, replaced = replace_surrogates(text)
+    result.replaced_surrogates += replaced
+    return text
 
 
 class CommandAgent:
