@@ -16,6 +16,7 @@ import os
 import random
 import shlex
 import subprocess
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -222,35 +223,53 @@ def _sendable(text: str | None, result: AgentResult) -> str | None:
     return text
 
 
+BASE_ENVIRONMENT = ("PATH", "HOME", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TERM", "TZ", "USER", "LOGNAME", "SHELL")
+"""What a command agent inherits from the harness's environment (when set); nothing else unless passed by name."""
+
+
 class CommandAgent:
     """Runs an external program per episode; it reaches the tools over MCP on its own.
 
     The template is split like a shell command and each part formatted with ``{mcp_url}``, ``{task}``,
     ``{env_id}`` and ``{task_id}``; the same values are in ``ENVSCALER_MCP_URL``, ``ENVSCALER_TASK``,
     ``ENVSCALER_ENV_ID`` and ``ENVSCALER_TASK_ID``. Exit 0 means the agent finished.
+
+    The program is the agent under evaluation, so it gets only what it needs: those four values,
+    the variables of BASE_ENVIRONMENT and the ones named in ``passed_env`` (an API key, say), and an
+    empty working directory of its own. Not the harness's environment, tokens or files: the farm
+    catalog holds every server's control token, which reaches the checks and reference solutions.
     """
 
     name = "command"
     converses = False
 
-    def __init__(self, template: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, template: str, timeout_s: float = 600.0, passed_env: tuple[str, ...] = ()) -> None:
         self.template = shlex.split(template)
         self.model = template  # recorded, and checked when a run resumes
         self.timeout_s = timeout_s
+        self.passed_env = passed_env
+
+    def environment(self, ctx: EpisodeContext) -> dict[str, str]:
+        """The command's whole environment for the episode ``ctx``."""
+        names = (*BASE_ENVIRONMENT, *self.passed_env)
+        env = {name: os.environ[name] for name in names if name in os.environ}
+        env.update(ENVSCALER_MCP_URL=ctx.info.mcp_url, ENVSCALER_TASK=ctx.info.task,
+                   ENVSCALER_ENV_ID=ctx.env_id, ENVSCALER_TASK_ID=ctx.task_id)
+        return env
 
     async def run(self, ctx: EpisodeContext) -> AgentResult:
         values = {"mcp_url": ctx.info.mcp_url, "task": ctx.info.task, "env_id": ctx.env_id, "task_id": ctx.task_id}
         command = [part.format(**values) for part in self.template]
-        env = {**os.environ, "ENVSCALER_MCP_URL": ctx.info.mcp_url, "ENVSCALER_TASK": ctx.info.task,
-               "ENVSCALER_ENV_ID": ctx.env_id, "ENVSCALER_TASK_ID": ctx.task_id}
         ctx.opening(ctx.info.task)
-        try:
-            with anyio.fail_after(self.timeout_s):
-                done = await anyio.run_process(command, env=env, check=False, stdin=subprocess.DEVNULL)
-        except FileNotFoundError as e:
-            return AgentResult(messages=ctx.messages, termination="agent_error", error=f"cannot run {command[0]!r}: {e}")
-        except TimeoutError:
-            return AgentResult(messages=ctx.messages, termination="time_limit", error=f"command ran past {self.timeout_s:g} s")
+        with tempfile.TemporaryDirectory(prefix="envscaler-agent-") as workdir:
+            try:
+                with anyio.fail_after(self.timeout_s):
+                    done = await anyio.run_process(command, env=self.environment(ctx), cwd=workdir, check=False,
+                                                   stdin=subprocess.DEVNULL)
+            except FileNotFoundError as e:
+                return AgentResult(messages=ctx.messages, termination="agent_error", error=f"cannot run {command[0]!r}: {e}")
+            except TimeoutError:
+                return AgentResult(messages=ctx.messages, termination="time_limit", error=f"command ran past {self.timeout_s:g} s")
         output = done.stdout.decode(errors="replace").strip()
         if output:
             ctx.messages.append({"role": "assistant", "content": output[-4000:]})
@@ -258,4 +277,3 @@ class CommandAgent:
             tail = done.stderr.decode(errors="replace").strip()[-500:]
             return AgentResult(messages=ctx.messages, termination="agent_error", error=f"exit {done.returncode}: {tail}")
         return AgentResult(messages=ctx.messages, termination="finished")
-
