@@ -105,7 +105,7 @@ class _Connection(asyncio.Protocol):
         if response is not None and response.started:
             response._chunks.append(body)
             response._buffered += len(body)
-            if response._buffered > _HIGH_WATER and self.transport is not None and not self.closed:
+            if response._buffered > _HIGH_WATER and not response._reading_whole and self.transport is not None and not self.closed:
                 self.transport.pause_reading()
 
     def on_message_complete(self) -> None:
@@ -142,6 +142,8 @@ class UpstreamResponse:
         self.released = False
         self._chunks: list[bytes] = []
         self._buffered = 0
+        # Set by ``read``: the whole body is wanted, so the connection keeps reading however much is held.
+        self._reading_whole = False
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future[None] | None = None
 
@@ -167,6 +169,10 @@ class UpstreamResponse:
 
     async def read(self) -> bytes:
         """The whole body."""
+        self._reading_whole = True
+        connection = self.connection
+        if connection.transport is not None and not connection.closed:
+            connection.transport.resume_reading()
         while not self.complete:
             await self._wait("went silent in the middle of its answer")
         return self.body
