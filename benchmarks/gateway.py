@@ -5,14 +5,15 @@ episode is created, and its read-only reference tool call is made two ways, with
 keep-alive HTTP/1.1 client (``agent_client.http``):
 
 - direct: to the environment server's own URL (``/episodes/{id}/mcp``);
-- gateway: to the farm's one URL (``/envs/{env_id}/episodes/{id}/mcp``), served by the farm daemon.
+- gateway: to the farm's one URL (``/envs/{env_id}/episodes/{id}/mcp``): haproxy in front of the
+  daemon's Python gateway when haproxy is installed (``servers.farm.front``), else the Python gateway.
 
 Each round measures sequential latencies, then throughput with 16 concurrent clients, for one target
 and then the other, so that a shared machine whose speed drifts moves both sides alike. The ratio is
 the median of the per-round ratios, the added p50 the median of the per-round p50 differences. CPU per
-call of the daemon (the gateway) and of the server is read from /proc.
+call of the gateway (the daemon and haproxy) and of the server is read from /proc.
 
-    python benchmarks/gateway.py [--env DIR] [--rounds 7] [--seconds 1]
+    python benchmarks/gateway.py [--env DIR] [--rounds 7] [--seconds 1] [--gateway python]
 
 Targets: gateway throughput >= 0.8x direct, added sequential p50 <= 0.2 ms. Exits 1 when one is missed.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -34,6 +36,8 @@ from pathlib import Path
 from agent_client.http import LeanHttp
 from envscaler import default_catalog
 from envscaler.wire import FarmCatalog
+from servers.farm.front import GATEWAY_VARIABLE
+from servers.farm.teardown import farm_processes
 
 CONCURRENCY = 16
 SEQUENTIAL_CALLS = 400
@@ -47,17 +51,30 @@ sys.path.insert(0, str(Path(__file__).parent))
 from server import percentile, read_only_call  # noqa: E402  (the sibling benchmark's helpers)
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process ``pid`` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of processes ``pids`` so far."""
+    total = 0.0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return total
+
+
+def haproxy_pids(farm_id: str) -> list[int]:
+    """The farm's haproxy processes (none when the Python gateway serves alone)."""
+    pids = []
+    for pid in farm_processes(farm_id):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            if cmdline.read().split(b"\0")[0].endswith(b"haproxy"):
+                pids.append(pid)
+    return pids
 
 
 class Target:
     """One way to reach the tool: its MCP URL, and the process whose CPU per call is reported."""
 
-    def __init__(self, name: str, url: str, pid: int) -> None:
-        self.name, self.url, self.pid = name, url, pid
+    def __init__(self, name: str, url: str, pids: list[int]) -> None:
+        self.name, self.url, self.pids = name, url, pids
         self.rates: list[float] = []
         self.p50s: list[float] = []
         self.latencies: list[float] = []
@@ -81,7 +98,7 @@ async def sequential(target: Target, http: LeanHttp, token: str, tool: str, argu
 
 
 async def throughput(target: Target, http: LeanHttp, token: str, tool: str, arguments: dict, seconds: float) -> float:
-    """Calls/s with CONCURRENCY clients for ``seconds``; adds the CPU time of ``target.pid`` to it."""
+    """Calls/s with CONCURRENCY clients for ``seconds``; adds the CPU time of ``target.pids`` to it."""
     done = 0
     deadline = time.perf_counter() + seconds
 
@@ -93,11 +110,11 @@ async def throughput(target: Target, http: LeanHttp, token: str, tool: str, argu
             number += 1
             done += 1
 
-    cpu_before = cpu_seconds(target.pid)
+    cpu_before = cpu_seconds(target.pids)
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
     elapsed = time.perf_counter() - started
-    target.cpu_s += cpu_seconds(target.pid) - cpu_before
+    target.cpu_s += cpu_seconds(target.pids) - cpu_before
     target.calls += done
     return done / elapsed
 
@@ -117,8 +134,10 @@ async def measure(direct: Target, gateway: Target, token: str, tool: str, argume
                   f"gateway {gateway.rates[-1]:,.0f}/s p50 {gateway.p50s[-1]:.3f} ms", flush=True)
 
 
-def farm(*args: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "envscaler.cli", "farm", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def farm(*args: str, gateway: str | None = None) -> None:
+    environment = {**os.environ, GATEWAY_VARIABLE: gateway} if gateway else None
+    result = subprocess.run([sys.executable, "-m", "envscaler.cli", "farm", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=environment)
     if result.returncode != 0:
         raise SystemExit(f"envscaler farm {args[0]} failed ({result.returncode}):\n{result.stderr[-3000:]}")
 
@@ -132,19 +151,22 @@ async def run(args: argparse.Namespace) -> int:
         root = Path(scratch) / "envs"
         shutil.copytree(env_dir, root / env_dir.name)
         catalog_path = Path(scratch) / "farm.json"
-        farm("up", str(root), "--backend", "process", "--catalog", str(catalog_path), "--timeout", "120")
+        farm("up", str(root), "--backend", "process", "--catalog", str(catalog_path), "--timeout", "120", gateway=args.gateway)
         try:
             catalog = FarmCatalog.model_validate_json(catalog_path.read_text())
             state = json.loads((Path(scratch) / "farm.json.farm" / "state.json").read_text())
             env_id, endpoint = next(iter(catalog.envs.items()))
+            print(f"the farm's gateway: {state.get('gateway_proxy') or 'python'}", flush=True)
+            # haproxy's worker is the master's child: the gateway's CPU is the daemon's, or both haproxies'.
+            gateway_pids = [state["daemon_pid"], *haproxy_pids(state["farm_id"])]
             async with LeanHttp() as http:
                 response = await http.request("POST", endpoint.url + "/episodes", {"scenario_id": scenario_id},
                                               {"Authorization": f"Bearer {endpoint.token}"})
                 if response.status != 201:
                     raise RuntimeError(f"creating an episode failed ({response.status}): {response.body[:300]!r}")
                 mcp_path = response.json()["mcp_path"]
-            direct = Target("direct", endpoint.url + mcp_path, state["envs"][env_id]["pid"])
-            gateway = Target("gateway", f"{catalog.gateway}/envs/{env_id}{mcp_path}", state["daemon_pid"])
+            direct = Target("direct", endpoint.url + mcp_path, [state["envs"][env_id]["pid"]])
+            gateway = Target("gateway", f"{catalog.gateway}/envs/{env_id}{mcp_path}", gateway_pids)
             await measure(direct, gateway, endpoint.token, tool, arguments, args.rounds, args.seconds)
             server_cpu_us = 1e6 * direct.cpu_s / direct.calls
         finally:
@@ -175,6 +197,7 @@ def main() -> int:
     parser.add_argument("--env", default=str(default_catalog() / "library_circulation"), help="bundle to serve (default: library_circulation)")
     parser.add_argument("--rounds", type=int, default=7, help="measurement rounds, alternating between the targets (default: 7)")
     parser.add_argument("--seconds", type=float, default=1.0, help="length of each throughput run in a round (default: 1)")
+    parser.add_argument("--gateway", choices=["python"], help="measure the Python gateway alone (no haproxy in front, as without haproxy installed)")
     args = parser.parse_args()
     import uvloop
 

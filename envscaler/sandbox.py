@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
+import signal
 import subprocess
 import sys
 from typing import Any
 
 # Variables a child needs to run Python and nothing else: no tokens, keys or proxies leak in.
 _KEPT_ENV = ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "TMPDIR", "HOME")
+_PR_SET_PDEATHSIG = 1
 
 
 def clean_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -27,6 +30,14 @@ def limit_resources(memory_mb: int, cpu_s: int | None = None) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     if cpu_s is not None:
         resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 5))
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGTERM the current process when its parent dies (a ``preexec_fn``; Linux only)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the parent's own stop is all there is
 
 
 def start_module(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Iterator, Mapping
@@ -22,6 +23,7 @@ import httpx
 from envscaler import logs
 from envscaler.wire import EnvEndpoint, FarmCatalog
 from servers.farm.board import Board
+from servers.farm.front import FrontProxy, haproxy_executable
 from servers.farm.gateway import MAX_BODY, Gateway
 from servers.errors import FarmError
 from servers.farm.models import FarmPaths, FarmPlan, read_json, write_json
@@ -151,9 +153,12 @@ async def run_daemon(paths: FarmPaths) -> None:
     sock = bind(plan.gateway_host, plan.gateway_port)
     board.set(gateway=f"http://{plan.gateway_host}:{sock.getsockname()[1]}")
     board.flush()
-    gateway = Gateway(LiveRoutes(board), allowed_origins=plan.allowed_origins)
+    routes = LiveRoutes(board)
+    gateway = Gateway(routes, allowed_origins=plan.allowed_origins)
     # The daemon takes the signals: it stops its servers first, then the gateway.
     server = HttpServer(gateway, max_body_bytes=MAX_BODY, graceful_s=3.0)
+    front, gateway_sock = _front_proxy(plan, paths, sock, routes)
+    board.set(gateway_proxy=front.version() if front is not None else "python")
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(_stop_on_signal, server)
         tasks.start_soon(_stop_when_orphaned, paths, server)
@@ -161,10 +166,31 @@ async def run_daemon(paths: FarmPaths) -> None:
         tasks.start_soon(_beat, paths)
         tasks.start_soon(backend.run)
         tasks.start_soon(watch_health, plan, paths, board)
-        await server.serve(sock, handle_signals=False)
+        if front is not None:
+            tasks.start_soon(front.run, paths.dir / "haproxy.log")
+        await server.serve(gateway_sock, handle_signals=False)
+        if front is not None:
+            front.stop()
         await backend.stop()
         tasks.cancel_scope.cancel()
     board.flush()
+
+
+def _front_proxy(plan: FarmPlan, paths: FarmPaths, sock: socket.socket, routes: LiveRoutes) -> tuple[FrontProxy | None, socket.socket]:
+    """haproxy on the public socket with the Python gateway on a private one behind it, when haproxy is
+    installed and takes its configuration; else none, and the Python gateway serves ``sock`` itself."""
+    executable = haproxy_executable()
+    if executable is None:
+        return None, sock
+    private = bind("127.0.0.1", 0)
+    front = FrontProxy(executable, paths.dir, plan.farm_id, sock, routes, f"http://127.0.0.1:{private.getsockname()[1]}", MAX_BODY)
+    try:
+        front.check()
+    except RuntimeError as e:
+        log.warning("the gateway runs without haproxy in front", extra={"reason": str(e)})
+        private.close()
+        return None, sock
+    return front, private
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -92,6 +92,8 @@ class FarmState(BaseModel):
     backend: Backend
     daemon_pid: int
     gateway: str | None = None
+    # What serves the gateway's hot path: "haproxy 2.6.12" in front of the Python gateway, or "python".
+    gateway_proxy: str | None = None
     ready: bool = False
     error: str | None = None
     started_at: float

@@ -6,6 +6,9 @@ import subprocess
 import sys
 
 
-def envscaler(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """``envscaler ARGS...`` with stdout and stderr captured as text; TimeoutExpired past ``timeout``."""
-    return subprocess.run([sys.executable, "-m", "envscaler.cli", *args], capture_output=True, text=True, timeout=timeout)
+def envscaler(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``envscaler ARGS...`` with stdout and stderr captured as text; TimeoutExpired past ``timeout``.
+
+    ``env``: the child's whole environment (default: this process's).
+    """
+    return subprocess.run([sys.executable, "-m", "envscaler.cli", *args], capture_output=True, text=True, timeout=timeout, env=env)
