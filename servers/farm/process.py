@@ -8,11 +8,13 @@ pids and filesystem isolation need the docker backend.
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Protocol
 
 import anyio
 
@@ -53,6 +55,33 @@ def server_command(env: EnvPlan) -> list[str]:
     if env.openenv_port is not None:
         command += ["--openenv-port", str(env.openenv_port)]
     return command
+
+
+class ServerProcess(Protocol):
+    """One running environment server, however it was started."""
+
+    pid: int
+
+    async def wait_ready(self) -> bool:
+        """True once the server listens (its ready pipe said so); False if it exited first."""
+
+    async def wait_exit(self) -> int:
+        """Its exit status, in Popen.returncode's convention (negative: killed by that signal)."""
+
+    def send_signal(self, signum: int) -> None:
+        """Signal the server's whole process group (it is a group leader): what it forked dies with it."""
+
+
+class Spawner(Protocol):
+    """Starts environment servers for the process backend."""
+
+    async def spawn(self, env: EnvPlan, environment: dict[str, str], log_path: Path, memory_mb: int) -> ServerProcess:
+        """Start ``env``'s server with exactly ``environment`` as its environment variables, stdout and
+        stderr appended to ``log_path``, its address space limited from ``memory_mb``, no core dumps,
+        its own process group, and death when the farm goes away."""
+
+    async def aclose(self) -> None:
+        """Stop what the spawner itself runs (not the servers: the backend stops those first)."""
 
 
 class ProcessBackend:
