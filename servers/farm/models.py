@@ -32,6 +32,16 @@ class Limits(BaseModel):
     pids: int = Field(default=128, ge=16)
 
 
+class Probes(BaseModel):
+    """How the daemon looks for servers that are alive but hung (``servers.farm.health``)."""
+
+    # Each server is asked for /healthz once per period, the farm's probes spread evenly over it.
+    period_s: float = Field(default=10.0, gt=0)
+    timeout_s: float = Field(default=2.0, gt=0)
+    # Missed probes in a row after which the server is killed and restarted.
+    misses_allowed: int = Field(default=3, ge=1)
+
+
 class EnvPlan(BaseModel):
     """One environment the daemon must run."""
 
@@ -64,6 +74,7 @@ class FarmPlan(BaseModel):
     gateway_host: str = "127.0.0.1"
     gateway_port: int = 0
     limits: Limits = Field(default_factory=Limits)
+    probes: Probes = Field(default_factory=Probes)
     # Browser origins the gateway answers with CORS headers ('*' for any).
     allowed_origins: list[str] = Field(default_factory=list)
     envs: list[EnvPlan]
