@@ -128,13 +128,13 @@ class FarmPaths:
         return self.logs / f"{env_id}.log"
 
 
-def write_json(path: Path, model: BaseModel) -> None:
+def write_json(path: Path, model: BaseModel, indent: int | None = 2) -> None:
     """Write ``model`` atomically (readers never see half a file), readable by the owner only: it holds tokens."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as handle:
-        handle.write(model.model_dump_json(indent=2, exclude_none=True) + "\n")
+        handle.write(model.model_dump_json(indent=indent, exclude_none=True) + "\n")
     os.replace(temporary, path)
 
 
