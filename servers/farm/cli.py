@@ -124,7 +124,7 @@ def farm_up(args: argparse.Namespace) -> int:
     limits = Limits(memory_mb=args.memory_mb, cpus=args.cpus, pids=args.pids)
     plan = plan_farm(args.env_dirs or [str(default_catalog())], backend, paths.catalog, limits, args.gateway_port, args.openenv)
     plan.allowed_origins = args.allowed_origin or []
-    if args.probe_period <= 0:
+    if args.probe_period is not None and args.probe_period <= 0:
         raise FarmError(f"--probe-period must be more than 0 seconds, not {args.probe_period:g}")
     plan.probes.period_s = args.probe_period
     print(f"farm: starting {len(plan.envs)} environment(s) with the {backend} backend (farm {plan.farm_id})", file=sys.stderr)
@@ -234,9 +234,9 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--openenv", action="store_true",
                     help="also serve the OpenEnv protocol from every server (process backend, needs the [openenv] extra); "
                     "the catalog gives each environment's openenv_url")
-    up.add_argument("--probe-period", type=float, default=10.0, metavar="SECONDS",
+    up.add_argument("--probe-period", type=float, metavar="SECONDS",
                     help="each server is asked for /healthz once per this many seconds, the farm's probes spread over it; "
-                         "one that misses 3 in a row is hung and is restarted (default: 10)")
+                         "one that misses 3 in a row is hung and is restarted (default: 10, or environments/50 when more)")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for every server to be healthy (default: 120)")
     swarm = up.add_argument_group("swarm backend")
     swarm.add_argument("--registry", metavar="HOST:PORT", help="registry the farm's images are pushed to and every node pulls from (required)")

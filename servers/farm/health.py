@@ -20,6 +20,9 @@ from servers.farm.board import Board
 
 log = logging.getLogger("envscaler.farm")
 
+DEFAULT_PERIOD_S = 10.0
+# What an automatic period allows: about 4% of a busy core at a fraction of a millisecond per probe.
+_MAX_PROBES_PER_S = 50.0
 # At most this many probes in flight: with every server hung, the daemon still does a bounded amount.
 _MAX_IN_FLIGHT = 32
 _PROBE_STATUSES = ("healthy", "unhealthy")
@@ -46,16 +49,24 @@ async def answers_healthz(url: str, timeout_s: float) -> bool:
     return False
 
 
+def probe_period(configured_s: float | None, servers: int) -> float:
+    """Seconds between two probes of the same server: ``configured_s``, or by default 10 s, stretched so
+    that the whole farm needs at most 50 probes a second."""
+    if configured_s is not None:
+        return configured_s
+    return max(DEFAULT_PERIOD_S, servers / _MAX_PROBES_PER_S)
+
+
 Kill = Callable[[str, str], Awaitable[None]]
 
 
 class Prober:
     """Probes the farm's listening servers one at a time; kills the ones that stopped answering."""
 
-    def __init__(self, board: Board, kill: Kill, *, period_s: float, timeout_s: float, misses_allowed: int) -> None:
+    def __init__(self, board: Board, kill: Kill, *, period_s: float | None, timeout_s: float, misses_allowed: int) -> None:
         self.board = board
         self.kill = kill
-        self.period_s = period_s
+        self.period_s = probe_period(period_s, len(board.state.envs))
         self.timeout_s = timeout_s
         self.misses_allowed = misses_allowed
         # env_id -> (its restart count when the misses began, misses in a row): a restart starts over.
