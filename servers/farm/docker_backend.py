@@ -139,6 +139,17 @@ class DockerBackend:
                 tasks.start_soon(port.serve)
                 tasks.start_soon(self._start_and_supervise, env, runtime, limiter)
 
+    def _create_network(self) -> None:
+        farm_id = self.plan.farm_id
+        self.network = self.client.networks.create(
+            network_name(farm_id), driver="bridge", internal=True, labels={LABEL_FARM: farm_id},
+            # No inter-container traffic: a container answers the daemon's proxy, never a sibling.
+            options={"com.docker.network.bridge.name": bridge_name(farm_id), "com.docker.network.bridge.enable_icc": "false"},
+        )
+        if not _iptables("-I", _input_rule(farm_id)):
+            log.warning("cannot add the host firewall rule (needs root and iptables): containers can reach the host",
+                        extra={"farm": farm_id})
+
     def _open_events(self) -> Any:
         return self.client.events(
             decode=True,
