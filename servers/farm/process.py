@@ -248,17 +248,22 @@ class ProcessBackend:
         failures = 0
         backoff_s = 0.2
         while not self._stopping:
-            server = await self._start(env)
-            if server is None:
-                return
-            code = await server.wait_exit()
-            server.send_signal(signal.SIGKILL)  # whatever it forked dies with it
-            self.servers.pop(env.env_id, None)
-            if self._stopping:
-                return
+            try:
+                server = await self._start(env)
+            except OSError as e:  # no fork, pipe or pidfd now (out of pids, files or memory): like a crash
+                server, oom, exit_text = None, False, f"could not start: {e}"
+                log.error("could not start an environment server", extra={"env": env.env_id, "error": str(e)})
+            else:
+                if server is None:
+                    return
+                code = await server.wait_exit()
+                server.send_signal(signal.SIGKILL)  # whatever it forked dies with it
+                self.servers.pop(env.env_id, None)
+                if self._stopping:
+                    return
+                oom = code == -signal.SIGKILL and self._killed_for_memory()
+                exit_text = self._kill_reasons.pop(env.env_id, None) or ("out of memory" if oom else describe_exit(code))
             record = self.board.env(env.env_id)
-            oom = code == -signal.SIGKILL and self._killed_for_memory()
-            exit_text = self._kill_reasons.pop(env.env_id, None) or ("out of memory" if oom else describe_exit(code))
             if record.healthy_at is None:
                 failures += 1
                 if failures >= _STARTUP_ATTEMPTS:
