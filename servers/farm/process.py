@@ -63,16 +63,34 @@ def start_slots() -> int:
     return max(2, len(os.sched_getaffinity(0)))
 
 
-def oom_kills() -> int | None:
-    """The kernel's count of processes it killed for memory since boot (/proc/vmstat), None if unknown."""
+def killed_for_memory(pid: int, since: float) -> bool:
+    """Whether the kernel's log says it killed process ``pid`` for memory after ``since`` (time.monotonic()).
+
+    The OOM killer logs ``Killed process PID (...)`` (also for a memory cgroup's limit); reading
+    /dev/kmsg needs root or CAP_SYSLOG, and without it the answer is False: a plain "killed by SIGKILL".
+    """
     try:
-        with open("/proc/vmstat") as handle:
-            for line in handle:
-                if line.startswith("oom_kill "):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        return None
-    return None
+        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return False
+    marker = f"Killed process {pid} (".encode()
+    found = False
+    try:
+        while True:
+            try:
+                record = os.read(fd, 8192)
+            except BlockingIOError:
+                return found
+            except OSError:
+                continue  # EPIPE: older records were overwritten while we read; go on with the next
+            if not record:
+                return found
+            prefix, _, message = record.partition(b";")
+            fields = prefix.split(b",")
+            if marker in message and len(fields) > 2 and int(fields[2]) / 1e6 >= since - 1.0:
+                found = True
+    finally:
+        os.close(fd)
 
 
 def _child_setup(memory_mb: int) -> None:
@@ -227,7 +245,6 @@ class ProcessBackend:
         # env_id -> why the daemon killed it (a hung server): reported instead of "killed by SIGKILL".
         self._kill_reasons: dict[str, str] = {}
         self._starting = anyio.CapacityLimiter(start_slots())
-        self._oom_kills_seen = oom_kills()
         self._stopping = False
 
     async def run(self) -> None:
@@ -248,10 +265,11 @@ class ProcessBackend:
         failures = 0
         backoff_s = 0.2
         while not self._stopping:
+            started = time.monotonic()
             try:
                 server = await self._start(env)
             except OSError as e:  # no fork, pipe or pidfd now (out of pids, files or memory): like a crash
-                server, oom, exit_text = None, False, f"could not start: {e}"
+                oom, exit_text = False, f"could not start: {e}"
                 log.error("could not start an environment server", extra={"env": env.env_id, "error": str(e)})
             else:
                 if server is None:
@@ -261,7 +279,7 @@ class ProcessBackend:
                 self.servers.pop(env.env_id, None)
                 if self._stopping:
                     return
-                oom = code == -signal.SIGKILL and self._killed_for_memory()
+                oom = code == -signal.SIGKILL and killed_for_memory(server.pid, started)
                 exit_text = self._kill_reasons.pop(env.env_id, None) or ("out of memory" if oom else describe_exit(code))
             record = self.board.env(env.env_id)
             if record.healthy_at is None:
@@ -297,18 +315,6 @@ class ProcessBackend:
                 return server
             await self.kill(env.env_id, f"did not listen within {_LISTEN_TIMEOUT_S:g} s")
             return server
-
-    def _killed_for_memory(self) -> bool:
-        """Whether the kernel killed a process for memory since the last SIGKILL death we looked at.
-
-        The kernel keeps one count for the whole machine, so this is an inference: a SIGKILL with no
-        new OOM kill is someone's ``kill -9``; one with a new OOM kill is most likely the OOM killer.
-        """
-        now = oom_kills()
-        if now is None or self._oom_kills_seen is None:
-            return False
-        seen, self._oom_kills_seen = self._oom_kills_seen, now
-        return now > seen
 
     async def kill(self, env_id: str, reason: str) -> None:
         """SIGKILL ``env_id``'s server (its whole group); its restart reports ``reason``."""
