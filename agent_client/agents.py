@@ -16,6 +16,7 @@ import os
 import random
 import shlex
 import subprocess
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -25,6 +26,7 @@ from agent_client.llm import LlmEndpoint, complete
 from agent_client.models import AgentResult
 from agent_client.remote import EnvControl, McpTools
 from agent_client.user import SimulatedUser
+from envscaler.jsonl import replace_surrogates
 from envscaler.wire import EpisodeCreated
 
 SYSTEM_PROMPT = (
@@ -165,7 +167,7 @@ class OpenAIAgent:
         result = AgentResult()
         tools = ctx.info.tools
         if ctx.user is not None:
-            first = await ctx.user.start(result.user_usage)
+            first = _sendable(await ctx.user.start(result.user_usage), result)
         else:
             first = ctx.info.task
         ctx.opening(first)
@@ -176,39 +178,53 @@ class OpenAIAgent:
                 return result
             response = await complete(self.endpoint, self.client, result.usage, messages=ctx.messages, tools=tools)
             message = response.choices[0].message
-            calls = message.tool_calls or []
-            entry: dict[str, Any] = {"role": "assistant", "content": message.content}
+            content = _sendable(message.content, result)
+            calls = [{"id": c.id, "type": "function", "function": {"name": _sendable(c.function.name, result),
+                                                                  "arguments": _sendable(c.function.arguments, result)}}
+                     for c in message.tool_calls or []]
+            entry: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
-                entry["tool_calls"] = [_tool_call_dict(c) for c in calls]
+                entry["tool_calls"] = calls
             ctx.messages.append(entry)
             if not calls:
                 if ctx.user is None:
                     return result
-                reply, stop = await ctx.user.reply(message.content or "", result.user_usage)
+                reply, stop = await ctx.user.reply(content or "", result.user_usage)
                 if stop:
                     result.termination = "user_stop"
                     return result
-                ctx.messages.append({"role": "user", "content": reply})
+                ctx.messages.append({"role": "user", "content": _sendable(reply, result)})
                 continue
             for call in calls:
                 result.steps += 1
-                await self._answer(ctx, call)
+                await self._answer(ctx, call, result)
 
-    async def _answer(self, ctx: EpisodeContext, call: Any) -> None:
+    async def _answer(self, ctx: EpisodeContext, call: dict[str, Any], result: AgentResult) -> None:
+        name, raw = call["function"]["name"], call["function"]["arguments"]
         try:
-            arguments = json.loads(call.function.arguments or "{}")
+            arguments = json.loads(raw or "{}")
         except json.JSONDecodeError as e:
-            text = f"Error: the arguments of {call.function.name!r} are not valid JSON ({e.msg} at position {e.pos}). Send a JSON object."
-            ctx.messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
+            text = f"Error: the arguments of {name!r} are not valid JSON ({e.msg} at position {e.pos}). Send a JSON object."
+            ctx.messages.append({"role": "tool", "tool_call_id": call["id"], "content": text})
             return
         if not isinstance(arguments, dict):
-            ctx.messages.append({"role": "tool", "tool_call_id": call.id, "content": "Error: arguments must be a JSON object."})
+            ctx.messages.append({"role": "tool", "tool_call_id": call["id"], "content": "Error: arguments must be a JSON object."})
             return
-        await _run_call(ctx, call.id, call.function.name, arguments)
+        text, _ = await ctx.tools.call(name, arguments)
+        ctx.messages.append({"role": "tool", "tool_call_id": call["id"], "content": _sendable(text, result)})
 
 
-def _tool_call_dict(call: Any) -> dict[str, Any]:
-    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}
+def _sendable(text: str | None, result: AgentResult) -> str | None:
+    """``text`` as a model request can carry it (UTF-8): lone surrogates replaced by U+FFFD, counted in ``result``."""
+    if text is None:
+        return None
+    text, replaced = replace_surrogates(text)
+    result.replaced_surrogates += replaced
+    return text
+
+
+BASE_ENVIRONMENT = ("PATH", "HOME", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TERM", "TZ", "USER", "LOGNAME", "SHELL")
+"""What a command agent inherits from the harness's environment (when set); nothing else unless passed by name."""
 
 
 class CommandAgent:
@@ -217,29 +233,43 @@ class CommandAgent:
     The template is split like a shell command and each part formatted with ``{mcp_url}``, ``{task}``,
     ``{env_id}`` and ``{task_id}``; the same values are in ``ENVSCALER_MCP_URL``, ``ENVSCALER_TASK``,
     ``ENVSCALER_ENV_ID`` and ``ENVSCALER_TASK_ID``. Exit 0 means the agent finished.
+
+    The program is the agent under evaluation, so it gets only what it needs: those four values,
+    the variables of BASE_ENVIRONMENT and the ones named in ``passed_env`` (an API key, say), and an
+    empty working directory of its own. Not the harness's environment, tokens or files: the farm
+    catalog holds every server's control token, which reaches the checks and reference solutions.
     """
 
     name = "command"
     converses = False
 
-    def __init__(self, template: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, template: str, timeout_s: float = 600.0, passed_env: tuple[str, ...] = ()) -> None:
         self.template = shlex.split(template)
         self.model = template  # recorded, and checked when a run resumes
         self.timeout_s = timeout_s
+        self.passed_env = passed_env
+
+    def environment(self, ctx: EpisodeContext) -> dict[str, str]:
+        """The command's whole environment for the episode ``ctx``."""
+        names = (*BASE_ENVIRONMENT, *self.passed_env)
+        env = {name: os.environ[name] for name in names if name in os.environ}
+        env.update(ENVSCALER_MCP_URL=ctx.info.mcp_url, ENVSCALER_TASK=ctx.info.task,
+                   ENVSCALER_ENV_ID=ctx.env_id, ENVSCALER_TASK_ID=ctx.task_id)
+        return env
 
     async def run(self, ctx: EpisodeContext) -> AgentResult:
         values = {"mcp_url": ctx.info.mcp_url, "task": ctx.info.task, "env_id": ctx.env_id, "task_id": ctx.task_id}
         command = [part.format(**values) for part in self.template]
-        env = {**os.environ, "ENVSCALER_MCP_URL": ctx.info.mcp_url, "ENVSCALER_TASK": ctx.info.task,
-               "ENVSCALER_ENV_ID": ctx.env_id, "ENVSCALER_TASK_ID": ctx.task_id}
         ctx.opening(ctx.info.task)
-        try:
-            with anyio.fail_after(self.timeout_s):
-                done = await anyio.run_process(command, env=env, check=False, stdin=subprocess.DEVNULL)
-        except FileNotFoundError as e:
-            return AgentResult(messages=ctx.messages, termination="agent_error", error=f"cannot run {command[0]!r}: {e}")
-        except TimeoutError:
-            return AgentResult(messages=ctx.messages, termination="time_limit", error=f"command ran past {self.timeout_s:g} s")
+        with tempfile.TemporaryDirectory(prefix="envscaler-agent-") as workdir:
+            try:
+                with anyio.fail_after(self.timeout_s):
+                    done = await anyio.run_process(command, env=self.environment(ctx), cwd=workdir, check=False,
+                                                   stdin=subprocess.DEVNULL)
+            except FileNotFoundError as e:
+                return AgentResult(messages=ctx.messages, termination="agent_error", error=f"cannot run {command[0]!r}: {e}")
+            except TimeoutError:
+                return AgentResult(messages=ctx.messages, termination="time_limit", error=f"command ran past {self.timeout_s:g} s")
         output = done.stdout.decode(errors="replace").strip()
         if output:
             ctx.messages.append({"role": "assistant", "content": output[-4000:]})
@@ -247,4 +277,3 @@ class CommandAgent:
             tail = done.stderr.decode(errors="replace").strip()[-500:]
             return AgentResult(messages=ctx.messages, termination="agent_error", error=f"exit {done.returncode}: {tail}")
         return AgentResult(messages=ctx.messages, termination="finished")
-

@@ -43,7 +43,10 @@ def _agent_factory(args: argparse.Namespace):
         return lambda: OpenAIAgent(endpoint)
     if not args.command:
         raise HarnessError("--agent command needs --command 'PROGRAM ARGS...' (with {mcp_url} and {task} placeholders)")
-    return lambda: CommandAgent(args.command, timeout_s=args.time_limit)
+    harness_own = [name for name in args.agent_env or [] if name.startswith("ENVSCALER_")]
+    if harness_own:
+        raise HarnessError(f"--agent-env {harness_own[0]}: ENVSCALER_* variables are the harness's and never reach an agent")
+    return lambda: CommandAgent(args.command, timeout_s=args.time_limit, passed_env=tuple(args.agent_env or ()))
 
 
 def _user_endpoint(args: argparse.Namespace) -> LlmEndpoint | None:
@@ -205,7 +208,7 @@ def register_run(commands: argparse._SubParsersAction) -> None:
                     "append one JSONL record, end. Records already in --out are skipped (resume).",
         **with_examples("envscaler run --agent replay --out runs/replay.jsonl",
                         "envscaler run --agent openai --base-url http://localhost:8000/v1 --model qwen3-8b --out runs/qwen.jsonl --repeats 4",
-                        "envscaler run --agent command --command 'python my_agent.py --url {mcp_url} --task {task}' --out runs/mine.jsonl")
+                        "envscaler run --agent command --command \"python $PWD/my_agent.py --url {mcp_url} --task {task}\" --agent-env OPENAI_API_KEY --out runs/mine.jsonl")
     )
     parser.add_argument("--farm", default=DEFAULT_FARM_CATALOG, metavar="CATALOG",
                         help=f"catalog file written by 'envscaler farm up' (default: {DEFAULT_FARM_CATALOG})")
@@ -224,7 +227,13 @@ def register_run(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--user-model", help="model of the simulated user in conversational scenarios (default: --model)")
     parser.add_argument("--retries", type=non_negative_int, default=4, help="retries on 429/5xx/connection errors (default: 4)")
     parser.add_argument("--backoff", type=non_negative_float, default=1.0, help="first retry delay in seconds, doubled each time, plus jitter; a longer Retry-After wins (default: 1)")
-    parser.add_argument("--command", help="--agent command: program template, e.g. \"python my_agent.py --url {mcp_url} --task {task}\"")
+    parser.add_argument("--command",
+                        help="--agent command: program template, e.g. \"python $PWD/my_agent.py --url {mcp_url} --task {task}\". "
+                             "It runs in an empty temporary directory (give absolute paths) with only PATH, HOME, LANG, LANGUAGE, LC_ALL, LC_CTYPE, "
+                             "TERM, TZ, USER, LOGNAME, SHELL, the --agent-env variables and ENVSCALER_MCP_URL, ENVSCALER_TASK, "
+                             "ENVSCALER_ENV_ID, ENVSCALER_TASK_ID: never the harness's other variables, tokens or farm catalog")
+    parser.add_argument("--agent-env", action="append", metavar="NAME",
+                        help="--agent command: also pass this variable of the harness's environment, e.g. OPENAI_API_KEY (repeatable)")
     parser.add_argument("--random-steps", type=positive_int, default=5, help="tool calls of the random agent (default: 5)")
     parser.add_argument("--keep-infra-errors", action="store_true",
                         help="on resume, count episodes that ended in an infra error as done (default: run them again)")

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from agent_client.errors import HarnessError
 from agent_client.models import Record
 from envscaler.bundle import describe_validation_error
+from envscaler.jsonl import dumps, iter_lines, validate_json
 
 ExportFormat = Literal["openai", "sharegpt"]
 
@@ -18,15 +19,15 @@ _SHAREGPT_ROLE = {"system": "system", "user": "human", "assistant": "gpt", "tool
 
 
 def read_records(path: Path) -> list[Record]:
-    """Every record in a run file; a malformed line is an error naming the line."""
+    """Every record in a run file (lines split on ``"\\n"`` only); a malformed line is an error naming the line."""
     if not path.exists():
         raise HarnessError(f"{path}: no such run file")
     records = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in iter_lines(path):
         if not line.strip():
             continue
         try:
-            records.append(Record.model_validate_json(line))
+            records.append(validate_json(Record, line))
         except ValidationError as e:
             # The whole reason, with its position: the first line of pydantic's text is only a count.
             raise HarnessError(f"{path}:{number}: not a run record: {describe_validation_error(e)}") from None
@@ -63,5 +64,5 @@ def export(source: Path, target: Path, *, min_reward: float, fmt: ExportFormat) 
     with target.open("w", encoding="utf-8") as sink:
         for record in kept:
             item = {"messages": record.messages, "tools": record.tools} if fmt == "openai" else to_sharegpt(record)
-            sink.write(json.dumps(item, ensure_ascii=False) + "\n")
+            sink.write(dumps(item) + "\n")
     return len(kept), len(records)

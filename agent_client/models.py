@@ -46,6 +46,9 @@ class AgentResult(BaseModel):
     usage: Usage = Field(default_factory=Usage)
     user_usage: Usage = Field(default_factory=Usage)
     error: str | None = None
+    # Lone surrogates in model replies or tool results replaced by U+FFFD before they went to a model
+    # (no UTF-8 request can carry them); the server's trajectory keeps the originals.
+    replaced_surrogates: int = 0
 
 
 class Record(BaseModel):
@@ -71,6 +74,8 @@ class Record(BaseModel):
     trajectory: list[ToolOutcome] = Field(default_factory=list)
     usage: Usage = Field(default_factory=Usage)
     user_usage: Usage = Field(default_factory=Usage)
+    # How many lone surrogates (text no UTF-8 request can carry) were replaced by U+FFFD in ``messages``.
+    replaced_surrogates: int = 0
     started_at: float
     duration_s: float
 

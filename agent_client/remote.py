@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from agent_client.errors import EnvServerError, TransportError
 from agent_client.http import LeanHttp, Response
 from envscaler.bundle import describe_validation_error
+from envscaler.jsonl import validate_json
 from envscaler.models import Scenario
 from envscaler.wire import (
     CLIENT_CAPABILITIES_META_KEY,
@@ -48,7 +49,7 @@ def new_http_client() -> LeanHttp:
 def _parse(model: type[M], response: Response, what: str) -> M:
     """The reply as ``model``; EnvServerError when the server sent something else."""
     try:
-        return model.model_validate_json(response.body)
+        return validate_json(model, response.body)
     except ValidationError as e:
         raise EnvServerError(f"{what}: the reply is not a {model.__name__}: {describe_validation_error(e)}", response.status) from None
 

@@ -25,6 +25,7 @@ from agent_client.errors import HarnessError
 from agent_client.models import AgentResult, Record
 from agent_client.remote import EnvControl, McpTools, new_http_client
 from envscaler.errors import InfraError
+from envscaler.jsonl import drop_lines, dumps, iter_lines
 from envscaler.wire import FarmCatalog, ScenarioSummary
 from agent_client.user import SimulatedUser
 
@@ -63,31 +64,41 @@ class RunIdentity:
 def read_done(path: Path, identity: RunIdentity, *, rerun_infra_errors: bool = True) -> set[tuple[str, str, int]]:
     """Keys of the records already in ``path``, rewriting it without what will run again.
 
-    Dropped: a torn last line (from a kill) and, with ``rerun_infra_errors``, the records of episodes
-    that could not be judged (a server or endpoint failed), so that a rerun redoes them. HarnessError
-    when a record was made by another agent, model or farm than ``identity``.
+    Dropped: a torn last line (a killed run's last write: the only line without its ``"\\n"``) and,
+    with ``rerun_infra_errors``, the records of episodes that could not be judged (a server or
+    endpoint failed), so that a rerun redoes them. The rewrite is atomic (``envscaler.jsonl.drop_lines``).
+    HarnessError when a record was made by another agent, model or farm than ``identity``, or when a
+    whole line is not a record: it is reported, never deleted.
     """
     done: set[tuple[str, str, int]] = set()
     if not path.exists():
         return done
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    kept = []
-    for number, line in enumerate(lines, start=1):
-        try:
-            item = json.loads(line)
-            key = (item["env_id"], item["task_id"], item["repeat"])
-        except (json.JSONDecodeError, KeyError, TypeError):
+    dropped: set[int] = set()
+    for number, raw in iter_lines(path):
+        if not raw.endswith(b"\n"):
+            dropped.add(number)
+            break
+        if not raw.strip():
+            dropped.add(number)
             continue
+        try:
+            item = json.loads(raw)
+            key = (item["env_id"], item["task_id"], item["repeat"])
+            hash(key)
+        except (ValueError, KeyError, TypeError) as e:
+            reason = f"no field {e}" if isinstance(e, KeyError) else str(e) or type(e).__name__
+            raise HarnessError(f"{path}:{number} is not a run record ({reason}): remove that line, "
+                               "or write this run to another --out") from None
         problem = identity.mismatch(item)
         if problem is not None:
             raise HarnessError(f"{path}:{number} is a record of {problem}: write this run to another --out, "
                                "or remove the file to start over")
         if rerun_infra_errors and item.get("termination") == "infra_error":
+            dropped.add(number)
             continue
         done.add(key)
-        kept.append(line if line.endswith("\n") else line + "\n")
-    if len(kept) != len(lines) or (lines and not lines[-1].endswith("\n")):
-        path.write_text("".join(kept), encoding="utf-8")
+    if dropped:
+        drop_lines(path, dropped)
     return done
 
 
@@ -135,16 +146,26 @@ _END_TIMEOUT_S = 10.0
 
 async def run_episode(http: LeanHttp, control: EnvControl, scenario: ScenarioSummary, repeat: int,
                       agent: Agent, options: RunOptions) -> Record:
-    """One episode from creation to end; never raises for agent or infrastructure trouble."""
+    """One episode from creation to end; never raises for agent, infrastructure or harness trouble."""
     started_wall, started = time.time(), time.monotonic()
     record = Record(env_id=scenario.env_id, task_id=scenario.task_id, repeat=repeat, agent=agent.name, model=agent.model,
                     termination="infra_error", started_at=started_wall, duration_s=0.0)
     try:
+        await _episode(http, control, scenario, repeat, agent, options, record)
+    except Exception as e:  # noqa: BLE001 - one episode's trouble (a harness bug included) must not end the run
+        record.termination, record.reward = "infra_error", None
+        record.error = f"the harness failed in this episode: {type(e).__name__}: {e}"
+    record.duration_s = time.monotonic() - started
+    return record
+
+
+async def _episode(http: LeanHttp, control: EnvControl, scenario: ScenarioSummary, repeat: int, agent: Agent,
+                   options: RunOptions, record: Record) -> None:
+    try:
         info = await control.create(scenario.task_id)
     except InfraError as e:
         record.error = str(e)
-        record.duration_s = time.monotonic() - started
-        return record
+        return
     record.episode_id, record.tools = info.episode_id, info.tools
     user = None
     if info.user_profile and options.user_endpoint is not None and agent.converses:
@@ -158,8 +179,6 @@ async def run_episode(http: LeanHttp, control: EnvControl, scenario: ScenarioSum
         # the servers' idle timeout.
         with anyio.CancelScope(shield=True), anyio.move_on_after(_END_TIMEOUT_S):
             await control.end(info.episode_id)
-    record.duration_s = time.monotonic() - started
-    return record
 
 
 async def _play_and_score(ctx: EpisodeContext, agent: Agent, control: EnvControl, episode_id: str, record: Record,
@@ -172,7 +191,11 @@ async def _play_and_score(ctx: EpisodeContext, agent: Agent, control: EnvControl
         result = AgentResult(messages=ctx.messages, termination="time_limit", error=f"ran past {options.time_limit_s:g} s")
     except InfraError as e:
         result = AgentResult(messages=ctx.messages, termination="infra_error", error=str(e))
+    except Exception as e:  # noqa: BLE001 - one episode's trouble (a harness bug included) must not end the run
+        result = AgentResult(messages=ctx.messages, termination="infra_error",
+                             error=f"the harness failed in this episode's agent: {type(e).__name__}: {e}")
     record.messages, record.termination, record.error = result.messages, result.termination, result.error
+    record.replaced_surrogates = result.replaced_surrogates
     record.steps, record.usage, record.user_usage = result.steps, result.usage, result.user_usage
     try:
         if result.termination != "infra_error":
@@ -185,6 +208,23 @@ async def _play_and_score(ctx: EpisodeContext, agent: Agent, control: EnvControl
         record.tool_errors = trajectory.tool_errors
     except InfraError as e:
         record.termination, record.error, record.reward = "infra_error", str(e), None
+
+
+def record_line(record: Record) -> str:
+    """The JSONL line of ``record``; one that cannot be serialised becomes a line that says why.
+
+    That line is an infra error (so a rerun tries the episode again) without the messages,
+    trajectory and score, which held what could not be written.
+    """
+    try:
+        return dumps(record)
+    except Exception as e:  # noqa: BLE001 - whatever the value, the run goes on and the episode is accounted for
+        stand_in = Record(env_id=record.env_id, task_id=record.task_id, repeat=record.repeat, agent=record.agent,
+                          model=record.model, episode_id=record.episode_id, termination="infra_error",
+                          error=f"this episode's record could not be written ({type(e).__name__}: {e}); "
+                                "its messages, trajectory and score were left out",
+                          started_at=record.started_at, duration_s=record.duration_s)
+        return dumps(stand_in)
 
 
 async def run(catalog: FarmCatalog, make_agent: Callable[[], Agent], out: Path, *, patterns: list[str] | None = None,
@@ -212,7 +252,7 @@ async def run(catalog: FarmCatalog, make_agent: Callable[[], Agent], out: Path, 
                 async with limiter:
                     record = await run_episode(http, controls[scenario.env_id], scenario, repeat, agent, options)
                 # Written and flushed per episode: a killed run loses at most the episodes in flight.
-                sink.write(record.model_dump_json() + "\n")
+                sink.write(record_line(record) + "\n")
                 sink.flush()
                 records.append(record)
                 progress.add(record)

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from envscaler.errors import BundleError
+from envscaler.jsonl import dumps, escape_unsafe, read_values
 from envscaler.models import Bundle, EnvSpec, Scenario
 
 ENV_FILE = "env.json"
@@ -49,18 +50,13 @@ def read_json(path: Path) -> Any:
 
 
 def read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
-    """Yield ``(line_number, object)`` for each non-blank line of a JSON Lines file."""
+    """Yield ``(line_number, object)`` for each non-blank line of a JSON Lines file (split on ``"\\n"`` only)."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        yield from read_values(path)
     except OSError as e:
         raise BundleError(f"{path}: cannot read: {e.strerror}") from None
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            yield number, json.loads(line)
-        except json.JSONDecodeError as e:
-            raise BundleError(f"{path}:{number}:{e.colno}: malformed JSON: {e.msg}") from None
+    except ValueError as e:
+        raise BundleError(str(e)) from None
 
 
 def load_bundle(directory: str | Path) -> Bundle:
@@ -102,11 +98,9 @@ def save_bundle(bundle: Bundle, root: str | Path) -> Path:
     """Write ``bundle`` under ``root/<env_id>/`` and return that directory."""
     directory = Path(root) / bundle.spec.env_id
     directory.mkdir(parents=True, exist_ok=True)
-    env_json = json.dumps(bundle.spec.model_dump(mode="json", exclude_none=True), indent=2, ensure_ascii=False)
+    env_json = escape_unsafe(json.dumps(bundle.spec.model_dump(mode="json", exclude_none=True), indent=2, ensure_ascii=False))
     (directory / ENV_FILE).write_text(env_json + "\n", encoding="utf-8")
-    lines = [
-        json.dumps(s.model_dump(mode="json", exclude_none=True), ensure_ascii=False) for s in bundle.scenarios
-    ]
+    lines = [dumps(s.model_dump(mode="json", exclude_none=True)) for s in bundle.scenarios]
     (directory / SCENARIOS_FILE).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     return directory
 

@@ -16,6 +16,7 @@ from envscaler.bundle import load_bundle
 from envscaler.errors import EnvScalerError
 from envscaler.gate_workers import WorkerEvent
 from envscaler.gates import check_environment, check_scenario
+from envscaler.jsonl import dumps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,7 +56,7 @@ def _own_stdout() -> TextIO:
 
 
 def _emit(events: TextIO, event: WorkerEvent) -> None:
-    events.write(event.model_dump_json(exclude_defaults=True) + "\n")
+    events.write(dumps(event.model_dump(mode="json", exclude_defaults=True)) + "\n")
     events.flush()
 
 

@@ -27,6 +27,7 @@ from pydantic import BaseModel, Field, ValidationError
 from envscaler.bundle import load_bundle
 from envscaler.errors import EnvScalerError
 from envscaler.gates import EnvReport, GateResult, ScenarioReport
+from envscaler.jsonl import validate_json
 from envscaler.sandbox import start_module
 
 # Memory a worker may use: a benchmark-sized scenario is built three times by the gates.
@@ -134,7 +135,7 @@ class _ShardRun:
                     if line is None:
                         break
                     try:
-                        event = WorkerEvent.model_validate_json(line)
+                        event = validate_json(WorkerEvent, line)
                     except ValidationError:
                         continue  # not ours: the worker's stdout is only ever the driver's
                     if event.error is not None:

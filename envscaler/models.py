@@ -169,8 +169,11 @@ class ToolOutcome(BaseModel):
     # What the agent is shown for ``result``: a string as itself, anything else as JSON. Not part of
     # the record (it repeats ``result``).
     result_text: str | None = Field(default=None, exclude=True)
-    # True when the result was longer than the environment's limit: ``result`` is then the cut text.
+    # True when ``result`` is cut: the result was longer than the server's limit for one result, or
+    # than what was left of the episode's trajectory limit. ``result`` is then the cut text.
     truncated: bool = False
+    # The length in characters of the whole result text, when ``truncated``.
+    result_chars: int | None = None
     error: str | None = None
     error_kind: ErrorKind | None = None
     latency_s: float = 0.0
@@ -189,7 +192,10 @@ class ToolOutcome(BaseModel):
     def agent_text(self) -> str:
         """What the agent is shown: the result's text, or the error message when there is no result."""
         if self.error_kind == "tool" or self.error is None:
-            return self.result_text if self.result_text is not None else _result_text(self.result)
+            text = self.result_text if self.result_text is not None else _result_text(self.result)
+            if self.truncated and self.result_chars is not None:
+                text += f"\n[truncated: the result has {self.result_chars} characters; the first {len(text)} are shown]"
+            return text
         return self.error
 
 

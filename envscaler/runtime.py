@@ -155,19 +155,24 @@ class EnvRuntime:
             return f"Arguments of {name!r} must be a JSON object"
         problems = validate(arguments, tool.parameters)
         accepted = self._parameters[name]
-        if accepted is not None and tool.parameters.get("additionalProperties") is not False:
+        if accepted is not None:
+            # The method's signature decides, whatever the schema lists: an argument it cannot take is
+            # the caller's to fix, not a crash of the environment's code.
+            closed = tool.parameters.get("additionalProperties") is False
+            listed = tool.parameters.get("properties") or {}
             problems += [f"unexpected argument {key!r} (allowed: {', '.join(sorted(accepted)) or 'none'})"
-                         for key in arguments if key not in accepted and key not in (tool.parameters.get("properties") or {})]
+                         for key in arguments if key not in accepted and not (closed and key not in listed)]
         if problems:
             return f"Invalid arguments for {name!r}: " + "; ".join(problems)
         return None
 
-    def result_text(self, raw: Any) -> tuple[str, bool]:
-        """What the agent is shown for a result: a string as itself, anything else as JSON; (text, truncated)."""
+    def result_text(self, raw: Any) -> tuple[str, int | None]:
+        """What the agent is shown for a result: a string as itself, anything else as JSON, cut at
+        ``max_result_chars``; (text, the whole text's length when it was cut, else None)."""
         text = raw if isinstance(raw, str) else to_json_text(plain(raw), ascii_only=False)[0]
         if len(text) > self.max_result_chars:
-            return text[: self.max_result_chars], True
-        return text, False
+            return text[: self.max_result_chars], len(text)
+        return text, None
 
     def reported_failure(self, raw: Any) -> str | None:
         """Why the result counts as a tool error under the environment's policy, or None."""
@@ -377,11 +382,12 @@ class Episode:
         """The method call and the serialisation of its result (both are env code: both run under the limit)."""
         runtime = self.runtime
         raw = getattr(self.instance, name)(**arguments)
-        text, truncated = runtime.result_text(raw)
+        text, whole_chars = runtime.result_text(raw)
+        truncated = whole_chars is not None
         reported = runtime.reported_failure(raw)
         result = text if truncated else raw if isinstance(raw, str) else json.loads(text)
         return ToolOutcome(name=name, arguments=arguments, result=result, result_text=text, truncated=truncated,
-                           error=reported, error_kind="tool" if reported else None)
+                           result_chars=whole_chars, error=reported, error_kind="tool" if reported else None)
 
     def _finish(self, before: dict[str, Any] | None, deleted: set[str] | None) -> list[StateChange]:
         """What the call changed, with the shared-state bookkeeping (adoption, giving back copies)."""

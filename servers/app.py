@@ -7,7 +7,6 @@ once per agent step. Routes are the table in DESIGN.md ("One environment server"
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 from collections.abc import Awaitable
 from typing import Any, TypeVar
@@ -33,7 +32,7 @@ from envscaler.wire import (
     ServerInfo,
     ValidationRequest,
 )
-from servers.asgi import json_bytes, read_body, send_json
+from servers.asgi import json_bytes, parse_json, read_body, send_json
 from servers.cors import CorsPolicy, request_origin
 from servers.episode_ids import REPLICA_ID_PATTERN
 from servers.episodes import EpisodeStore, LiveEpisode
@@ -75,6 +74,9 @@ class ServerConfig(BaseModel):
     inline_budget_s: float = Field(default=0.02, ge=0)
     allowed_origins: list[str] = Field(default_factory=list)
     memory_reserve_mb: float = Field(default=32.0, ge=0)
+    # One result as the agent sees it, and one episode's whole trajectory (results and arguments).
+    max_result_chars: int = Field(default=1_000_000, ge=1)
+    max_trajectory_chars: int = Field(default=16_000_000, ge=1)
     # The OpenEnv listener (``--openenv-port``), off unless asked for.
     openenv: OpenEnvConfig | None = None
     # Set when this server is one replica of many: episode ids then name it (servers.episode_ids).
@@ -87,7 +89,8 @@ class EnvServerApp:
     def __init__(self, bundle: Bundle, config: ServerConfig) -> None:
         self.bundle = bundle
         self.config = config
-        self.runtime = EnvRuntime(bundle.spec, call_timeout_s=config.call_timeout_s, check_timeout_s=config.check_timeout_s)
+        self.runtime = EnvRuntime(bundle.spec, call_timeout_s=config.call_timeout_s, check_timeout_s=config.check_timeout_s,
+                                  max_result_chars=config.max_result_chars)
         self.store = EpisodeStore(
             bundle,
             self.runtime,
@@ -97,6 +100,7 @@ class EnvServerApp:
             inline_budget_s=config.inline_budget_s,
             memory_reserve_mb=config.memory_reserve_mb,
             replica_id=config.replica_id,
+            max_trajectory_chars=config.max_trajectory_chars,
         )
         self.mcp = McpEndpoint(self.store, f"envscaler-{bundle.env_id}", bundle.spec.environment_introduction)
         self._token = f"Bearer {config.token}".encode()
@@ -220,8 +224,8 @@ class EnvServerApp:
     async def _body(self, receive: Any, model: type[M]) -> M:
         raw = await self._read_body(receive)
         try:
-            data = json.loads(raw) if raw.strip() else {}
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            data = parse_json(raw) if raw.strip() else {}
+        except ValueError as e:
             raise ErrorReply(400, f"malformed JSON body: {e}") from None
         try:
             return model.model_validate(data)
@@ -343,8 +347,8 @@ class EnvServerApp:
         live = self._live(episode_id)
         raw = await self._read_body(receive)
         try:
-            message = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            message = parse_json(raw)
+        except ValueError as e:
             await send_json(send, 400, json_bytes(parse_error(str(e))))
             return
         status, body = await self.mcp.handle(live, message, routing)
@@ -368,8 +372,8 @@ class EnvServerApp:
             raise ErrorReply(404, f"no open event stream {session_id!r} for episode {live.episode_id}: GET .../sse first")
         raw = await self._read_body(receive)
         try:
-            message = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            message = parse_json(raw)
+        except ValueError as e:
             raise ErrorReply(400, f"malformed JSON-RPC message: {e}") from None
         _, body = await self.mcp.handle(live, message, [])
         if body is not None:

@@ -77,6 +77,8 @@ def _config(args: argparse.Namespace, token: str) -> ServerConfig:
         inline_budget_s=args.inline_budget,
         allowed_origins=args.allowed_origin or [],
         memory_reserve_mb=args.memory_reserve,
+        max_result_chars=args.max_result_chars,
+        max_trajectory_chars=args.max_trajectory_chars,
         openenv=None if args.openenv_port is None else OpenEnvConfig(
             openenv_port=args.openenv_port,
             max_sessions=args.openenv_sessions,
@@ -112,6 +114,12 @@ def register_serve(commands: Any) -> None:
     parser.add_argument("--call-timeout", type=float, default=10.0, help="seconds a tool call may run (default: 10)")
     parser.add_argument("--check-timeout", type=float, default=5.0, help="seconds one check may run (default: 5)")
     parser.add_argument("--max-body", type=int, default=1_048_576, help="largest request body in bytes (default: 1 MiB)")
+    parser.add_argument("--max-result-chars", type=int, default=1_000_000,
+                        help="characters of one tool result the agent and the trajectory get; a longer result is cut, "
+                             "and the cut is reported to the agent and in the trajectory (default: 1000000)")
+    parser.add_argument("--max-trajectory-chars", type=int, default=16_000_000,
+                        help="characters of results and arguments one episode's trajectory keeps; past it, results are "
+                             "kept cut (marked truncated) (default: 16000000)")
     parser.add_argument("--workers", type=int, default=32, help="threads at most for tool calls that block or run long (default: 32)")
     parser.add_argument(
         "--inline-budget",

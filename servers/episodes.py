@@ -27,6 +27,7 @@ from envscaler import Bundle, EnvCodeError, EnvRuntime, Episode, Scenario, ToolO
 from envscaler.guard import Preempted, can_preempt
 from envscaler.models import CheckItem
 from envscaler.wire import Trajectory
+from servers.asgi import json_bytes
 from servers.calls import CallRunner
 from servers.episode_ids import new_episode_id
 from servers.errors import CallAbandoned, LimitReached, OutOfMemory, UnknownEpisode, UnknownScenario
@@ -51,6 +52,21 @@ class LiveEpisode:
         self.calls: list[ToolOutcome] = []
         self.last_used = time.monotonic()
         self.stuck = False
+        # Characters of results and arguments the trajectory holds (capped: ``keep``).
+        self.kept_chars = 0
+
+    def keep(self, outcome: ToolOutcome, limit_chars: int) -> None:
+        """Add ``outcome`` to the trajectory; past ``limit_chars`` in all, its result is kept cut (``truncated``)."""
+        text = outcome.result_text if outcome.result_text is not None else ""
+        size = len(text) + len(outcome.error or "") + len(json_bytes(outcome.arguments))
+        left = limit_chars - self.kept_chars
+        if size > left and text:
+            cut = text[: max(left - (size - len(text)), 0)]
+            outcome = outcome.model_copy(update={"result": cut, "result_text": cut, "truncated": True,
+                                                 "result_chars": outcome.result_chars or len(text)})
+            size -= len(text) - len(cut)
+        self.kept_chars += size
+        self.calls.append(outcome)
 
     def reset(self, episode: Episode, scenario: Scenario | None, init_config: dict[str, Any] | None) -> None:
         self.episode.close()
@@ -58,6 +74,7 @@ class LiveEpisode:
         self.scenario = scenario
         self.init_config = init_config
         self.calls = []
+        self.kept_chars = 0
         self.stuck = False
         self.last_used = time.monotonic()
 
@@ -95,6 +112,7 @@ class EpisodeStore:
         inline_budget_s: float,
         memory_reserve_mb: float = 0.0,
         replica_id: str | None = None,
+        max_trajectory_chars: int = 16_000_000,
     ) -> None:
         self.bundle = bundle
         # Prefixes every episode id when this server is one replica of many (servers.episode_ids).
@@ -107,6 +125,7 @@ class EpisodeStore:
         self.runner = CallRunner(f"env-{runtime.env_id}", max_threads=worker_threads)
         self.inline_budget_s = inline_budget_s
         self.memory_reserve_mb = memory_reserve_mb
+        self.max_trajectory_chars = max_trajectory_chars
         # Tools that once outran the inline budget: they go to the worker thread directly.
         self.threaded_tools: set[str] = set()
         self.stuck_calls = 0
@@ -216,7 +235,7 @@ class EpisodeStore:
                     self.stuck_calls += 1
                     message = f"Tool {name!r} ran longer than {self.runtime.call_timeout_s:g} s and was abandoned"
                     outcome = ToolOutcome.failure(name, arguments, "timeout", message)
-            live.calls.append(outcome)
+            live.keep(outcome, self.max_trajectory_chars)
             live.last_used = time.monotonic()
         if outcome.error:
             level = logging.INFO if outcome.error_kind in ("agent", "tool") else logging.WARNING

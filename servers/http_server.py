@@ -76,25 +76,25 @@ class HttpServer:
         self.graceful_s = graceful_s
         self.max_pipelined = max_pipelined
         self.connections: set[_Connection] = set()
-        self._stop: asyncio.Event | None = None
+        # Made here, not in ``serve``: a stop asked for while the server starts is kept.
+        self._stop = asyncio.Event()
 
     def stop(self) -> None:
         """Begin the graceful stop (call it on the server's event loop)."""
-        if self._stop is not None:
-            self._stop.set()
+        self._stop.set()
 
-    async def serve(self, sock: socket.socket, on_ready: Callable[[], None] | None = None) -> None:
+    async def serve(self, sock: socket.socket, on_ready: Callable[[], None] | None = None, *, handle_signals: bool = True) -> None:
         """Lifespan startup, serve until stopped, graceful stop, lifespan shutdown.
 
         ``on_ready`` runs once connections are accepted and, on the main thread (the only one that
-        can take signals), SIGTERM/SIGINT stop the server.
+        can take signals), SIGTERM/SIGINT stop the server unless ``handle_signals`` is false (a
+        caller that stops other things first calls ``stop`` itself).
         """
         loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
         lifespan = _Lifespan(self.app)
         await lifespan.startup()
         server = await loop.create_server(lambda: _Connection(self), sock=sock)
-        signals = _STOP_SIGNALS if threading.current_thread() is threading.main_thread() else ()
+        signals = _STOP_SIGNALS if handle_signals and threading.current_thread() is threading.main_thread() else ()
         for signum in signals:
             loop.add_signal_handler(signum, self.stop)
         sweeper = loop.create_task(self._close_idle_forever())

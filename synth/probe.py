@@ -63,7 +63,8 @@ def probe_sync(request: ProbeRequest, timeout_s: float) -> ProbeResult:
             done = run_module("synth.probe_worker", [str(path)], timeout_s=timeout_s)
         except TimeoutExpired:
             return ProbeResult(class_error=f"the generated code did not finish within {timeout_s:g} s")
-    lines = done.stdout.strip().splitlines()
+    # Split on "\n" only: a result can hold U+2028 and the like, which splitlines() breaks on.
+    lines = done.stdout.strip().split("\n")
     try:
         return ProbeResult.model_validate(json.loads(lines[-1]))
     except (IndexError, ValueError):

@@ -18,15 +18,15 @@ from pathlib import Path
 from typing import Protocol
 
 import anyio
-import uvicorn
 
 from envscaler import logs
 from envscaler.wire import EnvEndpoint, FarmCatalog
 from servers.farm.board import Board
-from servers.farm.gateway import Gateway
+from servers.farm.gateway import MAX_BODY, Gateway
 from servers.farm.health import Prober
 from servers.errors import FarmError
 from servers.farm.models import FarmPaths, FarmPlan, read_json, write_json
+from servers.http_server import HttpServer
 from servers.serve import bind
 
 log = logging.getLogger("envscaler.farm")
@@ -69,14 +69,6 @@ class LiveRoutes(Mapping[str, str]):
         return len(self.board.state.envs)
 
 
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling: the daemon stops its servers first, then the gateway."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
 def _backend(plan: FarmPlan, paths: FarmPaths, board: Board) -> FarmBackend:
     if plan.backend == "docker":
         from servers.farm.docker_backend import DockerBackend
@@ -116,20 +108,20 @@ def _write_catalog(plan: FarmPlan, paths: FarmPaths, board: Board) -> None:
     write_json(paths.catalog, catalog)
 
 
-async def _stop_on_signal(server: uvicorn.Server) -> None:
+async def _stop_on_signal(server: HttpServer) -> None:
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for _ in signals:
-            server.should_exit = True
+            server.stop()
             return
 
 
-async def _stop_when_orphaned(paths: FarmPaths, server: uvicorn.Server) -> None:
+async def _stop_when_orphaned(paths: FarmPaths, server: HttpServer) -> None:
     """Stop once the plan file is gone: nobody can run ``farm down`` on a farm whose files were deleted
     (a test's temporary folder cleaned up after the test runner was killed, say), so it stops itself."""
     while paths.plan.exists():
         await anyio.sleep(_ORPHAN_POLL_S)
     log.warning("farm files are gone; stopping the farm", extra={"farm_dir": str(paths.dir)})
-    server.should_exit = True
+    server.stop()
 
 
 async def _beat(paths: FarmPaths) -> None:
@@ -151,12 +143,8 @@ async def run_daemon(paths: FarmPaths) -> None:
     board.set(gateway=f"http://{plan.gateway_host}:{sock.getsockname()[1]}")
     board.flush()
     gateway = Gateway(LiveRoutes(board), allowed_origins=plan.allowed_origins)
-    server = _Server(
-        uvicorn.Config(
-            gateway, http="httptools", lifespan="on", access_log=False, log_config=None, log_level="warning",
-            server_header=False, date_header=False, timeout_graceful_shutdown=3,
-        )
-    )
+    # The daemon takes the signals: it stops its servers first, then the gateway.
+    server = HttpServer(gateway, max_body_bytes=MAX_BODY, graceful_s=3.0)
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(_stop_on_signal, server)
         tasks.start_soon(_stop_when_orphaned, paths, server)
@@ -167,7 +155,7 @@ async def run_daemon(paths: FarmPaths) -> None:
         prober = Prober(board, backend.kill, period_s=plan.probes.period_s, timeout_s=plan.probes.timeout_s,
                         misses_allowed=plan.probes.misses_allowed)
         tasks.start_soon(prober.run)
-        await server.serve(sockets=[sock])
+        await server.serve(sock, handle_signals=False)
         await backend.stop()
         tasks.cancel_scope.cancel()
     board.flush()

@@ -1,31 +1,43 @@
 """The farm's one base URL: ``/envs/{env_id}/...`` is proxied to that environment's server.
 
-A raw ASGI application over one pooled httpx client, because it sits on every tool call. It sets
-``X-Envscaler-Base-Url`` so the servers hand out MCP URLs that go through the gateway too.
+A raw ASGI application over a pool of keep-alive upstream connections (``servers.farm.upstream``),
+served by ``servers.http_server``: it sits on every tool call. It sets ``X-Envscaler-Base-Url`` so
+the servers hand out MCP URLs that go through the gateway too. The farm daemon serves it over fixed
+routes, the swarm's gateway service (``servers.farm.swarm_gateway``) over a ``ReplicaRouter``.
+
+An answer with a length of at most the body cap is read whole before it is passed on, so a server
+that dies halfway through it is answered 502. Any other answer (an event stream, a chunked body)
+streams as it comes, and is cut off, closing the connection, if the server stops short; the
+upstream connection is closed when the client goes away.
 
 Routes of its own: ``GET /healthz`` (open) and ``GET /envs`` (the environment ids, no tokens).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
-
-import httpx
 
 from envscaler.wire import GatewayHealth
 from servers.asgi import json_bytes, read_body, send_json
 from servers.cors import CorsPolicy, request_origin
 from servers.farm.routing import ReplicaRouter, RouteError
+from servers.farm.upstream import UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
+
+log = logging.getLogger("envscaler.farm")
 
 Scope = dict[str, Any]
 
 # Headers that describe one hop, not the message (RFC 9110 section 7.6.1), and the ones we set.
-_HOP_BY_HOP = {
+_HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
-    b"transfer-encoding", b"upgrade", b"host", b"x-envscaler-base-url",
-}
-_MAX_BODY = 16 * 1024 * 1024
+    b"transfer-encoding", b"upgrade",
+})
+# The upstream client frames the request itself, and gets the whole body at once (no 100 Continue).
+_NOT_FORWARDED = _HOP_BY_HOP | {b"host", b"content-length", b"expect", b"x-envscaler-base-url"}
+MAX_BODY = 16 * 1024 * 1024
 
 
 class Gateway:
@@ -45,11 +57,7 @@ class Gateway:
         self.router = router
         self.cors = CorsPolicy(list(allowed_origins))
         # Tool calls are short; validation and long tool calls are bounded by the servers themselves.
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(read_timeout_s, connect=5.0),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=30.0),
-            trust_env=False,
-        )
+        self.upstream = UpstreamPool(read_timeout_s=read_timeout_s)
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -63,22 +71,23 @@ class Gateway:
             if message["type"] == "lifespan.startup":
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                await self.client.aclose()
+                self.upstream.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
     async def _http(self, scope: Scope, receive: Any, send: Any) -> None:
-        origin = request_origin(scope)
-        if origin is not None and self.cors.enabled:
-            if scope["method"] == "OPTIONS":
-                await self.cors.preflight(scope, origin, send)
-                return
-            if not self.cors.allows(origin):
-                await send_json(send, 403, json_bytes({"error": f"origin {origin!r} is not allowed (see farm up --allowed-origin)"}))
-                return
-            # The gateway is the farm's browser boundary: the servers behind it see a checked request.
-            send = self.cors.wrap(origin, send)
-            scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k != b"origin"]}
+        if self.cors.enabled:
+            origin = request_origin(scope)
+            if origin is not None:
+                if scope["method"] == "OPTIONS":
+                    await self.cors.preflight(scope, origin, send)
+                    return
+                if not self.cors.allows(origin):
+                    await send_json(send, 403, json_bytes({"error": f"origin {origin!r} is not allowed (see farm up --allowed-origin)"}))
+                    return
+                # The gateway is the farm's browser boundary: the servers behind it see a checked request.
+                send = self.cors.wrap(origin, send)
+                scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k != b"origin"]}
         raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
         path = raw_path.split(b"?", 1)[0]
         if path == b"/healthz":
@@ -100,40 +109,73 @@ class Gateway:
         await self._proxy(scope, receive, send, env_id, upstream.rstrip("/"), b"/" + (parts[3] if len(parts) == 4 else b""))
 
     async def _proxy(self, scope: Scope, receive: Any, send: Any, env_id: str, upstream: str, rest: bytes) -> None:
-        body = await read_body(receive, _MAX_BODY)
+        body = await read_body(receive, MAX_BODY)
         if body is None:
-            await send_json(send, 413, json_bytes({"error": f"request body is larger than {_MAX_BODY} bytes"}))
+            await send_json(send, 413, json_bytes({"error": f"request body is larger than {MAX_BODY} bytes"}))
             return
-        headers = [(k, v) for k, v in scope["headers"] if k not in _HOP_BY_HOP]
+        headers = [(k, v) for k, v in scope["headers"] if k not in _NOT_FORWARDED]
         headers.append((b"x-envscaler-base-url", f"{_origin(scope)}/envs/{env_id}".encode()))
         query = scope.get("query_string") or b""
         target = rest.decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
+        method = scope["method"]
 
-        def attempt(base: str) -> Awaitable[httpx.Response]:
-            return self.client.send(self.client.build_request(scope["method"], base + target, headers=headers, content=body), stream=True)
+        def attempt(base: str) -> Awaitable[UpstreamResponse]:
+            return self.upstream.request(base, method, target, headers, body)
 
+        response: UpstreamResponse | None = None
         try:
             if self.router is None:
                 response = await attempt(upstream)
             else:
-                response = await self.router.forward(env_id, scope["method"], rest, attempt)
+                response = await self.router.forward(env_id, method, rest, attempt)
+            if not response.complete and _length(response.headers) <= MAX_BODY:
+                await response.read()
         except RouteError as e:
             await send_json(send, e.status, json_bytes({"error": e.message}))
-            return
-        except httpx.TimeoutException:
-            await send_json(send, 504, json_bytes({"error": f"environment {env_id!r} did not answer in time at {upstream}"}))
-            return
-        except httpx.HTTPError as e:
-            await send_json(send, 502, json_bytes({"error": f"environment {env_id!r} is not answering at {upstream}: {e!r}"}))
-            return
-        try:
-            out_headers = [(k, v) for k, v in response.headers.raw if k.lower() not in _HOP_BY_HOP]
-            await send({"type": "http.response.start", "status": response.status_code, "headers": out_headers})
-            async for chunk in response.aiter_raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b""})
+        except UpstreamTimeout as e:
+            await send_json(send, 504, json_bytes({"error": f"environment {env_id!r} did not answer in time at {upstream}: {e}"}))
+        except UpstreamError as e:
+            await send_json(send, 502, json_bytes({"error": f"environment {env_id!r} is not answering at {upstream}: {e}"}))
+        else:
+            await self._pass_on(response, receive, send, env_id)
         finally:
-            await response.aclose()
+            if response is not None:
+                response.release()
+
+    async def _pass_on(self, response: UpstreamResponse, receive: Any, send: Any, env_id: str) -> None:
+        """Send the upstream answer to the client: whole when it is here, else as it arrives."""
+        headers = [(k, v) for k, v in response.headers if k not in _HOP_BY_HOP]
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        if response.complete:
+            await send({"type": "http.response.body", "body": response.body})
+            return
+        # A stream may run for as long as the client stays: when it leaves, stop reading the server.
+        watcher = asyncio.ensure_future(_disconnect(receive))
+        watcher.add_done_callback(lambda done: done.cancelled() or response.abort())
+        try:
+            async for chunk in response.chunks():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except UpstreamError as e:
+            if not watcher.done():
+                # The response has begun: closing the connection without its end is how the client learns.
+                log.warning("environment server stopped in the middle of an answer", extra={"env": env_id, "error": str(e)})
+            return
+        finally:
+            watcher.cancel()
+        await send({"type": "http.response.body", "body": b""})
+
+
+async def _disconnect(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _length(headers: list[tuple[bytes, bytes]]) -> int:
+    """The Content-Length of a response, or more than any cap when it has none (a stream)."""
+    for name, value in headers:
+        if name == b"content-length" and value.isdigit():
+            return int(value)
+    return MAX_BODY + 1
 
 
 def _origin(scope: Scope) -> str:

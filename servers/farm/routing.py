@@ -31,10 +31,11 @@ from pydantic import ValidationError
 
 from envscaler.wire import Health
 from servers.episode_ids import replica_of
+from servers.farm.upstream import UpstreamConnectError, UpstreamError, UpstreamResponse, UpstreamTimeout
 
 log = logging.getLogger("envscaler.farm")
 
-Attempt = Callable[[str], Awaitable[httpx.Response]]
+Attempt = Callable[[str], Awaitable[UpstreamResponse]]
 # Addresses of an environment's replicas now, or None when they cannot be looked up now.
 Discover = Callable[[str], Awaitable[list[str] | None]]
 
@@ -43,7 +44,6 @@ _GONE_MEMORY = 4096
 # A replica id this gateway never saw may be new (its DNS record still spreading to this node):
 # look this many times, this far apart, before calling it gone.
 _UNSEEN_LOOKS, _UNSEEN_PAUSE_S = 3, 0.5
-_NOT_REACHED = (httpx.ConnectError, httpx.ConnectTimeout)
 _NO_SUCH_NAME = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
 
 
@@ -188,14 +188,14 @@ class ReplicaRouter:
 
     # -- routing -----------------------------------------------------------------------------------
 
-    async def forward(self, env_id: str, method: str, rest: bytes, attempt: Attempt) -> httpx.Response:
+    async def forward(self, env_id: str, method: str, rest: bytes, attempt: Attempt) -> UpstreamResponse:
         """Send one request (``attempt(replica_address)``) to the right replica; RouteError when none can take it."""
         episode_id = _episode_in(rest)
         replica_id = replica_of(episode_id) if episode_id else None
         if episode_id and replica_id:
             replica = await self._holder(env_id, replica_id, episode_id)
             response = await self._on_holder(env_id, replica, episode_id, attempt)
-            if method == "DELETE" and rest.rstrip(b"/").count(b"/") == 2 and response.status_code < 300:
+            if method == "DELETE" and rest.rstrip(b"/").count(b"/") == 2 and response.status < 300:
                 replica.episodes = max(replica.episodes - 1, 0)
             return response
         creating = method == "POST" and rest.rstrip(b"/") == b"/episodes"
@@ -205,16 +205,16 @@ class ReplicaRouter:
             tried.add(replica.replica_id)
             try:
                 response = await self._send(replica, attempt)
-            except _NOT_REACHED:
+            except UpstreamConnectError:
                 replica.failures += 1
                 continue  # it never got the request: another replica can take it
             if response is None:
                 continue  # it was found gone while this waited: whatever it did is gone with it
-            if creating and response.status_code < 300:
+            if creating and response.status < 300:
                 replica.episodes += 1
             return response
 
-    async def _send(self, replica: Replica, attempt: Attempt) -> httpx.Response | None:
+    async def _send(self, replica: Replica, attempt: Attempt) -> UpstreamResponse | None:
         """``attempt`` on ``replica``; None when the replica was found gone while the request waited on it."""
         with anyio.CancelScope() as waiting:
             replica.waiting.add(waiting)
@@ -238,11 +238,11 @@ class ReplicaRouter:
             raise RouteError(410, self._gone(env_id, episode_id, replica_id))
         return replica
 
-    async def _on_holder(self, env_id: str, replica: Replica, episode_id: str, attempt: Attempt) -> httpx.Response:
+    async def _on_holder(self, env_id: str, replica: Replica, episode_id: str, attempt: Attempt) -> UpstreamResponse:
         try:
             response = await self._send(replica, attempt)
-        except httpx.TransportError as e:
-            if isinstance(e, httpx.TimeoutException) and not isinstance(e, httpx.ConnectTimeout):
+        except UpstreamError as e:
+            if isinstance(e, UpstreamTimeout):
                 raise  # slow, not gone: the gateway answers 504
             # It refused the connection or dropped it: gone, unless a probe finds it well.
             await self.refresh(env_id)

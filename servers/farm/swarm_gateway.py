@@ -19,14 +19,13 @@ from pydantic import BaseModel, Field, ValidationError
 
 from envscaler import logs
 from envscaler.bundle import describe_validation_error
-from servers.farm.gateway import Gateway
+from servers.farm.gateway import MAX_BODY, Gateway
 from servers.farm.routing import ReplicaRouter, dns_discovery
 from servers.http_server import HttpServer
 from servers.launch import no_new_privileges
 from servers.serve import _loop_factory, bind
 
 GATEWAY_PORT = 8080
-_MAX_BODY = 16 * 1024 * 1024
 
 
 class GatewayRoutes(BaseModel):
@@ -41,7 +40,7 @@ async def serve_gateway(routes: GatewayRoutes, port: int) -> None:
     """Serve the gateway on every address at ``port`` until SIGTERM or SIGINT."""
     router = ReplicaRouter(list(routes.services), dns_discovery(routes.services, routes.port), poll_s=routes.poll_s)
     gateway = Gateway(routes.services, router=router)
-    server = HttpServer(gateway, max_body_bytes=_MAX_BODY)
+    server = HttpServer(gateway, max_body_bytes=MAX_BODY)
     sock = bind("0.0.0.0", port)
     poller = asyncio.create_task(router.run())
 

@@ -1,0 +1,185 @@
+"""The farm's gateway against a direct call: the same server, the same client, alternating in one run.
+
+``envscaler farm up`` brings up a one-environment process farm (library_circulation by default). One
+episode is created, and its read-only reference tool call is made two ways, with the harness's
+keep-alive HTTP/1.1 client (``agent_client.http``):
+
+- direct: to the environment server's own URL (``/episodes/{id}/mcp``);
+- gateway: to the farm's one URL (``/envs/{env_id}/episodes/{id}/mcp``), served by the farm daemon.
+
+Each round measures sequential latencies, then throughput with 16 concurrent clients, for one target
+and then the other, so that a shared machine whose speed drifts moves both sides alike. The ratio is
+the median of the per-round ratios, the added p50 the median of the per-round p50 differences. CPU per
+call of the daemon (the gateway) and of the server is read from /proc.
+
+    python benchmarks/gateway.py [--env DIR] [--rounds 7] [--seconds 1]
+
+Targets: gateway throughput >= 0.8x direct, added sequential p50 <= 0.2 ms. Exits 1 when one is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from agent_client.http import LeanHttp
+from envscaler import default_catalog
+from envscaler.wire import FarmCatalog
+
+CONCURRENCY = 16
+SEQUENTIAL_CALLS = 400
+RATIO_TARGET = 0.8
+ADDED_P50_TARGET_MS = 0.2
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+HEADERS = {"MCP-Protocol-Version": "2026-07-28", "Mcp-Method": "tools/call", "Accept": "application/json, text/event-stream"}
+META = {"io.modelcontextprotocol/protocolVersion": "2026-07-28", "io.modelcontextprotocol/clientCapabilities": {}}
+
+sys.path.insert(0, str(Path(__file__).parent))
+from server import percentile, read_only_call  # noqa: E402  (the sibling benchmark's helpers)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+class Target:
+    """One way to reach the tool: its MCP URL, and the process whose CPU per call is reported."""
+
+    def __init__(self, name: str, url: str, pid: int) -> None:
+        self.name, self.url, self.pid = name, url, pid
+        self.rates: list[float] = []
+        self.p50s: list[float] = []
+        self.latencies: list[float] = []
+        self.cpu_s = 0.0
+        self.calls = 0
+
+    async def call(self, http: LeanHttp, token: str, tool: str, arguments: dict, number: int) -> None:
+        body = {"jsonrpc": "2.0", "id": number, "method": "tools/call", "params": {"name": tool, "arguments": arguments, "_meta": META}}
+        response = await http.request("POST", self.url, body, {**HEADERS, "Mcp-Name": tool, "Authorization": f"Bearer {token}"})
+        if response.status != 200 or b'"isError":false' not in response.body:
+            raise RuntimeError(f"{self.name}: tool call failed ({response.status}): {response.body[:300]!r}")
+
+
+async def sequential(target: Target, http: LeanHttp, token: str, tool: str, arguments: dict, calls: int) -> list[float]:
+    latencies = []
+    for number in range(calls):
+        started = time.perf_counter()
+        await target.call(http, token, tool, arguments, number)
+        latencies.append((time.perf_counter() - started) * 1e3)
+    return latencies
+
+
+async def throughput(target: Target, http: LeanHttp, token: str, tool: str, arguments: dict, seconds: float) -> float:
+    """Calls/s with CONCURRENCY clients for ``seconds``; adds the CPU time of ``target.pid`` to it."""
+    done = 0
+    deadline = time.perf_counter() + seconds
+
+    async def worker() -> None:
+        nonlocal done
+        number = 0
+        while time.perf_counter() < deadline:
+            await target.call(http, token, tool, arguments, number)
+            number += 1
+            done += 1
+
+    cpu_before = cpu_seconds(target.pid)
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+    elapsed = time.perf_counter() - started
+    target.cpu_s += cpu_seconds(target.pid) - cpu_before
+    target.calls += done
+    return done / elapsed
+
+
+async def measure(direct: Target, gateway: Target, token: str, tool: str, arguments: dict, rounds: int, seconds: float) -> None:
+    async with LeanHttp() as http:
+        for target in (direct, gateway):
+            await sequential(target, http, token, tool, arguments, 300)  # warm-up
+        for number in range(rounds):
+            # Which side goes first alternates too: neither always runs on a machine just warmed by the other.
+            for target in (direct, gateway) if number % 2 == 0 else (gateway, direct):
+                latencies = await sequential(target, http, token, tool, arguments, SEQUENTIAL_CALLS)
+                target.latencies += latencies
+                target.p50s.append(statistics.median(latencies))
+                target.rates.append(await throughput(target, http, token, tool, arguments, seconds))
+            print(f"round {number + 1}/{rounds}: direct {direct.rates[-1]:,.0f}/s p50 {direct.p50s[-1]:.3f} ms   "
+                  f"gateway {gateway.rates[-1]:,.0f}/s p50 {gateway.p50s[-1]:.3f} ms", flush=True)
+
+
+def farm(*args: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "envscaler.cli", "farm", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"envscaler farm {args[0]} failed ({result.returncode}):\n{result.stderr[-3000:]}")
+
+
+async def run(args: argparse.Namespace) -> int:
+    env_dir = Path(args.env)
+    scenario_id, tool, arguments = read_only_call(env_dir)
+    print(f"environment {env_dir.name}, tool {tool}({json.dumps(arguments)}), {CONCURRENCY} concurrent clients, "
+          f"{args.rounds} rounds of {args.seconds:g} s per target, {os.cpu_count()} cores")
+    with tempfile.TemporaryDirectory(prefix="gateway-bench-") as scratch:
+        root = Path(scratch) / "envs"
+        shutil.copytree(env_dir, root / env_dir.name)
+        catalog_path = Path(scratch) / "farm.json"
+        farm("up", str(root), "--backend", "process", "--catalog", str(catalog_path), "--timeout", "120")
+        try:
+            catalog = FarmCatalog.model_validate_json(catalog_path.read_text())
+            state = json.loads((Path(scratch) / "farm.json.farm" / "state.json").read_text())
+            env_id, endpoint = next(iter(catalog.envs.items()))
+            async with LeanHttp() as http:
+                response = await http.request("POST", endpoint.url + "/episodes", {"scenario_id": scenario_id},
+                                              {"Authorization": f"Bearer {endpoint.token}"})
+                if response.status != 201:
+                    raise RuntimeError(f"creating an episode failed ({response.status}): {response.body[:300]!r}")
+                mcp_path = response.json()["mcp_path"]
+            direct = Target("direct", endpoint.url + mcp_path, state["envs"][env_id]["pid"])
+            gateway = Target("gateway", f"{catalog.gateway}/envs/{env_id}{mcp_path}", state["daemon_pid"])
+            await measure(direct, gateway, endpoint.token, tool, arguments, args.rounds, args.seconds)
+            server_cpu_us = 1e6 * direct.cpu_s / direct.calls
+        finally:
+            farm("down", "--catalog", str(catalog_path))
+
+    ratios = [g / d for g, d in zip(gateway.rates, direct.rates)]
+    added = [g - d for g, d in zip(gateway.p50s, direct.p50s)]
+    ratio, added_p50 = statistics.median(ratios), statistics.median(added)
+    print()
+    print(f"{'':<38} {'direct':>10} {'gateway':>10}")
+    print(f"{'tool calls/s, 16 concurrent (median)':<38} {statistics.median(direct.rates):>10,.0f} {statistics.median(gateway.rates):>10,.0f}")
+    print(f"{'sequential p50 (ms)':<38} {percentile(direct.latencies, 0.5):>10.3f} {percentile(gateway.latencies, 0.5):>10.3f}")
+    print(f"{'sequential p99 (ms)':<38} {percentile(direct.latencies, 0.99):>10.3f} {percentile(gateway.latencies, 0.99):>10.3f}")
+    print(f"{'CPU per call (us): server / gateway':<38} {server_cpu_us:>10.0f} {1e6 * gateway.cpu_s / gateway.calls:>10.0f}")
+    print(f"\nper-round throughput ratios: {', '.join(f'{r:.2f}' for r in ratios)}; "
+          f"added p50 per round (ms): {', '.join(f'{a:.3f}' for a in added)}")
+    verdicts = [
+        (f"gateway throughput {ratio:.2f}x direct", ratio >= RATIO_TARGET, f">= {RATIO_TARGET}x"),
+        (f"gateway adds {added_p50:.3f} ms to sequential p50", added_p50 <= ADDED_P50_TARGET_MS, f"<= {ADDED_P50_TARGET_MS} ms"),
+    ]
+    for text, ok, target in verdicts:
+        print(f"{text:<48} target {target:<10} {'ok' if ok else 'MISSED'}")
+    return 0 if all(ok for _, ok, _ in verdicts) else 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--env", default=str(default_catalog() / "library_circulation"), help="bundle to serve (default: library_circulation)")
+    parser.add_argument("--rounds", type=int, default=7, help="measurement rounds, alternating between the targets (default: 7)")
+    parser.add_argument("--seconds", type=float, default=1.0, help="length of each throughput run in a round (default: 1)")
+    args = parser.parse_args()
+    import uvloop
+
+    return uvloop.run(run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
