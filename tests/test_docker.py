@@ -65,7 +65,7 @@ def farm(tmp_path_factory, engine):
     counter = write_bundle(root / "bundles", counter_spec(env_class_code=HOG_CODE), [counter_scenario()])
     catalog = root / "farm.json"
     up = envscaler("farm", "up", str(counter), str(default_catalog() / "online_retail"), str(default_catalog() / "it_helpdesk"),
-                   "--backend", "docker", "--catalog", str(catalog), "--memory-mb", "128", timeout=600)
+                   "--backend", "docker", "--catalog", str(catalog), "--memory-mb", "128", "--probe-period", "1", timeout=600)
     assert up.returncode == 0, up.stderr
     yield catalog
     envscaler("farm", "down", "--catalog", str(catalog), timeout=DOCKER_TIMEOUT_S)
@@ -199,6 +199,21 @@ def test_an_out_of_memory_container_is_restarted_while_others_answer(farm):
     # The catalog's URL still reaches it, although the new container may have another address.
     assert httpx.get(counter["url"] + "/healthz", timeout=5).json()["env_id"] == "counter"
     assert all(r["restarts"] == 0 for e, r in read_state(farm)["envs"].items() if e != "counter")
+
+
+def test_a_hung_container_is_restarted_and_reported(farm, engine):
+    container = container_of(engine, farm, "it_helpdesk")
+    before = read_state(farm)["envs"]["it_helpdesk"]["restarts"]
+    server = container.attrs["State"]["Pid"]
+    os.kill(server, signal.SIGSTOP)  # alive, but answers nothing
+    wait_until(lambda: read_state(farm)["envs"]["it_helpdesk"]["restarts"] == before + 1
+               and read_state(farm)["envs"]["it_helpdesk"]["status"] == "healthy")
+    record = read_state(farm)["envs"]["it_helpdesk"]
+    assert record["last_exit"] == "hung: no answer to 3 health probes in a row"
+    container.reload()
+    assert container.status == "running" and container.attrs["State"]["Pid"] != server
+    url = json.loads(farm.read_text())["envs"]["it_helpdesk"]["url"]
+    assert httpx.get(url + "/healthz", timeout=5).json()["env_id"] == "it_helpdesk"
 
 
 def test_down_leaves_nothing_also_after_kill_9(tmp_path, engine):

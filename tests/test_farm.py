@@ -50,7 +50,11 @@ def test_up_writes_the_catalog_and_status_reports_health(farm):
         assert httpx.get(endpoint["url"] + "/info").status_code == 401
     status = envscaler("farm", "status", "--catalog", str(farm))
     assert status.returncode == 0
-    assert all(e in status.stdout for e in ENVS) and "healthy" in status.stdout
+    # A summary line; the healthy servers are listed only on request.
+    assert "3/3 healthy, 0 restart(s)" in status.stdout and not any(e in status.stdout for e in ENVS)
+    everything = envscaler("farm", "status", "--catalog", str(farm), "--all")
+    assert everything.returncode == 0
+    assert all(f"{e} " in everything.stdout for e in ENVS) and everything.stdout.count(" healthy ") == 3
 
 
 def test_reference_replay_through_the_gateway_scores_one(farm):

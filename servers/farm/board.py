@@ -51,7 +51,8 @@ class Board:
         if self._dirty and self.paths.plan.exists():
             self._dirty = False
             self.state.updated_at = time.time()
-            write_json(self.paths.state, self.state)
+            # Unindented: a third less to write, many times a second while a farm of 1,000 starts.
+            write_json(self.paths.state, self.state, indent=None)
 
     async def flush_forever(self, interval_s: float = 0.1) -> None:
         """Write changes at most every ``interval_s`` so ``up`` and ``status`` see them promptly."""

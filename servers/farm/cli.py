@@ -29,6 +29,8 @@ from servers.farm.process import FARM_ID_VARIABLE, describe_exit
 from servers.farm.teardown import pid_alive, tear_down
 
 DEFAULT_CATALOG = DEFAULT_FARM_CATALOG
+# When `up` fails, the servers it names before summing up the rest.
+_UNHEALTHY_SHOWN = 20
 
 
 def _state(paths: FarmPaths) -> FarmState | None:
@@ -48,28 +50,34 @@ def _spawn_daemon(plan: FarmPlan, paths: FarmPaths) -> subprocess.Popen[bytes]:
 
 
 def _progress(state: FarmState | None, total: int, started: float) -> str:
+    return f"farm: {_counts(state, total)} after {time.monotonic() - started:.1f} s"
+
+
+def _counts(state: FarmState | None, total: int) -> str:
+    """``3/5 healthy (1 restarting, 1 starting)``."""
     counts: dict[str, int] = {}
     for record in (state.envs.values() if state else []):
         counts[record.status] = counts.get(record.status, 0) + 1
     healthy = counts.pop("healthy", 0)
     rest = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
-    return f"farm: {healthy}/{total} healthy{' (' + rest + ')' if rest else ''} after {time.monotonic() - started:.1f} s"
+    return f"{healthy}/{total} healthy{' (' + rest + ')' if rest else ''}"
+
+
+# A log gets a progress line this often (a terminal gets a live line): a few lines for a big farm, not one per server.
+_PROGRESS_EVERY_S = 5.0
+_LIVE_EVERY_S = 0.5
+_STATE_POLL_S = 0.2
 
 
 def _wait_ready(daemon: subprocess.Popen[bytes], paths: FarmPaths, total: int, timeout_s: float) -> tuple[FarmState | None, str | None]:
     """Poll the daemon's state file until ready; (state, problem)."""
     started = time.monotonic()
     interactive = sys.stderr.isatty()
-    last_healthy, last_print = -1, 0.0
+    every_s = _LIVE_EVERY_S if interactive else _PROGRESS_EVERY_S
+    last_print = started
     state = None
     while True:
         state = _state(paths)
-        healthy = sum(r.status == "healthy" for r in state.envs.values()) if state else 0
-        # A terminal gets a live line; a log gets a line per change in health, or every 5 s.
-        if interactive or healthy != last_healthy or time.monotonic() - last_print > 5:
-            line = _progress(state, total, started)
-            print(("\r" + line) if interactive else line, end="" if interactive else "\n", file=sys.stderr, flush=True)
-            last_healthy, last_print = healthy, time.monotonic()
         if state and state.ready:
             problem = None
             break
@@ -82,9 +90,13 @@ def _wait_ready(daemon: subprocess.Popen[bytes], paths: FarmPaths, total: int, t
         if time.monotonic() - started > timeout_s:
             problem = f"not every environment was healthy within {timeout_s:g} s"
             break
-        time.sleep(0.1)
-    if interactive:
-        print(file=sys.stderr)
+        if time.monotonic() - last_print >= every_s:
+            line = _progress(state, total, started)
+            print(("\r" + line) if interactive else line, end="" if interactive else "\n", file=sys.stderr, flush=True)
+            last_print = time.monotonic()
+        time.sleep(_STATE_POLL_S)
+    line = _progress(state, total, started)
+    print(("\r" + line) if interactive else line, file=sys.stderr, flush=True)
     return state, problem
 
 
@@ -112,6 +124,9 @@ def farm_up(args: argparse.Namespace) -> int:
     limits = Limits(memory_mb=args.memory_mb, cpus=args.cpus, pids=args.pids)
     plan = plan_farm(args.env_dirs or [str(default_catalog())], backend, paths.catalog, limits, args.gateway_port, args.openenv)
     plan.allowed_origins = args.allowed_origin or []
+    if args.probe_period is not None and args.probe_period <= 0:
+        raise FarmError(f"--probe-period must be more than 0 seconds, not {args.probe_period:g}")
+    plan.probes.period_s = args.probe_period
     print(f"farm: starting {len(plan.envs)} environment(s) with the {backend} backend (farm {plan.farm_id})", file=sys.stderr)
     if backend == "swarm":
         from servers.farm.swarm_backend import swarm_up
@@ -126,9 +141,11 @@ def farm_up(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     if problem:
         print(f"error: {problem}", file=sys.stderr)
-        for record in (state.envs.values() if state else []):
-            if record.status != "healthy":
-                print(f"  {record.env_id}: {record.status}{' (' + record.last_exit + ')' if record.last_exit else ''}", file=sys.stderr)
+        unhealthy = [record for record in (state.envs.values() if state else []) if record.status != "healthy"]
+        for record in unhealthy[:_UNHEALTHY_SHOWN]:
+            print(f"  {record.env_id}: {record.status}{' (' + record.last_exit + ')' if record.last_exit else ''}", file=sys.stderr)
+        if len(unhealthy) > _UNHEALTHY_SHOWN:
+            print(f"  ... and {len(unhealthy) - _UNHEALTHY_SHOWN} more not healthy", file=sys.stderr)
         # Tearing down deletes the farm's folder, logs included: show what the daemon said first.
         for line in _tail(paths.daemon_log):
             print(f"  daemon: {line}", file=sys.stderr)
@@ -154,11 +171,18 @@ def farm_status(args: argparse.Namespace) -> int:
     if args.json:
         print(state.model_dump_json(indent=2))
     else:
+        total = len(state.envs)
+        restarts = sum(record.restarts for record in state.envs.values())
         print(f"farm {state.farm_id}: {state.backend} backend, daemon pid {state.daemon_pid} "
-              f"{'running' if alive else 'NOT RUNNING'}, gateway {state.gateway}, {'ready' if state.ready else 'not ready'}")
-        print(f"{'env_id':<28} {'status':<11} {'restarts':>8}  {'url':<24} last exit")
-        for record in state.envs.values():
-            oom = " (out of memory)" if record.oom_killed else ""
+              f"{'running' if alive else 'NOT RUNNING'}, gateway {state.gateway}"
+              f"{f' ({state.gateway_proxy})' if state.gateway_proxy else ''}, {'ready' if state.ready else 'not ready'}; "
+              f"{_counts(state, total) if alive else f'{total} environment(s), status unknown'}, {restarts} restart(s)")
+        # At a thousand servers the healthy ones are noise: the list is what needs a look, unless --all.
+        shown = [r for r in state.envs.values() if args.all or r.status != "healthy" or r.last_exit]
+        if shown:
+            print(f"{'env_id':<28} {'status':<11} {'restarts':>8}  {'url':<24} last exit")
+        for record in shown:
+            oom = " (out of memory)" if record.oom_killed and "out of memory" not in (record.last_exit or "") else ""
             # Without its daemon nobody watches the servers: their last known status says nothing now.
             status = record.status if alive else "unknown"
             print(f"{record.env_id:<28} {status:<11} {record.restarts:>8}  {record.url:<24} {record.last_exit or ''}{oom}")
@@ -211,6 +235,9 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--openenv", action="store_true",
                     help="also serve the OpenEnv protocol from every server (process backend, needs the [openenv] extra); "
                     "the catalog gives each environment's openenv_url")
+    up.add_argument("--probe-period", type=float, metavar="SECONDS",
+                    help="each server is asked for /healthz once per this many seconds, the farm's probes spread over it; "
+                         "one that misses 3 in a row is hung and is restarted (default: 10, or environments/50 when more)")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for every server to be healthy (default: 120)")
     swarm = up.add_argument_group("swarm backend")
     swarm.add_argument("--registry", metavar="HOST:PORT", help="registry the farm's images are pushed to and every node pulls from (required)")
@@ -224,8 +251,11 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
     up.set_defaults(func=farm_up)
 
     status = actions.add_parser("status", help="show each environment's health and restarts; exit 1 unless all are healthy",
-                                **with_examples("envscaler farm status", "envscaler farm status --catalog runs/farm.json --json"))
+                                **with_examples("envscaler farm status", "envscaler farm status --all",
+                                                "envscaler farm status --catalog runs/farm.json --json"))
     catalog_flag(status)
+    status.add_argument("--all", action="store_true",
+                        help="list every environment (default: a summary, then only those not healthy or ever restarted)")
     status.add_argument("--json", action="store_true", help="print the daemon's full state as JSON")
     status.set_defaults(func=farm_status)
 

@@ -7,24 +7,25 @@ healthy, and on SIGTERM or SIGINT stops its servers and exits.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import resource
 import signal
 import socket
 import sys
-import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Protocol
 
 import anyio
-import httpx
 
 from envscaler import logs
 from envscaler.wire import EnvEndpoint, FarmCatalog
 from servers.farm.board import Board
 from servers.farm.front import FrontProxy, haproxy_executable
 from servers.farm.gateway import MAX_BODY, Gateway
+from servers.farm.health import Prober
 from servers.errors import FarmError
 from servers.farm.models import FarmPaths, FarmPlan, read_json, write_json
 from servers.http_server import HttpServer
@@ -32,8 +33,7 @@ from servers.serve import bind
 
 log = logging.getLogger("envscaler.farm")
 
-_STARTUP_POLL_S = 0.1
-_STEADY_POLL_S = 2.0
+_READY_POLL_S = 0.1
 _ORPHAN_POLL_S = 2.0
 _HEARTBEAT_S = 3.0
 
@@ -46,6 +46,9 @@ class FarmBackend(Protocol):
 
     async def stop(self) -> None:
         """Stop what ``run`` started that must not outlive the daemon."""
+
+    async def kill(self, env_id: str, reason: str) -> None:
+        """Kill ``env_id``'s server now (it is hung); its restart is reported with ``reason``."""
 
 
 class LiveRoutes(Mapping[str, str]):
@@ -78,35 +81,23 @@ def _backend(plan: FarmPlan, paths: FarmPaths, board: Board) -> FarmBackend:
     return ProcessBackend(plan, paths, board)
 
 
-async def watch_health(plan: FarmPlan, paths: FarmPaths, board: Board) -> None:
-    """Poll every server's ``/healthz``; write the catalog the first time all of them answer."""
-    async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
-        while True:
-            async with anyio.create_task_group() as tasks:
-                for env in plan.envs:
-                    tasks.start_soon(_check, client, board, env.env_id)
-            statuses = [record.status for record in board.state.envs.values()]
-            if not board.state.ready and all(s == "healthy" for s in statuses):
-                _write_catalog(plan, paths, board)
-                board.set(ready=True)
-            if "failed" in statuses and not board.state.ready and board.state.error is None:
-                failed = [e for e, r in board.state.envs.items() if r.status == "failed"]
-                board.set(error=f"{len(failed)} environment(s) failed to start: {', '.join(failed)}")
-            await anyio.sleep(_STEADY_POLL_S if board.state.ready else _STARTUP_POLL_S)
+async def watch_ready(plan: FarmPlan, paths: FarmPaths, board: Board) -> None:
+    """Write the catalog once every server is healthy; report servers that failed to start until then.
 
-
-async def _check(client: httpx.AsyncClient, board: Board, env_id: str) -> None:
-    record = board.env(env_id)
-    if record.status == "failed":
-        return
-    try:
-        healthy = (await client.get(record.url + "/healthz")).status_code == 200
-    except httpx.HTTPError:
-        healthy = False
-    if healthy and record.status != "healthy":
-        board.update(env_id, status="healthy", healthy_at=record.healthy_at or time.time())
-    elif not healthy and record.status == "healthy":
-        board.update(env_id, status="unhealthy")
+    The backends set each server's status as it changes (ready pipe, exit, Docker events, probes);
+    this only looks at the board, a few times a second, and stops once the farm is ready.
+    """
+    while not board.state.ready:
+        statuses = [record.status for record in board.state.envs.values()]
+        if all(s == "healthy" for s in statuses):
+            _write_catalog(plan, paths, board)
+            board.set(ready=True)
+            log.info("every environment is healthy", extra={"envs": len(statuses)})
+            return
+        if "failed" in statuses and board.state.error is None:
+            failed = [e for e, r in board.state.envs.items() if r.status == "failed"]
+            board.set(error=f"{len(failed)} environment(s) failed to start: {', '.join(failed)}")
+        await anyio.sleep(_READY_POLL_S)
 
 
 def _write_catalog(plan: FarmPlan, paths: FarmPaths, board: Board) -> None:
@@ -165,7 +156,10 @@ async def run_daemon(paths: FarmPaths) -> None:
         tasks.start_soon(board.flush_forever)
         tasks.start_soon(_beat, paths)
         tasks.start_soon(backend.run)
-        tasks.start_soon(watch_health, plan, paths, board)
+        tasks.start_soon(watch_ready, plan, paths, board)
+        prober = Prober(board, backend.kill, period_s=plan.probes.period_s, timeout_s=plan.probes.timeout_s,
+                        misses_allowed=plan.probes.misses_allowed)
+        tasks.start_soon(prober.run)
         if front is not None:
             tasks.start_soon(front.run, paths.dir / "haproxy.log")
         await server.serve(gateway_sock, handle_signals=False)
@@ -193,6 +187,16 @@ def _front_proxy(plan: FarmPlan, paths: FarmPaths, sock: socket.socket, routes: 
     return front, private
 
 
+def _raise_open_files_limit() -> None:
+    """Up to the hard limit: the daemon holds a pidfd per server and the gateway's connections (1,024
+    by default is less than a farm of 1,000 needs)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: ``python -m servers.farm.daemon FARM_DIR``."""
     args = sys.argv[1:] if argv is None else argv
@@ -200,8 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m servers.farm.daemon FARM_DIR", file=sys.stderr)
         return 2
     logs.configure("info")
-    # One line per health probe would bury what matters (restarts, errors).
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    _raise_open_files_limit()
     farm_dir = Path(args[0])
     paths = FarmPaths(farm_dir.with_name(farm_dir.name.removesuffix(".farm")))
     anyio.run(run_daemon, paths, backend_options={"use_uvloop": True})

@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import logging
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.from_thread
 import anyio.to_thread
+import docker.errors
 
 from servers.farm.board import Board
+from servers.farm.health import answers_healthz
 from servers.farm.images import LABEL_ENV, LABEL_FARM, build_env_image, docker_client, current_runtime
 from servers.farm.models import EnvPlan, FarmPaths, FarmPlan
 from servers.farm.publish import LoopbackPort
@@ -32,7 +36,7 @@ log = logging.getLogger("envscaler.farm")
 SERVER_PORT = 8000
 SERVER_USER = "10001:10001"
 HEARTBEAT_PATH = "/run/envscaler/heartbeat"
-_POLL_S = 0.5
+_READY_PROBE_TIMEOUT_S = 2.0
 
 
 def network_name(farm_id: str) -> str:
@@ -87,7 +91,11 @@ def remove_farm_resources(farm_id: str) -> int:
 
 
 class DockerBackend:
-    """Builds missing images, starts one container per environment, restarts the ones that die."""
+    """Builds missing images, starts one container per environment, restarts the ones that die.
+
+    Deaths come from Docker's event stream (one for the whole farm, filtered by its label): a die or
+    oom event wakes the environment's supervisor at once, with no per-container polling.
+    """
 
     def __init__(self, plan: FarmPlan, paths: FarmPaths, board: Board) -> None:
         self.plan = plan
@@ -98,7 +106,13 @@ class DockerBackend:
         self.containers: dict[str, Any] = {}
         # env_id -> (container address, port) while its container runs; read by the loopback relays.
         self.targets: dict[str, tuple[str, int]] = {}
+        # env_id -> set when its current container dies (from the event stream), with what was seen.
+        self._deaths: dict[str, anyio.Event] = {}
+        self._exit_codes: dict[str, str] = {}
+        self._oom: set[str] = set()
+        self._kill_reasons: dict[str, str] = {}
         self._warned_route = False
+        self._stopping = False
 
     async def run(self) -> None:
         """Start and supervise every environment until cancelled."""
@@ -115,7 +129,12 @@ class DockerBackend:
         await anyio.to_thread.run_sync(self._create_network)
         runtime = await anyio.to_thread.run_sync(current_runtime, self.client)
         limiter = anyio.CapacityLimiter(8)
+        for env in self.plan.envs:
+            self._deaths[env.env_id] = anyio.Event()
         async with anyio.create_task_group() as tasks:
+            # Listening before the first container starts: no death can slip by unseen.
+            events = await anyio.to_thread.run_sync(self._open_events)
+            tasks.start_soon(self._follow_events, events)
             for env, port in zip(self.plan.envs, ports):
                 tasks.start_soon(port.serve)
                 tasks.start_soon(self._start_and_supervise, env, runtime, limiter)
@@ -131,27 +150,90 @@ class DockerBackend:
             log.warning("cannot add the host firewall rule (needs root and iptables): containers can reach the host",
                         extra={"farm": farm_id})
 
+    def _open_events(self) -> Any:
+        return self.client.events(
+            decode=True,
+            filters={"type": "container", "label": f"{LABEL_FARM}={self.plan.farm_id}", "event": ["die", "oom"]},
+        )
+
+    async def _follow_events(self, events: Any) -> None:
+        """Read Docker's event stream in a worker thread; each event is handled on the event loop."""
+
+        def pump() -> None:
+            for event in events:
+                anyio.from_thread.run_sync(self._on_event, event)
+
+        try:
+            await anyio.to_thread.run_sync(pump, abandon_on_cancel=True)
+        finally:
+            events.close()  # ends the worker thread's blocking read
+
+    def _on_event(self, event: dict[str, Any]) -> None:
+        attributes = event.get("Actor", {}).get("Attributes", {})
+        env_id = attributes.get(LABEL_ENV)
+        if env_id not in self._deaths:
+            return
+        if event.get("Action") == "oom":
+            self._oom.add(env_id)
+            return
+        self._exit_codes[env_id] = attributes.get("exitCode", "?")
+        self._deaths[env_id].set()
+
     async def _start_and_supervise(self, env: EnvPlan, runtime: str, limiter: anyio.CapacityLimiter) -> None:
         async with limiter:
             image, _ = await anyio.to_thread.run_sync(build_env_image, self.client, Path(env.bundle_dir), runtime)
             container = await anyio.to_thread.run_sync(self._run_container, env, image)
-        self.containers[env.env_id] = container
-        await self._publish_address(env, container)
+            self.containers[env.env_id] = container
+            await self._publish_address(env, container)
+            await self._wait_listening(env)
         while True:
-            await anyio.sleep(_POLL_S)
+            await self._deaths[env.env_id].wait()
+            if self._stopping:
+                return
+            self._deaths[env.env_id] = anyio.Event()
             await anyio.to_thread.run_sync(container.reload)
-            if container.status in ("running", "created", "restarting"):
-                continue
-            state = container.attrs["State"]
+            oom = env.env_id in self._oom or bool(container.attrs["State"].get("OOMKilled"))
+            self._oom.discard(env.env_id)
+            exit_text = self._kill_reasons.pop(env.env_id, None) or (
+                "out of memory" if oom else f"exit {self._exit_codes.pop(env.env_id, '?')}"
+            )
             record = self.board.env(env.env_id)
-            oom = bool(state.get("OOMKilled"))
-            exit_text = "out of memory" if oom else f"exit {state.get('ExitCode')}"
             log.warning("environment container died; restarting", extra={"env": env.env_id, "exit": exit_text})
             self.targets.pop(env.env_id, None)
             self.board.update(env.env_id, status="restarting", restarts=record.restarts + 1, last_exit=exit_text,
                               oom_killed=oom or record.oom_killed, address=None)
             await anyio.to_thread.run_sync(container.start)
             await self._publish_address(env, container)
+            await self._wait_listening(env)
+
+    async def _wait_listening(self, env: EnvPlan) -> None:
+        """Mark ``env`` healthy once its server answers; a container that dies first is left to its supervisor.
+
+        The server's ready pipe cannot cross into a container: this asks it, quickly at first, then
+        every second, only while it starts.
+        """
+        address = self.board.env(env.env_id).address or env.url
+        pause_s = 0.05
+        while not self._deaths[env.env_id].is_set():
+            if await answers_healthz(address, _READY_PROBE_TIMEOUT_S):
+                record = self.board.env(env.env_id)
+                self.board.update(env.env_id, status="healthy", healthy_at=record.healthy_at or time.time())
+                return
+            with anyio.move_on_after(pause_s):
+                await self._deaths[env.env_id].wait()
+            pause_s = min(pause_s * 2, 1.0)
+
+    async def kill(self, env_id: str, reason: str) -> None:
+        """Kill ``env_id``'s container (it is hung); the die event restarts it and ``reason`` is reported."""
+        container = self.containers.get(env_id)
+        if container is None:
+            return
+        self._kill_reasons[env_id] = reason
+        log.warning("killing an environment container", extra={"env": env_id, "reason": reason})
+        try:
+            await anyio.to_thread.run_sync(container.kill)
+        except docker.errors.APIError as e:  # it stopped meanwhile: its die event does the rest
+            log.warning("could not kill an environment container", extra={"env": env_id, "error": str(e)})
 
     def _run_container(self, env: EnvPlan, image: str) -> Any:
         limits = self.plan.limits
@@ -198,4 +280,5 @@ class DockerBackend:
 
     async def stop(self) -> None:
         """Remove every container and the network of this farm."""
+        self._stopping = True
         await anyio.to_thread.run_sync(remove_farm_resources, self.plan.farm_id)

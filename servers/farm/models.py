@@ -32,6 +32,17 @@ class Limits(BaseModel):
     pids: int = Field(default=128, ge=16)
 
 
+class Probes(BaseModel):
+    """How the daemon looks for servers that are alive but hung (``servers.farm.health``)."""
+
+    # Each server is asked for /healthz once per period, the farm's probes spread evenly over it;
+    # None: 10 s, longer for farms so big that the daemon would send more than 50 probes a second.
+    period_s: float | None = Field(default=None, gt=0)
+    timeout_s: float = Field(default=2.0, gt=0)
+    # Missed probes in a row after which the server is killed and restarted.
+    misses_allowed: int = Field(default=3, ge=1)
+
+
 class EnvPlan(BaseModel):
     """One environment the daemon must run."""
 
@@ -64,6 +75,7 @@ class FarmPlan(BaseModel):
     gateway_host: str = "127.0.0.1"
     gateway_port: int = 0
     limits: Limits = Field(default_factory=Limits)
+    probes: Probes = Field(default_factory=Probes)
     # Browser origins the gateway answers with CORS headers ('*' for any).
     allowed_origins: list[str] = Field(default_factory=list)
     envs: list[EnvPlan]
@@ -119,13 +131,13 @@ class FarmPaths:
         return self.logs / f"{env_id}.log"
 
 
-def write_json(path: Path, model: BaseModel) -> None:
+def write_json(path: Path, model: BaseModel, indent: int | None = 2) -> None:
     """Write ``model`` atomically (readers never see half a file), readable by the owner only: it holds tokens."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as handle:
-        handle.write(model.model_dump_json(indent=2, exclude_none=True) + "\n")
+        handle.write(model.model_dump_json(indent=indent, exclude_none=True) + "\n")
     os.replace(temporary, path)
 
 

@@ -1,24 +1,37 @@
-"""The process backend: one local subprocess per environment, restarted when it dies.
+"""The process backend: one local server process per environment, restarted when it dies.
 
 Isolation here is what a plain process can get: a clean environment (no host secrets), an
-address-space limit, no core dumps, and death with the daemon (PR_SET_PDEATHSIG). Network, CPU,
-pids and filesystem isolation need the docker backend.
+address-space limit, no core dumps, its own process group, and death with the daemon
+(PR_SET_PDEATHSIG). Network, CPU, pids and filesystem isolation need the docker backend.
+
+Supervision costs nothing per environment while the farm is quiet: a server says it listens over its
+ready pipe, its exit wakes the daemon through a pidfd, and only a bounded number of servers start at
+once (the machine's cores). Hung servers are found by the daemon's prober (``servers.farm.health``),
+which asks the backend to ``kill`` them; the restart then takes the usual path.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import json
+import logging
+import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Protocol
 
 import anyio
 
 from envscaler.sandbox import clean_environment, limit_resources
 from servers.farm.board import Board
 from servers.farm.models import EnvPlan, FarmPaths, FarmPlan
+from servers.serve import READY_FD_VARIABLE
+
+log = logging.getLogger("envscaler.farm")
 
 FARM_ID_VARIABLE = "ENVSCALER_FARM_ID"
 _PR_SET_PDEATHSIG = 1
@@ -26,6 +39,9 @@ _PR_SET_PDEATHSIG = 1
 _STARTUP_ATTEMPTS = 3
 # Address space is not resident memory: thread stacks and allocator arenas reserve far more than they use.
 _ADDRESS_SPACE_FACTOR = 4
+# A server that neither listens nor exits within this long after its start is stuck in its start-up.
+_LISTEN_TIMEOUT_S = 60.0
+_STOP_POLL_S = 0.05
 
 
 def describe_exit(code: int) -> str:
@@ -36,6 +52,45 @@ def describe_exit(code: int) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit {code}"
+
+
+def start_slots() -> int:
+    """How many servers may be starting at once: a server's start-up is CPU-bound (imports, loading its
+    bundle), so more than one per core only makes every one of them slower."""
+    override = os.environ.get("ENVSCALER_FARM_START_SLOTS")
+    if override and override.isdigit() and int(override) > 0:
+        return int(override)
+    return max(2, len(os.sched_getaffinity(0)))
+
+
+def killed_for_memory(pid: int, since: float) -> bool:
+    """Whether the kernel's log says it killed process ``pid`` for memory after ``since`` (time.monotonic()).
+
+    The OOM killer logs ``Killed process PID (...)`` (also for a memory cgroup's limit); reading
+    /dev/kmsg needs root or CAP_SYSLOG, and without it the answer is False: a plain "killed by SIGKILL".
+    """
+    try:
+        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return False
+    marker = f"Killed process {pid} (".encode()
+    found = False
+    try:
+        while True:
+            try:
+                record = os.read(fd, 8192)
+            except BlockingIOError:
+                return found
+            except OSError:
+                continue  # EPIPE: older records were overwritten while we read; go on with the next
+            if not record:
+                return found
+            prefix, _, message = record.partition(b";")
+            fields = prefix.split(b",")
+            if marker in message and len(fields) > 2 and int(fields[2]) / 1e6 >= since - 1.0:
+                found = True
+    finally:
+        os.close(fd)
 
 
 def _child_setup(memory_mb: int) -> None:
@@ -55,73 +110,235 @@ def server_command(env: EnvPlan) -> list[str]:
     return command
 
 
-class ProcessBackend:
-    """Starts every server of the plan, restarts the ones that die, stops them all."""
+class ServerProcess(Protocol):
+    """One running environment server, however it was started."""
 
-    def __init__(self, plan: FarmPlan, paths: FarmPaths, board: Board) -> None:
+    pid: int
+
+    async def wait_ready(self) -> bool:
+        """True once the server listens (its ready pipe said so); False if it exited first."""
+
+    async def wait_exit(self) -> int:
+        """Its exit status, in Popen.returncode's convention (negative: killed by that signal)."""
+
+    def send_signal(self, signum: int) -> None:
+        """Signal the server's whole process group (it is a group leader): what it forked dies with it."""
+
+
+class Spawner(Protocol):
+    """Starts environment servers for the process backend."""
+
+    async def spawn(self, env: EnvPlan, environment: dict[str, str], log_path: Path, memory_mb: int) -> ServerProcess:
+        """Start ``env``'s server with exactly ``environment`` as its environment variables, stdout and
+        stderr appended to ``log_path``, its address space limited from ``memory_mb``, no core dumps,
+        its own process group, and death when the farm goes away."""
+
+    async def aclose(self) -> None:
+        """Stop what the spawner itself runs (not the servers: the backend stops those first)."""
+
+
+async def read_ready_line(fd: int) -> bool:
+    """Read the ready pipe ``fd`` (non-blocking) to its first line or EOF, close it; whether the server
+    said it listens. EOF first means the server exited (or closed the pipe) before it listened."""
+    data = b""
+    try:
+        while b"\n" not in data:
+            await anyio.wait_readable(fd)
+            try:
+                chunk = os.read(fd, 4096)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(fd)
+    try:
+        return json.loads(data.split(b"\n", 1)[0]).get("event") == "listening"
+    except (ValueError, AttributeError):
+        return False
+
+
+class PopenServer:
+    """A server started by ``subprocess.Popen``; its exit is seen through a pidfd, never polled."""
+
+    def __init__(self, child: subprocess.Popen[bytes], ready_fd: int) -> None:
+        self.pid = child.pid
+        self._child = child
+        self._ready_fd: int | None = ready_fd
+        self._pidfd: int | None = os.pidfd_open(child.pid)
+
+    async def wait_ready(self) -> bool:
+        """True once the server listens (its ready pipe said so); False if it exited first."""
+        if self._ready_fd is None:
+            return False
+        fd, self._ready_fd = self._ready_fd, None
+        return await read_ready_line(fd)
+
+    async def wait_exit(self) -> int:
+        """Its exit status, in Popen.returncode's convention (negative: killed by that signal)."""
+        while self._child.returncode is None and self._pidfd is not None:
+            await anyio.wait_readable(self._pidfd)
+            self._child.poll()  # readable means it exited: this reaps it without blocking
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+        if self._ready_fd is not None:
+            os.close(self._ready_fd)
+            self._ready_fd = None
+        return self._child.returncode if self._child.returncode is not None else -signal.SIGKILL
+
+    def send_signal(self, signum: int) -> None:
+        """Signal the server's whole process group (it is a group leader): what it forked dies with it."""
+        try:
+            os.killpg(self.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass  # the group is gone already
+
+
+class PopenSpawner:
+    """Starts each server as a fresh interpreter (fork + exec): simple, and the fallback of the zygote."""
+
+    async def spawn(self, env: EnvPlan, environment: dict[str, str], log_path: Path, memory_mb: int) -> ServerProcess:
+        """Start ``env``'s server (see ``Spawner.spawn``); the ready pipe's write end goes to the child only."""
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(read_fd, False)
+        try:
+            with open(log_path, "ab") as log_file:
+                # Popen runs in the event loop's thread on purpose: PR_SET_PDEATHSIG fires when the
+                # thread that forked the child ends, and this one lives as long as the daemon.
+                child = subprocess.Popen(
+                    server_command(env),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    env={**environment, READY_FD_VARIABLE: str(write_fd)},
+                    pass_fds=(write_fd,),
+                    start_new_session=True,
+                    preexec_fn=functools.partial(_child_setup, memory_mb),
+                )
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
+        return PopenServer(child, read_fd)
+
+    async def aclose(self) -> None:
+        """Nothing runs besides the servers."""
+
+
+def default_spawner() -> Spawner:
+    """The spawner the process backend uses unless it is given one."""
+    return PopenSpawner()
+
+
+class ProcessBackend:
+    """Starts every server of the plan (a few at a time), restarts the ones that die, stops them all."""
+
+    def __init__(self, plan: FarmPlan, paths: FarmPaths, board: Board, spawner: Spawner | None = None) -> None:
         self.plan = plan
         self.paths = paths
         self.board = board
-        self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self.spawner = spawner or default_spawner()
+        self.servers: dict[str, ServerProcess] = {}
+        # env_id -> why the daemon killed it (a hung server): reported instead of "killed by SIGKILL".
+        self._kill_reasons: dict[str, str] = {}
+        self._starting = anyio.CapacityLimiter(start_slots())
         self._stopping = False
 
     async def run(self) -> None:
         """Start and supervise every environment until cancelled."""
         self.paths.logs.mkdir(parents=True, exist_ok=True)
-        async with anyio.create_task_group() as tasks:
-            for env in self.plan.envs:
-                tasks.start_soon(self._supervise, env)
+        try:
+            async with anyio.create_task_group() as tasks:
+                for env in self.plan.envs:
+                    tasks.start_soon(self._supervise, env)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.spawner.aclose()
+
+    def _environment(self, env: EnvPlan) -> dict[str, str]:
+        return clean_environment({"ENVSCALER_TOKEN": env.token, FARM_ID_VARIABLE: self.plan.farm_id, "MALLOC_ARENA_MAX": "2"})
 
     async def _supervise(self, env: EnvPlan) -> None:
         failures = 0
         backoff_s = 0.2
         while not self._stopping:
-            child = self._spawn(env)
-            self.board.update(env.env_id, pid=child.pid)
-            while (code := child.poll()) is None:
-                await anyio.sleep(0.2)
-            if self._stopping:
-                return
+            started = time.monotonic()
+            try:
+                server = await self._start(env)
+            except OSError as e:  # no fork, pipe or pidfd now (out of pids, files or memory): like a crash
+                oom, exit_text = False, f"could not start: {e}"
+                log.error("could not start an environment server", extra={"env": env.env_id, "error": str(e)})
+            else:
+                if server is None:
+                    return
+                code = await server.wait_exit()
+                server.send_signal(signal.SIGKILL)  # whatever it forked dies with it
+                self.servers.pop(env.env_id, None)
+                if self._stopping:
+                    return
+                oom = code == -signal.SIGKILL and killed_for_memory(server.pid, started)
+                exit_text = self._kill_reasons.pop(env.env_id, None) or ("out of memory" if oom else describe_exit(code))
             record = self.board.env(env.env_id)
-            exit_text = describe_exit(code)
             if record.healthy_at is None:
                 failures += 1
                 if failures >= _STARTUP_ATTEMPTS:
                     tail = _log_tail(self.paths.env_log(env.env_id))
                     self.board.update(env.env_id, status="failed", pid=None, last_exit=f"{exit_text}: {tail}")
+                    log.error("environment server failed to start", extra={"env": env.env_id, "exit": exit_text})
                     return
-            self.board.update(env.env_id, status="restarting", restarts=record.restarts + 1, last_exit=exit_text, pid=None)
+            else:
+                backoff_s = 0.2
+            log.warning("environment server stopped; restarting", extra={"env": env.env_id, "exit": exit_text})
+            self.board.update(env.env_id, status="restarting", restarts=record.restarts + 1, last_exit=exit_text,
+                              oom_killed=oom or record.oom_killed, pid=None)
             await anyio.sleep(backoff_s)
             backoff_s = min(backoff_s * 2, 5.0)
 
-    def _spawn(self, env: EnvPlan) -> subprocess.Popen[bytes]:
-        with open(self.paths.env_log(env.env_id), "ab") as log:
-            child = subprocess.Popen(
-                server_command(env),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=clean_environment(
-                    {"ENVSCALER_TOKEN": env.token, FARM_ID_VARIABLE: self.plan.farm_id, "MALLOC_ARENA_MAX": "2"}
-                ),
-                preexec_fn=lambda: _child_setup(self.plan.limits.memory_mb),
+    async def _start(self, env: EnvPlan) -> ServerProcess | None:
+        """Spawn ``env``'s server in one of the start slots, held until it listens, exits or is stuck;
+        None when the farm began stopping while it waited for a slot."""
+        async with self._starting:
+            if self._stopping:
+                return None
+            server = await self.spawner.spawn(
+                env, self._environment(env), self.paths.env_log(env.env_id), self.plan.limits.memory_mb
             )
-        self.children[env.env_id] = child
-        return child
+            self.servers[env.env_id] = server
+            self.board.update(env.env_id, pid=server.pid)
+            with anyio.move_on_after(_LISTEN_TIMEOUT_S):
+                if await server.wait_ready():
+                    record = self.board.env(env.env_id)
+                    self.board.update(env.env_id, status="healthy", healthy_at=record.healthy_at or time.time())
+                return server
+            await self.kill(env.env_id, f"did not listen within {_LISTEN_TIMEOUT_S:g} s")
+            return server
+
+    async def kill(self, env_id: str, reason: str) -> None:
+        """SIGKILL ``env_id``'s server (its whole group); its restart reports ``reason``."""
+        server = self.servers.get(env_id)
+        if server is None:
+            return
+        self._kill_reasons[env_id] = reason
+        log.warning("killing an environment server", extra={"env": env_id, "reason": reason})
+        server.send_signal(signal.SIGKILL)
 
     async def stop(self, grace_s: float = 5.0) -> None:
-        """SIGTERM every server, then SIGKILL the ones still alive after ``grace_s``."""
+        """SIGTERM every server, then SIGKILL the groups of the ones still alive after ``grace_s``."""
         self._stopping = True
-        live = [c for c in self.children.values() if c.poll() is None]
-        for child in live:
-            child.terminate()
-        deadline = time.monotonic() + grace_s
-        while any(c.poll() is None for c in live) and time.monotonic() < deadline:
-            await anyio.sleep(0.05)
-        for child in live:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
+        for server in list(self.servers.values()):
+            server.send_signal(signal.SIGTERM)
+        with anyio.move_on_after(grace_s):
+            while self.servers:
+                await anyio.sleep(_STOP_POLL_S)
+        for server in list(self.servers.values()):
+            server.send_signal(signal.SIGKILL)
+        # Their exits are reaped by the supervising tasks: give them the moment it takes.
+        with anyio.move_on_after(1.0):
+            while self.servers:
+                await anyio.sleep(_STOP_POLL_S)
 
 
 def _log_tail(path: Path, lines: int = 3) -> str:

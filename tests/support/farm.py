@@ -22,3 +22,30 @@ def counter_farm(root: Path, *flags: str) -> Iterator[dict[str, Any]]:
         yield json.loads(catalog.read_text())
     finally:
         envscaler("farm", "down", "--catalog", str(catalog))
+
+
+def catalog_copies(root: Path, count: int, scenarios_per_env: int | None = None) -> list[Path]:
+    """``count`` bundles cycling through the bundled catalog, each under its own env_id (``<env>_NNN``),
+    with its first ``scenarios_per_env`` scenarios (all when None)."""
+    from envscaler import default_catalog, load_bundles, save_bundle
+
+    bundles = load_bundles(default_catalog())
+    written = []
+    for number in range(count):
+        bundle = bundles[number % len(bundles)].model_copy(deep=True)
+        env_id = f"{bundle.env_id}_{number:03d}"
+        bundle.spec.env_id = env_id
+        bundle.scenarios = bundle.scenarios[:scenarios_per_env]
+        for scenario in bundle.scenarios:
+            scenario.env_id = env_id
+        written.append(save_bundle(bundle, root))
+    return written
+
+
+def gateway_only_catalog(catalog: Path, out: Path) -> Path:
+    """A copy of ``catalog`` whose every environment is reached through the farm's gateway."""
+    data = json.loads(catalog.read_text())
+    for env_id, endpoint in data["envs"].items():
+        endpoint["url"] = f"{data['gateway']}/envs/{env_id}"
+    out.write_text(json.dumps(data))
+    return out

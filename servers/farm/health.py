@@ -1,0 +1,111 @@
+"""Finding servers that are alive but hung: cheap probes spread evenly over time.
+
+A dead server is seen by its backend at once (its process exit, or Docker's die event); a server
+that is alive but stuck (an infinite loop on the event loop, SIGSTOP) answers nothing. The prober
+asks one server at a time for ``/healthz``, at a fixed pace, so each one is asked every
+``period_s`` whatever the farm's size and the daemon's cost is the same small trickle for 10 or
+1,000 servers. A server that misses ``misses_allowed`` probes in a row is killed through its
+backend, which restarts it and reports why.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from urllib.parse import urlsplit
+
+import anyio
+
+from servers.farm.board import Board
+
+log = logging.getLogger("envscaler.farm")
+
+DEFAULT_PERIOD_S = 10.0
+# What an automatic period allows: about 4% of a busy core at a fraction of a millisecond per probe.
+_MAX_PROBES_PER_S = 50.0
+# At most this many probes in flight: with every server hung, the daemon still does a bounded amount.
+_MAX_IN_FLIGHT = 32
+_PROBE_STATUSES = ("healthy", "unhealthy")
+
+
+async def answers_healthz(url: str, timeout_s: float) -> bool:
+    """Whether the server at ``url`` answers ``GET /healthz`` with 200 within ``timeout_s``.
+
+    A bare HTTP/1.1 request on a fresh connection: a fraction of a full client's cost per probe.
+    """
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    request = f"GET /healthz HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode()
+    with anyio.move_on_after(timeout_s):
+        try:
+            async with await anyio.connect_tcp(host, port) as stream:
+                await stream.send(request)
+                status_line = b""
+                while b"\r\n" not in status_line and len(status_line) < 64:
+                    status_line += await stream.receive(64)
+                return status_line.split(b" ", 2)[1:2] == [b"200"]
+        except (OSError, anyio.EndOfStream, anyio.BrokenResourceError):
+            return False
+    return False
+
+
+def probe_period(configured_s: float | None, servers: int) -> float:
+    """Seconds between two probes of the same server: ``configured_s``, or by default 10 s, stretched so
+    that the whole farm needs at most 50 probes a second."""
+    if configured_s is not None:
+        return configured_s
+    return max(DEFAULT_PERIOD_S, servers / _MAX_PROBES_PER_S)
+
+
+Kill = Callable[[str, str], Awaitable[None]]
+
+
+class Prober:
+    """Probes the farm's listening servers one at a time; kills the ones that stopped answering."""
+
+    def __init__(self, board: Board, kill: Kill, *, period_s: float | None, timeout_s: float, misses_allowed: int) -> None:
+        self.board = board
+        self.kill = kill
+        self.period_s = probe_period(period_s, len(board.state.envs))
+        self.timeout_s = timeout_s
+        self.misses_allowed = misses_allowed
+        # env_id -> (its restart count when the misses began, misses in a row): a restart starts over.
+        self._misses: dict[str, tuple[int, int]] = {}
+        self._in_flight = anyio.CapacityLimiter(_MAX_IN_FLIGHT)
+
+    async def run(self) -> None:
+        """Probe forever: one server every ``period_s / len(farm)`` seconds."""
+        env_ids = list(self.board.state.envs)
+        if not env_ids:
+            return
+        pause_s = self.period_s / len(env_ids)
+        async with anyio.create_task_group() as tasks:
+            while True:
+                for env_id in env_ids:
+                    await anyio.sleep(pause_s)
+                    # A full limiter means many probes are waiting on hung servers: skip rather than pile up.
+                    if self.board.env(env_id).status in _PROBE_STATUSES and self._in_flight.available_tokens:
+                        tasks.start_soon(self._probe, env_id)
+
+    async def _probe(self, env_id: str) -> None:
+        async with self._in_flight:
+            record = self.board.env(env_id)
+            generation = record.restarts
+            healthy = await answers_healthz(record.address or record.url, self.timeout_s)
+        record = self.board.env(env_id)
+        if record.restarts != generation or record.status not in _PROBE_STATUSES:
+            return  # it died or restarted meanwhile: this answer is about a server that is gone
+        if healthy:
+            self._misses.pop(env_id, None)
+            if record.status != "healthy":
+                self.board.update(env_id, status="healthy")
+            return
+        since, misses = self._misses.get(env_id, (generation, 0))
+        misses = (misses if since == generation else 0) + 1
+        if record.status == "healthy":
+            self.board.update(env_id, status="unhealthy")
+        if misses < self.misses_allowed:
+            self._misses[env_id] = (generation, misses)
+            return
+        self._misses.pop(env_id, None)
+        await self.kill(env_id, f"hung: no answer to {misses} health probes in a row")
