@@ -94,7 +94,7 @@ def test_down_leaves_nothing_also_after_kill_9_of_the_daemon(tmp_path):
     up = envscaler("farm", "up", str(default_catalog() / "library_circulation"), "--backend", "process", "--catalog", str(catalog))
     assert up.returncode == 0, up.stderr
     state = read_state(catalog)
-    assert len(farm_processes(state["farm_id"])) == 2  # the daemon and one server
+    assert len(farm_processes(state["farm_id"])) == 3  # the daemon, the zygote and one server forked from it
     os.kill(state["daemon_pid"], signal.SIGKILL)
     down = envscaler("farm", "down", "--catalog", str(catalog))
     assert down.returncode == 0
