@@ -217,11 +217,11 @@ class ZygoteSpawner:
 
     async def _spawn_once(self, request: SpawnRequest, environment: dict[str, str], log_path: Path) -> ZygoteServer | None:
         zygote = self._running_zygote()
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ours.setblocking(False)
         ready_read, ready_write = os.pipe()
         environ_read, environ_write = os.pipe()
-        log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             _write_environment(environ_write, environment)
             sent = await self._send(zygote, request.model_dump_json().encode(), [theirs.fileno(), log_fd, ready_write, environ_read])
