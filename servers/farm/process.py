@@ -83,13 +83,11 @@ class Spawner(Protocol):
         """Stop what the spawner itself runs (not the servers: the backend stops those first)."""
 
 
-def default_spawner(farm_id: str) -> Spawner | None:
+def default_spawner(plan: FarmPlan) -> Spawner | None:
     """The zygote where fork works, unless ``ENVSCALER_SPAWNER=popen``; None: a fresh interpreter per server."""
-    from servers.farm.zygote import ZygoteSpawner, zygote_wanted
+    from servers.farm.zygote import zygote_spawner
 
-    if zygote_wanted():
-        return ZygoteSpawner(clean_environment({FARM_ID_VARIABLE: farm_id, "MALLOC_ARENA_MAX": "2"}))
-    return None
+    return zygote_spawner(plan)
 
 
 class ProcessBackend:
@@ -100,7 +98,7 @@ class ProcessBackend:
         self.paths = paths
         self.board = board
         self.children: dict[str, subprocess.Popen[bytes]] = {}
-        self.spawner = default_spawner(plan.farm_id)
+        self.spawner = default_spawner(plan)
         self.servers: dict[str, ServerProcess] = {}
         self._stopping = False
 

@@ -42,9 +42,9 @@ from pathlib import Path
 import anyio
 from pydantic import BaseModel
 
-from envscaler.sandbox import limit_resources
+from envscaler.sandbox import clean_environment, limit_resources
 from servers.errors import FarmError
-from servers.farm.models import EnvPlan
+from servers.farm.models import EnvPlan, FarmPlan
 
 # Imported before the first fork: what ``servers.launch`` needs to serve a bundle, and its event loop.
 PRELOAD = (
@@ -84,14 +84,27 @@ class ExitReport(BaseModel):
     status: int
 
 
-def zygote_wanted() -> bool:
-    """Whether the process backend forks its servers from a zygote: where fork works, unless ``ENVSCALER_SPAWNER=popen``."""
-    return fork_available() and os.environ.get(SPAWNER_VARIABLE, "zygote") != "popen"
+def zygote_spawner(plan: FarmPlan) -> ZygoteSpawner | None:
+    """The plan's zygote (OpenEnv preloaded when its servers serve it); None where fork is not
+    available or ``ENVSCALER_SPAWNER=popen`` asks for an interpreter per server."""
+    from servers.farm.process import FARM_ID_VARIABLE
+
+    if not fork_available() or os.environ.get(SPAWNER_VARIABLE, "zygote") == "popen":
+        return None
+    openenv = any(env.openenv_port is not None for env in plan.envs)
+    environment = clean_environment({FARM_ID_VARIABLE: plan.farm_id, "MALLOC_ARENA_MAX": "2"})
+    return ZygoteSpawner(environment, preload=PRELOAD + ((OPENENV_PRELOAD,) if openenv else ()))
 
 
 def fork_available() -> bool:
-    """Whether this platform can run a zygote (fork, SCM_RIGHTS, pidfds, PR_SET_PDEATHSIG: Linux)."""
-    return sys.platform.startswith("linux") and hasattr(os, "fork") and hasattr(os, "pidfd_open") and hasattr(socket, "send_fds")
+    """Whether this platform can run a zygote: fork, SCM_RIGHTS, PR_SET_PDEATHSIG and pidfds (Linux 5.3+)."""
+    if not (sys.platform.startswith("linux") and hasattr(os, "fork") and hasattr(os, "pidfd_open") and hasattr(socket, "send_fds")):
+        return False
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except OSError:
+        return False  # an older kernel
+    return True
 
 
 # --- the daemon's side ---------------------------------------------------------------------------
