@@ -43,7 +43,6 @@ import anyio
 from pydantic import BaseModel
 
 from envscaler.sandbox import clean_environment, limit_resources
-from servers.errors import FarmError
 from servers.farm.models import EnvPlan, FarmPlan
 
 # Imported before the first fork: what ``servers.launch`` needs to serve a bundle, and its event loop.
@@ -62,6 +61,12 @@ _MESSAGE_BYTES = 65536
 # What the zygote reports when it died before it could report an exit: its children got this signal.
 _DEATH_SIGNAL = signal.SIGKILL
 _ZYGOTE_STOP_S = 5.0
+
+
+class ZygoteError(OSError):
+    """The zygote could not start a server: it died with the request in hand, or fork() failed in it.
+
+    An OSError, as a failed fork or exec of the Popen path is: the backend counts it as a failed start."""
 
 
 class SpawnRequest(BaseModel):
@@ -213,7 +218,7 @@ class ZygoteSpawner:
             if server is not None:
                 return server
             # The zygote died with our request in hand: the next attempt starts a new one.
-        raise FarmError(f"{env.env_id}: the zygote stopped before it could start the server (its errors are in the daemon's log)")
+        raise ZygoteError(f"{env.env_id}: the zygote stopped before it could start the server (its errors are in the daemon's log)")
 
     async def aclose(self) -> None:
         """Stop the zygote (the backend has stopped the servers): EOF on its control socket, then SIGKILL after 5 s."""
@@ -235,27 +240,24 @@ class ZygoteSpawner:
         ours.setblocking(False)
         ready_read, ready_write = os.pipe()
         environ_read, environ_write = os.pipe()
+        server = None
         try:
-            _write_environment(environ_write, environment)
-            sent = await self._send(zygote, request.model_dump_json().encode(), [theirs.fileno(), log_fd, ready_write, environ_read])
+            try:
+                _write_environment(environ_write, environment)
+                sent = await self._send(zygote, request.model_dump_json().encode(), [theirs.fileno(), log_fd, ready_write, environ_read])
+            finally:
+                for fd in (log_fd, ready_write, environ_read, environ_write):
+                    os.close(fd)
+                theirs.close()
+            message = await _receive(ours) if sent else None
+            if message is None:
+                return None  # the zygote died with our request in hand
+            server = _server_from_reply(message, ours, ready_read)
+            return server
         finally:
-            for fd in (log_fd, ready_write, environ_read, environ_write):
-                os.close(fd)
-            theirs.close()
-        message = await _receive(ours) if sent else None
-        if message is None:
-            ours.close()
-            os.close(ready_read)
-            return None
-        data, fds = message
-        reply = SpawnReply.model_validate_json(data)
-        if reply.pid is None or len(fds) != 1:
-            for fd in fds:
-                os.close(fd)
-            ours.close()
-            os.close(ready_read)
-            raise FarmError(f"the zygote could not fork a server: {reply.error}")
-        return ZygoteServer(reply.pid, fds[0], ours, ready_read)
+            if server is None:
+                ours.close()
+                os.close(ready_read)
 
     def _running_zygote(self) -> _Zygote:
         if self._zygote is not None and self._zygote.process.poll() is None:
@@ -288,6 +290,16 @@ class ZygoteSpawner:
                     await anyio.wait_writable(zygote.control)
                 except (BrokenPipeError, ConnectionResetError):
                     return False
+
+
+def _server_from_reply(message: tuple[bytes, list[int]], channel: socket.socket, ready_fd: int) -> ZygoteServer:
+    data, fds = message
+    reply = SpawnReply.model_validate_json(data)
+    if reply.pid is None or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise ZygoteError(f"the zygote could not fork a server: {reply.error}")
+    return ZygoteServer(reply.pid, fds[0], channel, ready_fd)
 
 
 async def _receive(sock: socket.socket) -> tuple[bytes, list[int]] | None:
@@ -331,7 +343,7 @@ def _write_environment(fd: int, environment: dict[str, str]) -> None:
     # A pipe holds 64 KiB: far more than a server's environment, and the child reads it only after it is forked.
     os.set_blocking(fd, False)
     if os.write(fd, data) != len(data):
-        raise FarmError(f"a server's environment is too large to pass ({len(data)} bytes)")
+        raise ZygoteError(f"a server's environment is too large to pass ({len(data)} bytes)")
 
 
 def _raise_open_files_limit() -> None:
