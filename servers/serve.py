@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import logging
 import os
@@ -66,6 +67,7 @@ def serve(
         listener = listener_class(app, config.openenv, openenv_sock)
 
     def announce() -> None:
+        _release_free_memory()
         # Only once SIGTERM stops us gracefully: a supervisor may stop us right after this line.
         print(json.dumps(ready), flush=True)
         _notify_supervisor(json.dumps({key: value for key, value in ready.items() if key != "token"}))
@@ -82,6 +84,15 @@ def serve(
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(serve_all())
     sys.stdout.flush()
+
+
+def _release_free_memory() -> None:
+    """Give the allocator's free pages back to the kernel: loading a bundle parses and builds much that
+    is garbage once the server listens (about 1.7 MB of a farm server's 12 MB of its own memory)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: its allocator keeps what it keeps
 
 
 def _notify_supervisor(line: str) -> None:

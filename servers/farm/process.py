@@ -38,7 +38,7 @@ _PR_SET_PDEATHSIG = 1
 # A server that dies this many times before it was ever healthy is broken, not unlucky.
 _STARTUP_ATTEMPTS = 3
 # Address space is not resident memory: thread stacks and allocator arenas reserve far more than they use.
-_ADDRESS_SPACE_FACTOR = 4
+ADDRESS_SPACE_FACTOR = 4
 # A server that neither listens nor exits within this long after its start is stuck in its start-up.
 _LISTEN_TIMEOUT_S = 60.0
 _STOP_POLL_S = 0.05
@@ -54,13 +54,13 @@ def describe_exit(code: int) -> str:
     return f"exit {code}"
 
 
-def start_slots() -> int:
-    """How many servers may be starting at once: a server's start-up is CPU-bound (imports, loading its
-    bundle), so more than one per core only makes every one of them slower."""
+def start_slots(per_core: int) -> int:
+    """How many servers may be starting at once: ``per_core`` per core (``ENVSCALER_FARM_START_SLOTS``
+    overrides), so that a big farm's start-up does not thrash the machine."""
     override = os.environ.get("ENVSCALER_FARM_START_SLOTS")
     if override and override.isdigit() and int(override) > 0:
         return int(override)
-    return max(2, len(os.sched_getaffinity(0)))
+    return max(2, per_core * len(os.sched_getaffinity(0)))
 
 
 def killed_for_memory(pid: int, since: float) -> bool:
@@ -95,7 +95,7 @@ def killed_for_memory(pid: int, since: float) -> bool:
 
 def _child_setup(memory_mb: int) -> None:
     """Runs in the child before exec: limits, and die when the daemon dies so nothing is orphaned."""
-    limit_resources(memory_mb * _ADDRESS_SPACE_FACTOR)
+    limit_resources(memory_mb * ADDRESS_SPACE_FACTOR)
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
@@ -127,6 +127,9 @@ class ServerProcess(Protocol):
 
 class Spawner(Protocol):
     """Starts environment servers for the process backend."""
+
+    # How many servers per core may be starting at once: what a start costs the CPU decides it.
+    starts_per_core: int
 
     async def spawn(self, env: EnvPlan, environment: dict[str, str], log_path: Path, memory_mb: int) -> ServerProcess:
         """Start ``env``'s server with exactly ``environment`` as its environment variables, stdout and
@@ -199,6 +202,9 @@ class PopenServer:
 class PopenSpawner:
     """Starts each server as a fresh interpreter (fork + exec): simple, and the fallback of the zygote."""
 
+    # An interpreter's start-up is CPU-bound (imports): more than one per core makes every one slower.
+    starts_per_core = 1
+
     async def spawn(self, env: EnvPlan, environment: dict[str, str], log_path: Path, memory_mb: int) -> ServerProcess:
         """Start ``env``'s server (see ``Spawner.spawn``); the ready pipe's write end goes to the child only."""
         read_fd, write_fd = os.pipe()
@@ -228,9 +234,12 @@ class PopenSpawner:
         """Nothing runs besides the servers."""
 
 
-def default_spawner() -> Spawner:
-    """The spawner the process backend uses unless it is given one."""
-    return PopenSpawner()
+def default_spawner(plan: FarmPlan) -> Spawner:
+    """The spawner the process backend uses unless it is given one: servers forked from the plan's
+    zygote where fork works, unless ``ENVSCALER_SPAWNER=popen``; otherwise an interpreter per server."""
+    from servers.farm.zygote import zygote_spawner
+
+    return zygote_spawner(plan) or PopenSpawner()
 
 
 class ProcessBackend:
@@ -240,11 +249,11 @@ class ProcessBackend:
         self.plan = plan
         self.paths = paths
         self.board = board
-        self.spawner = spawner or default_spawner()
+        self.spawner = spawner or default_spawner(plan)
         self.servers: dict[str, ServerProcess] = {}
         # env_id -> why the daemon killed it (a hung server): reported instead of "killed by SIGKILL".
         self._kill_reasons: dict[str, str] = {}
-        self._starting = anyio.CapacityLimiter(start_slots())
+        self._starting = anyio.CapacityLimiter(start_slots(self.spawner.starts_per_core))
         self._stopping = False
 
     async def run(self) -> None:

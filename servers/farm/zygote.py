@@ -1,0 +1,532 @@
+"""The zygote: one process per farm that imports a server's code once and forks every server from it.
+
+A server started as ``python -m servers.launch`` spends about a second of CPU importing and holds
+about 30 MB of its own memory. Forked from a parent that has already imported everything, it starts
+in milliseconds and shares the imported code and objects copy-on-write with its siblings.
+
+Two kinds of Unix socket carry the work (SOCK_SEQPACKET: one message per send, file descriptors
+passed with SCM_RIGHTS):
+
+- the control socket, daemon -> zygote: one ``SpawnRequest`` per server, with four descriptors: the
+  server's channel, its log file, its ready pipe's write end and its environment pipe's read end;
+- one channel per server, zygote -> daemon: a ``SpawnReply`` (the pid, and a pidfd of the child),
+  later an ``ExitReport`` once the zygote has reaped the child, then EOF. EOF with no report means
+  the zygote died, and the server with it (PR_SET_PDEATHSIG).
+
+The server's environment (its token among it) travels in a pipe that only the forked child reads,
+so the zygote never holds one server's secrets in memory that the next server is forked from.
+
+``python -m servers.farm.zygote CONTROL_FD DAEMON_PID [MODULE ...]`` runs the zygote itself; the
+daemon uses ``ZygoteSpawner``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import random
+import resource
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+from pydantic import BaseModel
+
+from envscaler.sandbox import clean_environment, limit_resources
+from servers.farm.models import EnvPlan, FarmPlan
+
+# Imported before the first fork: what ``servers.launch`` needs to serve a bundle, and its event loop.
+PRELOAD = (
+    "servers.launch", "servers.serve", "servers.app", "servers.http_server", "servers.mcp_endpoint", "uvloop",
+    "anyio._backends._asyncio", "anyio.to_thread", "encodings.idna",
+)
+# Also preloaded when a server of the farm serves OpenEnv (``farm up --openenv``).
+OPENENV_PRELOAD = "servers.openenv_endpoint.app"
+# ``ENVSCALER_SPAWNER=popen`` makes the process backend start each server as its own interpreter.
+SPAWNER_VARIABLE = "ENVSCALER_SPAWNER"
+
+_PR_SET_PDEATHSIG = 1
+_PASSED_FDS = 4
+_MESSAGE_BYTES = 65536
+# What the zygote reports when it died before it could report an exit: its children got this signal.
+_DEATH_SIGNAL = signal.SIGKILL
+_ZYGOTE_STOP_S = 5.0
+
+
+class ZygoteError(OSError):
+    """The zygote could not start a server: it died with the request in hand, or fork() failed in it.
+
+    An OSError, as a failed fork or exec of the Popen path is: the backend counts it as a failed start."""
+
+
+class SpawnRequest(BaseModel):
+    """Fork one server: ``python -m servers.launch ARGV`` without the interpreter's start-up."""
+
+    argv: list[str]
+    address_space_mb: int
+
+
+class SpawnReply(BaseModel):
+    """The forked server's pid (its pidfd travels with this message), or why there is none."""
+
+    pid: int | None = None
+    error: str | None = None
+
+
+class ExitReport(BaseModel):
+    """The server's exit status in Popen.returncode's convention (negative: killed by that signal)."""
+
+    status: int
+
+
+def zygote_spawner(plan: FarmPlan) -> ZygoteSpawner | None:
+    """The plan's zygote (OpenEnv preloaded when its servers serve it); None where fork is not
+    available or ``ENVSCALER_SPAWNER=popen`` asks for an interpreter per server."""
+    from servers.farm.process import FARM_ID_VARIABLE
+
+    if not fork_available() or os.environ.get(SPAWNER_VARIABLE, "zygote") == "popen":
+        return None
+    openenv = any(env.openenv_port is not None for env in plan.envs)
+    environment = clean_environment({FARM_ID_VARIABLE: plan.farm_id, "MALLOC_ARENA_MAX": "2"})
+    return ZygoteSpawner(environment, preload=PRELOAD + ((OPENENV_PRELOAD,) if openenv else ()))
+
+
+def fork_available() -> bool:
+    """Whether this platform can run a zygote: fork, SCM_RIGHTS, PR_SET_PDEATHSIG and pidfds (Linux 5.3+)."""
+    if not (sys.platform.startswith("linux") and hasattr(os, "fork") and hasattr(os, "pidfd_open") and hasattr(socket, "send_fds")):
+        return False
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except OSError:
+        return False  # an older kernel
+    return True
+
+
+# --- the daemon's side ---------------------------------------------------------------------------
+
+
+class ZygoteServer:
+    """One server forked by the zygote; a ``ServerProcess``."""
+
+    def __init__(self, pid: int, pidfd: int, channel: socket.socket, ready_fd: int) -> None:
+        self.pid = pid
+        self._pidfd: int | None = pidfd
+        self._channel = channel
+        self._ready_fd: int | None = ready_fd
+        self._ready: bool | None = None
+        self._reading_ready = False
+        self._exit: int | None = None
+        self._exit_lock = anyio.Lock()
+        self._ready_lock = anyio.Lock()
+
+    async def wait_ready(self) -> bool:
+        """True once the server listens (its ready pipe said so); False if it exited first."""
+        async with self._ready_lock:
+            if self._ready is None:
+                self._reading_ready = True
+                try:
+                    self._ready = await _read_ready_line(self._ready_fd)
+                finally:
+                    self._reading_ready = False
+                    self._close_ready()
+            return self._ready
+
+    async def wait_exit(self) -> int:
+        """Its exit status, in Popen.returncode's convention (negative: killed by that signal)."""
+        async with self._exit_lock:
+            if self._exit is None:
+                report = await _receive(self._channel)
+                if report is None:
+                    # The zygote died before it reaped the server; PDEATHSIG kills the server: wait until it is gone.
+                    if self._pidfd is not None:
+                        await anyio.wait_readable(self._pidfd)
+                    self._exit = -_DEATH_SIGNAL
+                else:
+                    self._exit = ExitReport.model_validate_json(report[0]).status
+                self._channel.close()
+                if self._pidfd is not None:
+                    os.close(self._pidfd)
+                    self._pidfd = None
+                if not self._reading_ready:
+                    self._close_ready()
+            return self._exit
+
+    def send_signal(self, signum: int) -> None:
+        """Signal the server's whole process group (it is a group leader): what it forked dies with it."""
+        try:
+            os.killpg(self.pid, signum)
+            return
+        except ProcessLookupError:
+            pass
+        # Not a group leader yet (its setsid() is the first thing the child does) or gone: signal it alone.
+        if self._pidfd is not None:
+            try:
+                signal.pidfd_send_signal(self._pidfd, signum)
+            except ProcessLookupError:
+                pass
+
+    def _close_ready(self) -> None:
+        if self._ready_fd is not None:
+            os.close(self._ready_fd)
+            self._ready_fd = None
+
+
+@dataclass
+class _Zygote:
+    process: subprocess.Popen[bytes]
+    pidfd: int
+    control: socket.socket
+
+
+class ZygoteSpawner:
+    """Starts environment servers by forking them from one zygote per farm; a ``Spawner``.
+
+    The zygote is started on the first ``spawn`` (and again on the next one after it died) with
+    ``environment`` as its own environment: that is what /proc/PID/environ shows for every server it
+    forks, so it carries the farm id that ``farm down`` finds them by, and nothing secret. It writes
+    to the daemon's own stdout and stderr (the daemon's log).
+
+    ``spawn`` must run on the daemon's main thread: the zygote dies when the thread that started it
+    exits (PR_SET_PDEATHSIG follows the thread, not the process).
+    """
+
+    # A forked server's start costs 0.1-0.2 s of CPU, much of a start is waiting: 200 servers on 2 cores
+    # were healthy in 49-51 s with 1 start per core and 31-33 s with 3-4.
+    starts_per_core = 4
+
+    def __init__(self, environment: dict[str, str], *, preload: tuple[str, ...] = PRELOAD) -> None:
+        self.environment = environment
+        self.preload = preload
+        self._zygote: _Zygote | None = None
+        self._send_lock = anyio.Lock()
+
+    async def spawn(self, env: EnvPlan, environment: dict[str, str], log_path: Path, memory_mb: int) -> ZygoteServer:
+        """Fork ``env``'s server with exactly ``environment`` as its environment variables, stdout and
+        stderr appended to ``log_path``, its address space limited from ``memory_mb``, no core dumps,
+        its own process group, and death when the zygote (and so the farm) goes away."""
+        from servers.farm.process import ADDRESS_SPACE_FACTOR, server_command
+
+        request = SpawnRequest(argv=server_command(env)[3:], address_space_mb=memory_mb * ADDRESS_SPACE_FACTOR)
+        for attempt in range(2):
+            server = await self._spawn_once(request, environment, log_path)
+            if server is not None:
+                return server
+            # The zygote died with our request in hand: the next attempt starts a new one.
+        raise ZygoteError(f"{env.env_id}: the zygote stopped before it could start the server (its errors are in the daemon's log)")
+
+    async def aclose(self) -> None:
+        """Stop the zygote (the backend has stopped the servers): EOF on its control socket, then SIGKILL after 5 s."""
+        zygote, self._zygote = self._zygote, None
+        if zygote is None:
+            return
+        zygote.control.close()
+        with anyio.move_on_after(_ZYGOTE_STOP_S):
+            await anyio.wait_readable(zygote.pidfd)
+        if zygote.process.poll() is None:
+            zygote.process.kill()
+        zygote.process.wait()
+        os.close(zygote.pidfd)
+
+    async def _spawn_once(self, request: SpawnRequest, environment: dict[str, str], log_path: Path) -> ZygoteServer | None:
+        zygote = self._running_zygote()
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours.setblocking(False)
+        ready_read, ready_write = os.pipe()
+        environ_read, environ_write = os.pipe()
+        server = None
+        try:
+            try:
+                _write_environment(environ_write, environment)
+                sent = await self._send(zygote, request.model_dump_json().encode(), [theirs.fileno(), log_fd, ready_write, environ_read])
+            finally:
+                for fd in (log_fd, ready_write, environ_read, environ_write):
+                    os.close(fd)
+                theirs.close()
+            message = await _receive(ours) if sent else None
+            if message is None:
+                return None  # the zygote died with our request in hand
+            server = _server_from_reply(message, ours, ready_read)
+            return server
+        finally:
+            if server is None:
+                ours.close()
+                os.close(ready_read)
+
+    def _running_zygote(self) -> _Zygote:
+        if self._zygote is not None and self._zygote.process.poll() is None:
+            return self._zygote
+        if self._zygote is not None:
+            self._zygote.control.close()
+            os.close(self._zygote.pidfd)
+        self._zygote = self._start()
+        return self._zygote
+
+    def _start(self) -> _Zygote:
+        _raise_open_files_limit()
+        control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        control.setblocking(False)
+        with theirs:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "servers.farm.zygote", str(theirs.fileno()), str(os.getpid()), *self.preload],
+                stdin=subprocess.DEVNULL, env=self.environment, pass_fds=[theirs.fileno()],
+            )
+        return _Zygote(process, os.pidfd_open(process.pid), control)
+
+    async def _send(self, zygote: _Zygote, data: bytes, fds: list[int]) -> bool:
+        """Send one request; False when the zygote is gone."""
+        async with self._send_lock:
+            while True:
+                try:
+                    socket.send_fds(zygote.control, [data], fds)
+                    return True
+                except BlockingIOError:
+                    await anyio.wait_writable(zygote.control)
+                except (BrokenPipeError, ConnectionResetError):
+                    return False
+
+
+def _server_from_reply(message: tuple[bytes, list[int]], channel: socket.socket, ready_fd: int) -> ZygoteServer:
+    data, fds = message
+    reply = SpawnReply.model_validate_json(data)
+    if reply.pid is None or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise ZygoteError(f"the zygote could not fork a server: {reply.error}")
+    return ZygoteServer(reply.pid, fds[0], channel, ready_fd)
+
+
+async def _receive(sock: socket.socket) -> tuple[bytes, list[int]] | None:
+    """One message and the descriptors that came with it; None at EOF."""
+    while True:
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, _MESSAGE_BYTES, _PASSED_FDS)
+        except BlockingIOError:
+            await anyio.wait_readable(sock)
+            continue
+        except ConnectionResetError:
+            return None
+        if not data and not fds:
+            return None
+        return data, fds
+
+
+async def _read_ready_line(fd: int | None) -> bool:
+    """Whether the server wrote its listening line to the ready pipe before EOF."""
+    if fd is None:
+        return False
+    os.set_blocking(fd, False)
+    received = b""
+    while b"\n" not in received:
+        await anyio.wait_readable(fd)
+        try:
+            chunk = os.read(fd, 4096)
+        except BlockingIOError:
+            continue
+        if not chunk:
+            break
+        received += chunk
+    try:
+        return json.loads(received.split(b"\n")[0]).get("event") == "listening"
+    except ValueError:
+        return False
+
+
+def _write_environment(fd: int, environment: dict[str, str]) -> None:
+    data = json.dumps(environment).encode()
+    # A pipe holds 64 KiB: far more than a server's environment, and the child reads it only after it is forked.
+    os.set_blocking(fd, False)
+    if os.write(fd, data) != len(data):
+        raise ZygoteError(f"a server's environment is too large to pass ({len(data)} bytes)")
+
+
+def _raise_open_files_limit() -> None:
+    """The daemon holds two descriptors per server (its channel and pidfd): 1,000 servers pass a 1,024 soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+# --- the zygote's side ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Child:
+    pid: int
+    pidfd: int
+    channel: socket.socket
+
+
+def serve_requests(control: socket.socket) -> None:
+    """Fork one server per request and report each exit, until the daemon closes the control socket.
+
+    Single-threaded and without an event loop, as fork() needs: one selector over the control socket
+    and the children's pidfds.
+    """
+    selector = selectors.DefaultSelector()
+    selector.register(control, selectors.EVENT_READ)
+    children: list[_Child] = []
+    while True:
+        for key, _ in selector.select():
+            if key.data is None:
+                try:
+                    data, fds, _, _ = socket.recv_fds(control, _MESSAGE_BYTES, _PASSED_FDS)
+                except ConnectionResetError:
+                    return
+                if not data and not fds:
+                    return  # the daemon is done with us
+                child = _fork_server(data, fds, control, children)
+                if child is not None:
+                    children.append(child)
+                    selector.register(child.pidfd, selectors.EVENT_READ, child)
+            else:
+                child = key.data
+                selector.unregister(child.pidfd)
+                children.remove(child)
+                _report_exit(child)
+
+
+def _fork_server(data: bytes, fds: list[int], control: socket.socket, children: list[_Child]) -> _Child | None:
+    if len(fds) != _PASSED_FDS:
+        for fd in fds:
+            os.close(fd)
+        return None
+    channel = socket.socket(fileno=fds[0])
+    log_fd, ready_fd, environ_fd = fds[1:]
+    try:
+        request = SpawnRequest.model_validate_json(data)
+        if threading.active_count() != 1:
+            raise RuntimeError(f"the zygote runs {threading.active_count()} threads; fork needs one")
+        gc.freeze()  # what the imports built moves out of the collector's reach: its pages stay shared
+        pid = os.fork()
+        if pid == 0:
+            _become_server(request, log_fd, ready_fd, environ_fd)
+        pidfd = os.pidfd_open(pid)
+    except Exception as e:
+        _send_quietly(channel, SpawnReply(error=f"{type(e).__name__}: {e}").model_dump_json().encode(), [])
+        channel.close()
+        return None
+    finally:
+        for fd in (log_fd, ready_fd, environ_fd):
+            os.close(fd)
+    _send_quietly(channel, SpawnReply(pid=pid).model_dump_json().encode(), [pidfd])
+    return _Child(pid, pidfd, channel)
+
+
+def _report_exit(child: _Child) -> None:
+    _, status = os.waitpid(child.pid, 0)
+    os.close(child.pidfd)
+    _send_quietly(child.channel, ExitReport(status=os.waitstatus_to_exitcode(status)).model_dump_json().encode(), [])
+    child.channel.close()
+
+
+def _send_quietly(channel: socket.socket, data: bytes, fds: list[int]) -> None:
+    try:
+        socket.send_fds(channel, [data], fds)
+    except OSError:
+        pass  # the daemon stopped waiting for this server
+
+
+def _become_server(request: SpawnRequest, log_fd: int, ready_fd: int, environ_fd: int) -> None:
+    """In the forked child: become a fresh server process, run it, and exit with its status. Never returns."""
+    status = 1
+    try:
+        zygote = os.getppid()
+        os.setsid()
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, _DEATH_SIGNAL, 0, 0, 0)
+        if os.getppid() != zygote:
+            os._exit(1)  # the zygote died before PDEATHSIG was armed
+        _default_signals()
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        environment = _read_environment(environ_fd)
+        os.dup2(ready_fd, 3, inheritable=False)
+        os.closerange(4, os.sysconf("SC_OPEN_MAX"))  # the zygote's sockets, the siblings' pidfds and channels
+        os.environ.clear()
+        os.environ.update(environment)
+        from servers.serve import READY_FD_VARIABLE
+
+        os.environ[READY_FD_VARIABLE] = "3"
+        limit_resources(request.address_space_mb)
+        random.seed()
+        sys.argv = ["servers.launch", *request.argv]
+        from servers.launch import main
+
+        status = main(request.argv)
+    except SystemExit as e:
+        status = _exit_code(e.code)
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(status)
+
+
+def _default_signals() -> None:
+    """What a fresh interpreter has: Python's SIGINT handler, nothing blocked, the rest as Python sets them."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for signum in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+
+
+def _read_environment(fd: int) -> dict[str, str]:
+    chunks = []
+    while chunk := os.read(fd, 65536):
+        chunks.append(chunk)
+    os.close(fd)
+    environment = json.loads(b"".join(chunks))
+    return {str(key): str(value) for key, value in environment.items()}
+
+
+def _exit_code(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: ``python -m servers.farm.zygote CONTROL_FD DAEMON_PID [MODULE ...]``."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) < 2:
+        print("usage: python -m servers.farm.zygote CONTROL_FD DAEMON_PID [MODULE ...]", file=sys.stderr)
+        return 2
+    control = socket.socket(fileno=int(args[0]))
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != int(args[1]):
+        return 1  # the daemon died before PDEATHSIG was armed
+    # Ctrl-C in a terminal that runs the daemon in the foreground is for the daemon: it stops us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    started = time.perf_counter()
+    import importlib
+
+    for module in args[2:]:
+        importlib.import_module(module)
+    print(json.dumps({"event": "zygote ready", "pid": os.getpid(), "modules": len(sys.modules),
+                      "import_s": round(time.perf_counter() - started, 3)}), file=sys.stderr, flush=True)
+    serve_requests(control)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""The zygote fork server: real servers forked from it, their exits, their groups, their environments."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import httpx2
+import pytest
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+
+from envscaler import default_catalog, load_bundle
+from envscaler.sandbox import clean_environment
+from servers.farm.models import EnvPlan
+from servers.farm.process import FARM_ID_VARIABLE
+from servers.farm.teardown import farm_processes, pid_alive
+from servers.farm.zygote import ZygoteSpawner
+from tests.support.bundles import counter_scenario, counter_spec, write_bundle
+from tests.support.cli import envscaler
+
+pytestmark = pytest.mark.anyio
+
+FARM_ID = "zygote-test"
+
+# Environment code that runs in the server when its bundle loads: it writes what the server sees of
+# its own process to the file its environment names, and leaves a child (``sleep``) in its group.
+REPORTING_CODE = '''
+import json, os, subprocess
+
+_sleeper = subprocess.Popen(["sleep", "300"])
+with open(os.environ["REPORT_TO"], "w") as report:
+    json.dump({"environ": dict(os.environ), "sleeper": _sleeper.pid}, report)
+''' + counter_spec()["env_class_code"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def plan(bundle_dir: Path | str, env_id: str, token: str) -> EnvPlan:
+    return EnvPlan(env_id=env_id, bundle_dir=str(bundle_dir), token=token, port=free_port(), spec_hash="test")
+
+
+def environment(token: str, **extra: str) -> dict[str, str]:
+    return clean_environment({"ENVSCALER_TOKEN": token, FARM_ID_VARIABLE: FARM_ID, **extra})
+
+
+def wait_until(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def parent_of(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"^PPid:\s+(\d+)", status, re.MULTILINE).group(1))
+
+
+@pytest.fixture
+async def spawner():
+    spawner = ZygoteSpawner(clean_environment({FARM_ID_VARIABLE: FARM_ID, "MALLOC_ARENA_MAX": "2"}))
+    yield spawner
+    await spawner.aclose()
+
+
+@pytest.fixture
+def reporting_bundle(tmp_path):
+    spec = counter_spec(env_id="reporter", env_class_code=REPORTING_CODE)
+    return write_bundle(tmp_path / "bundles", spec, [counter_scenario(env_id="reporter")])
+
+
+async def test_a_forked_server_listens_answers_and_a_replay_scores_one(spawner, tmp_path):
+    bundle_dir = default_catalog() / "library_circulation"
+    env = plan(bundle_dir, "library_circulation", "secret-1")
+    server = await spawner.spawn(env, environment("secret-1"), tmp_path / "server.log", 256)
+    assert await server.wait_ready()
+    assert parent_of(server.pid) != os.getpid()  # forked by the zygote, not started by us
+    assert os.getpgid(server.pid) == server.pid and os.getsid(server.pid) == server.pid
+    async with httpx.AsyncClient(base_url=env.url, headers={"Authorization": "Bearer secret-1"}) as control:
+        health = await control.get("/healthz")
+        assert health.status_code == 200 and health.json()["env_id"] == "library_circulation"
+        scenario = load_bundle(bundle_dir).scenarios[0]
+        episode = (await control.post("/episodes", json={"scenario_id": scenario.task_id})).json()
+        async with httpx2.AsyncClient() as http, Client(streamable_http_client(episode["mcp_url"], http_client=http)) as client:
+            for call in scenario.reference_solution:
+                result = await client.call_tool(call.name, call.arguments)
+                assert not result.is_error, result.content[0].text
+        score = (await control.post(f"/episodes/{episode['episode_id']}/validate")).json()["score"]
+    assert score == 1.0
+    # Limits as the Popen path sets them: address space from the memory limit, no core dumps.
+    limits = Path(f"/proc/{server.pid}/limits").read_text()
+    assert re.search(r"Max address space\s+1073741824\s+1073741824", limits)
+    assert re.search(r"Max core file size\s+0\s+0", limits)
+    server.send_signal(signal.SIGTERM)
+    assert await server.wait_exit() == 0
+    assert '"event": "listening"' in (tmp_path / "server.log").read_text()
+
+
+async def test_a_killed_server_reports_minus_nine_and_a_broken_one_its_exit(spawner, tmp_path):
+    server = await spawner.spawn(plan(default_catalog() / "it_helpdesk", "it_helpdesk", "t"), environment("t"), tmp_path / "a.log", 256)
+    assert await server.wait_ready()
+    server.send_signal(signal.SIGKILL)
+    assert await server.wait_exit() == -signal.SIGKILL
+    assert not pid_alive(server.pid)
+
+    broken = await spawner.spawn(plan(tmp_path / "missing", "missing", "t"), environment("t"), tmp_path / "b.log", 256)
+    assert not await broken.wait_ready()
+    assert await broken.wait_exit() == 1  # as `python -m servers.launch` exits on an uncaught error
+    assert "missing" in (tmp_path / "b.log").read_text()
+
+
+async def test_killing_the_servers_group_kills_what_it_forked(spawner, reporting_bundle, tmp_path):
+    report = tmp_path / "report.json"
+    server = await spawner.spawn(plan(reporting_bundle, "reporter", "t"), environment("t", REPORT_TO=str(report)), tmp_path / "s.log", 256)
+    assert await server.wait_ready()
+    sleeper = json.loads(report.read_text())["sleeper"]
+    assert pid_alive(sleeper) and os.getpgid(sleeper) == server.pid
+    server.send_signal(signal.SIGKILL)
+    assert await server.wait_exit() == -signal.SIGKILL
+    wait_until(lambda: not pid_alive(sleeper))
+
+
+async def test_each_server_sees_only_its_own_environment(spawner, reporting_bundle, tmp_path):
+    reports, servers = [], []
+    for name in ("one", "two"):
+        report = tmp_path / f"{name}.json"
+        variables = environment(f"token-{name}", REPORT_TO=str(report), ONLY_IN=name)
+        server = await spawner.spawn(plan(reporting_bundle, "reporter", f"token-{name}"), variables, tmp_path / f"{name}.log", 256)
+        assert await server.wait_ready()
+        reports.append(json.loads(report.read_text())["environ"])
+        servers.append(server)
+    for name, seen in zip(("one", "two"), reports):
+        given = environment(f"token-{name}", REPORT_TO=str(tmp_path / f"{name}.json"), ONLY_IN=name)
+        assert {k: v for k, v in seen.items() if k != "ENVSCALER_READY_FD"} == given
+    # /proc/PID/environ is the zygote's (what ``farm down`` finds a farm's processes by): no token there.
+    for server in servers:
+        shown = Path(f"/proc/{server.pid}/environ").read_bytes().split(b"\0")
+        assert f"{FARM_ID_VARIABLE}={FARM_ID}".encode() in shown
+        assert not any(b"token-" in item for item in shown)
+        assert server.pid in farm_processes(FARM_ID)
+    # The tokens never passed through the zygote, so no later server can find them in memory it inherits.
+    zygote = parent_of(servers[0].pid)
+    assert _memory_contains(zygote, [str(reporting_bundle).encode()])  # what the zygote was sent: the scan finds it
+    assert not _memory_contains(zygote, [b"token-one", b"token-two"])
+    for server in servers:
+        server.send_signal(signal.SIGTERM)
+        assert await server.wait_exit() == 0
+
+
+async def test_the_zygote_killed_takes_its_servers_and_the_next_spawn_starts_another(spawner, tmp_path):
+    servers = []
+    for env_id in ("library_circulation", "online_retail"):
+        server = await spawner.spawn(plan(default_catalog() / env_id, env_id, "t"), environment("t"), tmp_path / f"{env_id}.log", 256)
+        assert await server.wait_ready()
+        servers.append(server)
+    zygote = parent_of(servers[0].pid)
+    assert parent_of(servers[1].pid) == zygote
+    os.kill(zygote, signal.SIGKILL)
+    for server in servers:
+        assert await server.wait_exit() == -signal.SIGKILL
+        assert not pid_alive(server.pid)
+    again = await spawner.spawn(plan(default_catalog() / "it_helpdesk", "it_helpdesk", "t"), environment("t"), tmp_path / "again.log", 256)
+    assert await again.wait_ready()
+    assert parent_of(again.pid) not in (zygote, os.getpid())
+    again.send_signal(signal.SIGTERM)
+    assert await again.wait_exit() == 0
+
+
+def test_a_process_farm_can_be_forced_to_start_each_server_as_its_own_interpreter(tmp_path, monkeypatch):
+    monkeypatch.setenv("ENVSCALER_SPAWNER", "popen")
+    catalog = tmp_path / "farm.json"
+    up = envscaler("farm", "up", str(default_catalog() / "library_circulation"), "--backend", "process", "--catalog", str(catalog))
+    assert up.returncode == 0, up.stderr
+    try:
+        state = json.loads((tmp_path / "farm.json.farm" / "state.json").read_text())
+        server = state["envs"]["library_circulation"]["pid"]
+        assert parent_of(server) == state["daemon_pid"]  # no zygote between them
+        assert len(farm_processes(state["farm_id"])) == 2  # the daemon and its server
+        assert httpx.get(json.loads(catalog.read_text())["envs"]["library_circulation"]["url"] + "/healthz").status_code == 200
+    finally:
+        assert envscaler("farm", "down", "--catalog", str(catalog)).returncode == 0
+
+
+def _memory_contains(pid: int, needles: list[bytes]) -> bool:
+    """Whether any readable, writable mapping of ``pid`` holds one of ``needles`` (we are root, or its parent)."""
+    found = False
+    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", buffering=0) as memory:
+        for line in maps:
+            fields = line.split()
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if not fields[1].startswith("rw"):
+                continue
+            try:
+                memory.seek(start)
+                chunk = memory.read(end - start)
+            except OSError:
+                continue
+            found = found or any(needle in chunk for needle in needles)
+    return found
