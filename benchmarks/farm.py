@@ -12,8 +12,8 @@ Image builds (docker): one environment image cold (its tag absent) and cached (a
     python benchmarks/farm.py [--envs 50] [--backend process|docker|both]
 
 Targets: process: all healthy within 30 s up to 200 environments, 60 s up to 1,000 (issue 13: on a
-machine with at least 16 cores); docker: 50 healthy within 60 s; USS <= 12 MB per process-backend
-server; RSS <= 45 MB per server; the idle daemon under 5% of a core. Exits 1 when one is missed
+machine with at least 16 cores) with servers forked from the zygote (the popen run's time is shown for
+comparison); docker: 50 healthy within 60 s; USS <= 12 MB per forked server; RSS <= 45 MB per server; the idle daemon under 5% of a core. Exits 1 when one is missed
 (docker is skipped, and says so, when no engine answers).
 """
 
@@ -167,8 +167,10 @@ def report(backend: str, spawner: str | None, result: Measured, count: int) -> b
     lean = max(rss) <= RSS_TARGET_MB
     quiet = result.daemon_cpu <= IDLE_CPU_TARGET
     cores = len(os.sched_getaffinity(0))
+    # One interpreter per server is the comparison (and the fallback), not what the targets are for.
+    judged = f"target <= {target:g} s: {verdict(fast)}" if spawner != "popen" else "for comparison"
     print(f"{name}: {count} environments healthy in {result.seconds:.1f} s on {cores} cores "
-          f"(target <= {target:g} s: {verdict(fast)}); the daemon used {result.daemon_startup_cpu_s:.1f} s of CPU "
+          f"({judged}); the daemon used {result.daemon_startup_cpu_s:.1f} s of CPU "
           f"meanwhile (supervision, state file, gateway start-up)")
     print(f"{name}: {describe_memory(result.memory)}"
           f"{f' (USS target <= {USS_TARGET_MB:g} MB: ' + verdict(unique) + ')' if spawner == 'zygote' else ''}"
@@ -176,7 +178,7 @@ def report(backend: str, spawner: str | None, result: Measured, count: int) -> b
           f"PSS {sum(m.pss for m in result.memory):.0f} MB")
     print(f"{name}: idle daemon CPU {result.daemon_cpu * 100:.2f}% of a core over {IDLE_WINDOW_S:g} s "
           f"(target <= {IDLE_CPU_TARGET * 100:g}%: {verdict(quiet)})")
-    return fast and unique and lean and quiet
+    return (fast or spawner == "popen") and unique and lean and quiet
 
 
 def main() -> int:
