@@ -85,6 +85,13 @@ def test_tool_calls_go_through_haproxy_and_everything_else_through_the_python_ga
             "Authorization": f"Bearer {json.loads(farm.read_text())['envs']['online_retail']['token']}",
             "X-Envscaler-Base-Url": "http://evil.example"})
         assert episode.status_code == 201 and episode.json()["mcp_url"].startswith(f"{gateway}/envs/online_retail/")
+        # Large bodies pass through haproxy whole, and so does the server's own answer to a body over its cap.
+        listing = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"_meta": {"padding": "x" * 900_000}}}
+        listed = http.post(replay.mcp_url, json=listing)
+        assert listed.status_code == 200 and len(listed.json()["result"]["tools"]) >= len(replay.reference_tools)
+        listing["params"]["_meta"]["padding"] = "x" * 1_500_000
+        refused = http.post(replay.mcp_url, json=listing)
+        assert refused.status_code == 413 and "limit" in refused.text
         # Bodies over the gateway's cap, chunked bodies and browser requests are the Python gateway's.
         too_big = http.post("/envs/online_retail/episodes", content=b"x" * (16 * 1024 * 1024 + 1))
         assert too_big.status_code == 413 and "larger than" in too_big.json()["error"]
