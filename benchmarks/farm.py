@@ -9,7 +9,7 @@ process backend runs twice in one run: servers forked from the zygote (the defau
 own interpreter (``ENVSCALER_SPAWNER=popen``).
 Image builds (docker): one environment image cold (its tag absent) and cached (a no-op).
 
-    python benchmarks/farm.py [--envs 50] [--backend process|docker|both]
+    python benchmarks/farm.py [--envs 50] [--backend process|docker|both] [--spawner zygote|popen|both]
 
 Targets: process: all healthy within 30 s up to 200 environments, 60 s up to 1,000 (issue 13: on a
 machine with at least 16 cores) with servers forked from the zygote (the popen run's time is shown for
@@ -185,6 +185,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--envs", type=int, default=50, help="environments per farm (default: 50)")
     parser.add_argument("--backend", choices=["process", "docker", "both"], default="both")
+    parser.add_argument("--spawner", choices=["zygote", "popen", "both"], default="both",
+                        help="process backend: forked servers, one interpreter each, or both in one run (default: both; "
+                             "a big popen farm needs ~26 MB per server)")
     args = parser.parse_args()
     backends = ["process", "docker"] if args.backend == "both" else [args.backend]
     ok = True
@@ -211,7 +214,8 @@ def main() -> int:
                 print(f"docker image build per environment: cold {cold:.2f} s, cached {cached:.2f} s "
                       f"(CLI start-up included); {len(bundle_dirs) - 1} more cold in {all_cold:.1f} s "
                       f"= {all_cold / (len(bundle_dirs) - 1):.2f} s each")
-            for spawner in (["zygote", "popen"] if backend == "process" else [None]):
+            spawners = (["zygote", "popen"] if args.spawner == "both" else [args.spawner]) if backend == "process" else [None]
+            for spawner in spawners:
                 ok = report(backend, spawner, measure(backend, bundle_root, scratch, args.envs, spawner), args.envs) and ok
             cores = len(os.sched_getaffinity(0))
             if backend == "process" and args.envs > 200 and cores < 16:
