@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 from urllib.parse import quote
@@ -57,6 +59,31 @@ def _user_endpoint(args: argparse.Namespace) -> LlmEndpoint | None:
     return LlmEndpoint(base_url=args.user_base_url or args.base_url, model=model, retries=args.retries, backoff_s=args.backoff)
 
 
+async def _interruptible(work: Callable[[], Awaitable[object]]) -> None:
+    """Run ``work``; on SIGINT cancel it through anyio (its live episodes are ended, shielded) and raise
+    KeyboardInterrupt once it has stopped.
+
+    asyncio's own Ctrl-C handling cancels the main task natively, and a cancel scope inside the work can
+    take that cancellation for its own: the run then goes on as if nothing happened.
+    """
+    interrupted = False
+    async with anyio.create_task_group() as tasks:
+
+        async def watch() -> None:
+            nonlocal interrupted
+            with anyio.open_signal_receiver(signal.SIGINT) as signals:
+                async for _ in signals:
+                    interrupted = True
+                    tasks.cancel_scope.cancel()
+                    return
+
+        tasks.start_soon(watch)
+        await work()
+        tasks.cancel_scope.cancel()  # done: stop watching
+    if interrupted:
+        raise KeyboardInterrupt
+
+
 def _run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.is_dir():
@@ -66,7 +93,7 @@ def _run(args: argparse.Namespace) -> int:
                          rerun_infra_errors=not args.keep_infra_errors)
     make_agent = _agent_factory(args)
     catalog = load_farm_catalog(args.farm)
-    anyio.run(partial(run, catalog, make_agent, out, patterns=args.scenario, options=options))
+    anyio.run(_interruptible, partial(run, catalog, make_agent, out, patterns=args.scenario, options=options))
     records = read_records(out)
     print(render(summarize(records, args.repeats), f"agent {args.agent}, {len(records)} episode(s) in {out}"))
     reasons = infra_reasons(records)
@@ -190,7 +217,7 @@ def _demo_on_farm(args: argparse.Namespace, out_dir: Path, catalog: str) -> int:
         path.unlink(missing_ok=True)
         print(f"demo: running the {name} agent over MCP on every scenario", file=sys.stderr)
         options = RunOptions(concurrency=args.concurrency)
-        anyio.run(partial(run, farm, make_agent, path, options=options))
+        anyio.run(_interruptible, partial(run, farm, make_agent, path, options=options))
         results[name] = read_records(path)
         print()
         print(render(summarize(results[name], 1), f"{name} agent ({path})"))

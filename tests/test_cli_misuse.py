@@ -14,7 +14,8 @@ import pytest
 
 from agent_client.models import Record
 from agent_client.summary import render, summarize
-from tests.support.bundles import counter_bundle, counter_spec, write_bundle
+from envscaler import default_catalog
+from tests.support.bundles import COUNTER_CODE, counter_bundle, counter_scenario, counter_spec, write_bundle
 from tests.support.cli import envscaler
 from tests.support.server import serve
 
@@ -162,7 +163,7 @@ def test_ctrl_c_during_demo_leaves_nothing_behind_and_says_one_line(tmp_path):
         lines.append(line)
         if moment in line:
             break
-    time.sleep(1.0)
+    # At once: the bundled catalog's farm is up in about 2 s, and the demo's runs take about 1 s each.
     os.killpg(process.pid, signal.SIGINT)
     rest = process.stderr.read()  # type: ignore[union-attr]
     process.wait(120)
@@ -174,7 +175,10 @@ def test_ctrl_c_during_demo_leaves_nothing_behind_and_says_one_line(tmp_path):
 
 def test_ctrl_c_during_farm_up_stops_what_it_started(tmp_path):
     catalog = tmp_path / "farm" / "farm.json"
-    process = subprocess.Popen([sys.executable, "-m", "envscaler.cli", "farm", "up", "--backend", "process", "--catalog", str(catalog)],
+    # A server that takes a minute to load its class: farm up is still waiting when Ctrl-C comes.
+    slow = write_bundle(tmp_path, counter_spec(env_class_code="import time\ntime.sleep(60)\n" + COUNTER_CODE), [counter_scenario()])
+    process = subprocess.Popen([sys.executable, "-m", "envscaler.cli", "farm", "up", str(default_catalog() / "online_retail"), str(slow),
+                                "--backend", "process", "--catalog", str(catalog)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     for line in process.stderr:  # type: ignore[union-attr]
         if "farm: starting" in line:
