@@ -67,19 +67,25 @@ async def _interruptible(work: Callable[[], Awaitable[object]]) -> None:
     take that cancellation for its own: the run then goes on as if nothing happened.
     """
     interrupted = False
-    async with anyio.create_task_group() as tasks:
+    try:
+        async with anyio.create_task_group() as tasks:
 
-        async def watch() -> None:
-            nonlocal interrupted
-            with anyio.open_signal_receiver(signal.SIGINT) as signals:
-                async for _ in signals:
-                    interrupted = True
-                    tasks.cancel_scope.cancel()
-                    return
+            async def watch() -> None:
+                nonlocal interrupted
+                with anyio.open_signal_receiver(signal.SIGINT) as signals:
+                    async for _ in signals:
+                        interrupted = True
+                        tasks.cancel_scope.cancel()
+                        return
 
-        tasks.start_soon(watch)
-        await work()
-        tasks.cancel_scope.cancel()  # done: stop watching
+            tasks.start_soon(watch)
+            await work()
+            tasks.cancel_scope.cancel()  # done: stop watching
+    except BaseExceptionGroup as group:
+        # The work's own error (a usage error, say) is the caller's to see, not a group around it.
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
     if interrupted:
         raise KeyboardInterrupt
 

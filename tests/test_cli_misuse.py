@@ -121,13 +121,20 @@ def test_an_environment_with_only_infra_errors_shows_no_score():
     assert "0.000" not in down and down.split()[2] == "-"
 
 
+def _default_sigint() -> None:
+    """In the child: Ctrl-C as a terminal gives it. A test runner started in the background by a
+    non-interactive shell ignores SIGINT, and an ignored signal stays ignored across exec."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_during_run_ends_the_live_episodes(tmp_path):
     with serve(counter_bundle(tmp_path)) as server:
         catalog = tmp_path / "farm.json"
         catalog.write_text(json.dumps({"envs": {"counter": {"url": server.url, "token": server.token}}}))
         command = [sys.executable, "-m", "envscaler.cli", "run", "--farm", str(catalog), "--out", str(tmp_path / "out.jsonl"),
                    "--agent", "command", "--command", f"{sys.executable} -c 'import time; time.sleep(60)'", "--quiet"]
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                   preexec_fn=_default_sigint)
         with server.client() as http:
             deadline = time.monotonic() + 60
             while len(http.get("/episodes").json()["episodes"]) < 2:
@@ -157,7 +164,8 @@ def test_ctrl_c_during_demo_leaves_nothing_behind_and_says_one_line(tmp_path):
     scratch.mkdir()
     env = {**os.environ, "TMPDIR": str(scratch), "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen([sys.executable, "-m", "envscaler.cli", "demo", "--out", str(tmp_path / "out")], env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                               preexec_fn=_default_sigint)
     lines = []
     for line in process.stderr:  # type: ignore[union-attr]
         lines.append(line)
@@ -179,7 +187,8 @@ def test_ctrl_c_during_farm_up_stops_what_it_started(tmp_path):
     slow = write_bundle(tmp_path, counter_spec(env_class_code="import time\ntime.sleep(60)\n" + COUNTER_CODE), [counter_scenario()])
     process = subprocess.Popen([sys.executable, "-m", "envscaler.cli", "farm", "up", str(default_catalog() / "online_retail"), str(slow),
                                 "--backend", "process", "--catalog", str(catalog)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                               preexec_fn=_default_sigint)
     for line in process.stderr:  # type: ignore[union-attr]
         if "farm: starting" in line:
             break
