@@ -32,10 +32,13 @@ def limit_resources(memory_mb: int, cpu_s: int | None = None) -> None:
         resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 5))
 
 
-def die_with_parent() -> None:
-    """Ask the kernel to SIGTERM the current process when its parent dies (a ``preexec_fn``; Linux only)."""
+def die_with_parent(signum: int = signal.SIGTERM) -> None:
+    """Ask the kernel to send ``signum`` to the current process when its parent (thread) dies; Linux only.
+
+    Usable as a ``preexec_fn``.
+    """
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
     except (OSError, AttributeError):
         pass  # not Linux: the parent's own stop is all there is
 

@@ -12,7 +12,6 @@ which asks the backend to ``kill`` them; the restart then takes the usual path.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import json
 import logging
@@ -26,7 +25,7 @@ from typing import Protocol
 
 import anyio
 
-from envscaler.sandbox import clean_environment, limit_resources
+from envscaler.sandbox import clean_environment, die_with_parent, limit_resources
 from servers.farm.board import Board
 from servers.farm.models import EnvPlan, FarmPaths, FarmPlan
 from servers.serve import READY_FD_VARIABLE
@@ -34,7 +33,6 @@ from servers.serve import READY_FD_VARIABLE
 log = logging.getLogger("envscaler.farm")
 
 FARM_ID_VARIABLE = "ENVSCALER_FARM_ID"
-_PR_SET_PDEATHSIG = 1
 # A server that dies this many times before it was ever healthy is broken, not unlucky.
 _STARTUP_ATTEMPTS = 3
 # Address space is not resident memory: thread stacks and allocator arenas reserve far more than they use.
@@ -96,7 +94,7 @@ def killed_for_memory(pid: int, since: float) -> bool:
 def _child_setup(memory_mb: int) -> None:
     """Runs in the child before exec: limits, and die when the daemon dies so nothing is orphaned."""
     limit_resources(memory_mb * ADDRESS_SPACE_FACTOR)
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    die_with_parent()
 
 
 def server_command(env: EnvPlan) -> list[str]:
@@ -141,10 +139,11 @@ class Spawner(Protocol):
 
 
 async def read_ready_line(fd: int) -> bool:
-    """Read the ready pipe ``fd`` (non-blocking) to its first line or EOF, close it; whether the server
-    said it listens. EOF first means the server exited (or closed the pipe) before it listened."""
+    """Read the ready pipe ``fd`` to its first line or EOF, close it; whether the server said it
+    listens. EOF first means the server exited (or closed the pipe) before it listened."""
     data = b""
     try:
+        os.set_blocking(fd, False)
         while b"\n" not in data:
             await anyio.wait_readable(fd)
             try:
@@ -208,7 +207,6 @@ class PopenSpawner:
     async def spawn(self, env: EnvPlan, environment: dict[str, str], log_path: Path, memory_mb: int) -> ServerProcess:
         """Start ``env``'s server (see ``Spawner.spawn``); the ready pipe's write end goes to the child only."""
         read_fd, write_fd = os.pipe()
-        os.set_blocking(read_fd, False)
         try:
             with open(log_path, "ab") as log_file:
                 # Popen runs in the event loop's thread on purpose: PR_SET_PDEATHSIG fires when the

@@ -22,7 +22,6 @@ daemon uses ``ZygoteSpawner``.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import json
 import os
@@ -42,8 +41,9 @@ from pathlib import Path
 import anyio
 from pydantic import BaseModel
 
-from envscaler.sandbox import clean_environment, limit_resources
+from envscaler.sandbox import clean_environment, die_with_parent, limit_resources
 from servers.farm.models import EnvPlan, FarmPlan
+from servers.farm.process import read_ready_line
 
 # Imported before the first fork: what ``servers.launch`` needs to serve a bundle, and its event loop.
 PRELOAD = (
@@ -55,7 +55,6 @@ OPENENV_PRELOAD = "servers.openenv_endpoint.app"
 # ``ENVSCALER_SPAWNER=popen`` makes the process backend start each server as its own interpreter.
 SPAWNER_VARIABLE = "ENVSCALER_SPAWNER"
 
-_PR_SET_PDEATHSIG = 1
 _PASSED_FDS = 4
 _MESSAGE_BYTES = 65536
 # What the zygote reports when it died before it could report an exit: its children got this signal.
@@ -124,7 +123,6 @@ class ZygoteServer:
         self._channel = channel
         self._ready_fd: int | None = ready_fd
         self._ready: bool | None = None
-        self._reading_ready = False
         self._exit: int | None = None
         self._exit_lock = anyio.Lock()
         self._ready_lock = anyio.Lock()
@@ -133,12 +131,9 @@ class ZygoteServer:
         """True once the server listens (its ready pipe said so); False if it exited first."""
         async with self._ready_lock:
             if self._ready is None:
-                self._reading_ready = True
-                try:
-                    self._ready = await _read_ready_line(self._ready_fd)
-                finally:
-                    self._reading_ready = False
-                    self._close_ready()
+                # Taken, not shared: read_ready_line closes it, and wait_exit no longer can.
+                fd, self._ready_fd = self._ready_fd, None
+                self._ready = fd is not None and await read_ready_line(fd)
             return self._ready
 
     async def wait_exit(self) -> int:
@@ -157,8 +152,7 @@ class ZygoteServer:
                 if self._pidfd is not None:
                     os.close(self._pidfd)
                     self._pidfd = None
-                if not self._reading_ready:
-                    self._close_ready()
+                self._close_ready()
             return self._exit
 
     def send_signal(self, signum: int) -> None:
@@ -321,27 +315,6 @@ async def _receive(sock: socket.socket) -> tuple[bytes, list[int]] | None:
         return data, fds
 
 
-async def _read_ready_line(fd: int | None) -> bool:
-    """Whether the server wrote its listening line to the ready pipe before EOF."""
-    if fd is None:
-        return False
-    os.set_blocking(fd, False)
-    received = b""
-    while b"\n" not in received:
-        await anyio.wait_readable(fd)
-        try:
-            chunk = os.read(fd, 4096)
-        except BlockingIOError:
-            continue
-        if not chunk:
-            break
-        received += chunk
-    try:
-        return json.loads(received.split(b"\n")[0]).get("event") == "listening"
-    except ValueError:
-        return False
-
-
 def _write_environment(fd: int, environment: dict[str, str]) -> None:
     data = json.dumps(environment).encode()
     # A pipe holds 64 KiB: far more than a server's environment, and the child reads it only after it is forked.
@@ -443,7 +416,7 @@ def _become_server(request: SpawnRequest, log_fd: int, ready_fd: int, environ_fd
     try:
         zygote = os.getppid()
         os.setsid()
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, _DEATH_SIGNAL, 0, 0, 0)
+        die_with_parent(_DEATH_SIGNAL)
         if os.getppid() != zygote:
             os._exit(1)  # the zygote died before PDEATHSIG was armed
         _default_signals()
@@ -512,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m servers.farm.zygote CONTROL_FD DAEMON_PID [MODULE ...]", file=sys.stderr)
         return 2
     control = socket.socket(fileno=int(args[0]))
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    die_with_parent(signal.SIGKILL)
     if os.getppid() != int(args[1]):
         return 1  # the daemon died before PDEATHSIG was armed
     # Ctrl-C in a terminal that runs the daemon in the foreground is for the daemon: it stops us.
