@@ -20,6 +20,7 @@ from envscaler import default_catalog, load_bundle
 from servers.farm.images import LABEL_ENV, LABEL_FARM, LABEL_HASH, docker_answers, env_image_tag
 from tests.support.bundles import COUNTER_CODE, counter_scenario, counter_spec, write_bundle
 from tests.support.cli import envscaler
+from tests.support.farm import read_state
 from tests.support.gateway import replay_through_gateway
 
 pytestmark = pytest.mark.docker
@@ -40,9 +41,6 @@ HOG_CODE = COUNTER_CODE.replace(
 # Building the runtime image after a code change takes minutes.
 DOCKER_TIMEOUT_S = 300
 
-
-def read_state(catalog):
-    return json.loads((catalog.parent / (catalog.name + ".farm") / "state.json").read_text())
 
 
 def wait_until(predicate, timeout_s=60.0):

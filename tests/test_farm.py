@@ -15,22 +15,17 @@ import pytest
 from envscaler import default_catalog, load_bundle
 from servers.farm.teardown import farm_processes
 from tests.support.cli import envscaler
+from tests.support.farm import bundled_farm, read_state
 from tests.support.gateway import replay_through_gateway
 
 ENVS = ["library_circulation", "online_retail", "it_helpdesk"]
 
 
-def read_state(catalog):
-    return json.loads((catalog.parent / (catalog.name + ".farm") / "state.json").read_text())
-
 
 @pytest.fixture
 def farm(tmp_path):
-    catalog = tmp_path / "farm.json"
-    up = envscaler("farm", "up", *(str(default_catalog() / e) for e in ENVS), "--backend", "process", "--catalog", str(catalog))
-    assert up.returncode == 0, up.stderr
-    yield catalog
-    envscaler("farm", "down", "--catalog", str(catalog))
+    with bundled_farm(tmp_path, ENVS) as catalog:
+        yield catalog
 
 
 def wait_until(predicate, timeout_s=20.0):

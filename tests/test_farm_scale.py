@@ -7,22 +7,18 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from servers.farm.teardown import farm_processes, pid_alive
 from tests.support.cli import envscaler
-from tests.support.farm import catalog_copies, gateway_only_catalog
+from tests.support.farm import catalog_copies, gateway_only_catalog, read_state
 
 ENVS = 100
 # Each server is probed every 2 s; three misses in a row make it hung.
 PROBE_PERIOD_S = 2.0
 
-
-def read_state(catalog: Path) -> dict:
-    return json.loads((catalog.parent / (catalog.name + ".farm") / "state.json").read_text())
 
 
 def wait_until(predicate, timeout_s: float, what: str) -> None:

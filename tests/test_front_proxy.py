@@ -18,16 +18,13 @@ from envscaler import default_catalog, load_bundle
 from servers.farm.front import GATEWAY_VARIABLE
 from servers.farm.teardown import farm_processes
 from tests.support.cli import envscaler
+from tests.support.farm import bundled_farm, read_state
 from tests.support.gateway import replay_through_gateway
 
 ENVS = ["library_circulation", "online_retail"]
 
 def farm_dir(catalog):
     return catalog.parent / (catalog.name + ".farm")
-
-
-def read_state(catalog):
-    return json.loads((farm_dir(catalog) / "state.json").read_text())
 
 
 def haproxy_admin(catalog, command: str) -> str:
@@ -55,11 +52,8 @@ def haproxy_stats(catalog) -> dict[str, int]:
 
 @pytest.fixture
 def farm(tmp_path):
-    catalog = tmp_path / "farm.json"
-    up = envscaler("farm", "up", *(str(default_catalog() / e) for e in ENVS), "--backend", "process", "--catalog", str(catalog))
-    assert up.returncode == 0, up.stderr
-    yield catalog
-    envscaler("farm", "down", "--catalog", str(catalog))
+    with bundled_farm(tmp_path, ENVS) as catalog:
+        yield catalog
 
 
 def test_tool_calls_go_through_haproxy_and_everything_else_through_the_python_gateway(farm):

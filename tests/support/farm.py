@@ -24,6 +24,25 @@ def counter_farm(root: Path, *flags: str) -> Iterator[dict[str, Any]]:
         envscaler("farm", "down", "--catalog", str(catalog))
 
 
+@contextmanager
+def bundled_farm(root: Path, env_ids: list[str]) -> Iterator[Path]:
+    """``farm up`` (process backend) of these bundled environments; yields the catalog file; ``farm down`` after."""
+    from envscaler import default_catalog
+
+    catalog = root / "farm.json"
+    up = envscaler("farm", "up", *(str(default_catalog() / e) for e in env_ids), "--backend", "process", "--catalog", str(catalog))
+    assert up.returncode == 0, up.stderr
+    try:
+        yield catalog
+    finally:
+        envscaler("farm", "down", "--catalog", str(catalog))
+
+
+def read_state(catalog: Path) -> dict[str, Any]:
+    """The farm daemon's state file (``farm.json.farm/state.json``) of the farm whose catalog is ``catalog``."""
+    return json.loads((catalog.parent / (catalog.name + ".farm") / "state.json").read_text())
+
+
 def catalog_copies(root: Path, count: int, scenarios_per_env: int | None = None) -> list[Path]:
     """``count`` bundles cycling through the bundled catalog, each under its own env_id (``<env>_NNN``),
     with its first ``scenarios_per_env`` scenarios (all when None)."""
