@@ -48,6 +48,8 @@ _REASONS = {status.value: status.phrase.encode() for status in http.HTTPStatus}
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _SWEEP_S = 5.0
 _JOIN_LIMIT = 65536
+# How long a refused client may go on sending (its body) before the connection is cut.
+_LINGER_S = 2.0
 
 
 class HttpServer:
@@ -192,8 +194,8 @@ class _Connection(asyncio.Protocol):
             self.disconnected.set_result(None)
 
     def data_received(self, data: bytes) -> None:
-        if self._head_refusal is not None:
-            return
+        if self.closed or self._head_refusal is not None:
+            return  # after a refusal, what the client still sends is read and dropped
         self.last_active = time.monotonic()
         in_head, begun = self._in_head, self._begun
         try:
@@ -349,15 +351,30 @@ class _Connection(asyncio.Protocol):
             self.close()
 
     def refuse(self, status: int, message: str) -> None:
-        """Answer ``{"error": message}`` with ``status`` and close the connection."""
+        """Answer ``{"error": message}`` with ``status`` and close the connection.
+
+        The client may still be sending a body that will never be read. Closing a socket with
+        unread input sends a reset, which can destroy the answer in the client's receive buffer
+        before the client reads it, so the connection is half-closed instead, what arrives is
+        dropped for up to ``_LINGER_S``, and then it is closed.
+        """
+        transport = self.transport
+        if transport is None or self.closed:
+            return
         body = json_bytes({"error": message})
         head = _head(status, [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())], keep_alive=False)
-        if self.transport is not None and not self.closed:
-            self.transport.write(head + body)
-        self.close()
+        transport.write(head + body)
+        self.closed = True
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        self._reading = True
+        transport.resume_reading()
+        asyncio.get_running_loop().call_later(_LINGER_S, transport.close)
 
     def close(self) -> None:
-        if self.transport is not None and not self.closed:
+        if self.transport is not None and not self.transport.is_closing():
             self.closed = True
             self.transport.close()
 

@@ -157,6 +157,18 @@ def test_a_body_over_the_limit_gets_413_and_the_connection_closes():
             assert read_response(conn, bytearray())[0].startswith(b"HTTP/1.1 413")
 
 
+def test_a_client_that_sends_its_whole_refused_body_still_reads_the_413():
+    # Far more than the socket buffers hold: a server that closed with this unread would reset the
+    # connection, and the client would lose the answer (or get EPIPE while it still sends).
+    body = b"x" * (16 * 1024 * 1024)
+    with running(max_body_bytes=100) as server, server.connect() as conn:
+        conn.sendall(post("/x", body))
+        status, headers, answer = read_response(conn, bytearray())
+        assert status.startswith(b"HTTP/1.1 413") and headers[b"connection"] == b"close"
+        assert "limit of 100 bytes" in json.loads(answer)["error"]
+        assert closed_by_server(conn)
+
+
 def test_expect_100_continue_is_answered_before_the_body():
     with running() as server, server.connect() as conn:
         conn.sendall(b"POST /e HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n")
