@@ -16,6 +16,7 @@ from envscaler.bundle import load_bundle
 from envscaler.errors import EnvScalerError
 from envscaler.gate_workers import WorkerEvent
 from envscaler.gates import check_environment, check_scenario
+from envscaler.guard import protect_time_limits
 from envscaler.jsonl import dumps
 
 
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m envscaler.check_worker BUNDLE_DIR [TASK_ID ...]", file=sys.stderr)
         return 2
     events = _own_stdout()
+    protect_time_limits()
     try:
         bundle = load_bundle(args[0])
     except EnvScalerError as e:

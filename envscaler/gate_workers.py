@@ -122,8 +122,8 @@ class _ShardRun:
         """Run a worker over the remaining scenarios: None when it finished, else (gate, task_id, why) it stopped."""
         with tempfile.TemporaryFile() as errors:
             cpu_s = int(self.timeout_s * (len(self.remaining) + 1)) + 1
-            process = start_module("envscaler.check_worker", [str(self.directory), *self.remaining],
-                                   memory_mb=WORKER_MEMORY_MB, cpu_s=cpu_s, stderr=errors)
+            process = start_module("envscaler.check_worker", [str(self.directory.resolve()), *self.remaining],
+                                   memory_mb=WORKER_MEMORY_MB, cpu_s=cpu_s, stderr=errors, readable=[self.directory])
             lines = _line_queue(process.stdout)  # type: ignore[arg-type]
             gate, task_id = "class_loads", None
             try:

@@ -16,16 +16,24 @@ The exceptions derive from BaseException so that the usual ``except Exception`` 
 :func:`call_preemptibly` is the main thread's short leash: it gives code a small budget and raises
 :class:`Preempted` if the code ran past it, so that a caller can run it again where a long run
 harms nobody (the environment server runs tool calls on its event loop this way).
+
+Environment code could defeat these limits from inside: ignore SIGALRM, stop the timer, clear the
+tracer, raise the switch interval, or start a thread that runs on after its call. A process that
+runs it calls :func:`protect_time_limits` once; from then on code under a limit is refused those
+(a ``PermissionError`` it can report), and so are new processes and ``ctypes``. This is a speed
+bump, not a wall (Python code can reach the functions it is refused through their wrappers): the
+backstop is outside the process, a supervisor that restarts a server that stops answering.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -33,6 +41,15 @@ T = TypeVar("T")
 
 _REPEAT_S = 0.05
 _SLEEP_AFTER_S = 1.0
+
+# Our own uses of what environment code is refused (protect_time_limits replaces the module attributes).
+_setitimer = signal.setitimer
+_signal = signal.signal
+_settrace = sys.settrace
+_gettrace = sys.gettrace
+_get_ident = threading.get_ident
+# Threads running environment code under a limit now.
+_guarded: set[int] = set()
 
 
 class GuardSignal(BaseException):
@@ -86,7 +103,7 @@ def keep_alarm_handler() -> None:
     microseconds a call: worth saving in a server that guards every call, and owns its signals.
     """
     global _handler_kept
-    signal.signal(signal.SIGALRM, _on_alarm)
+    _signal(signal.SIGALRM, _on_alarm)
     _handler_kept = True
 
 
@@ -143,31 +160,36 @@ def _trace_to_stop(alarm: _Alarm, frame: FrameType | None) -> None:
         return stop
 
     alarm.tracing = True
-    alarm.previous_trace = sys.gettrace()
+    alarm.previous_trace = _gettrace()
     for guarded in below:
         guarded.f_trace_lines = True
         guarded.f_trace = stop
-    sys.settrace(stop)
+    _settrace(stop)
 
 
 def _run_with_alarm(alarm: _Alarm, fn: Callable[..., T], seconds: float, args: tuple, kwargs: dict) -> T:
     global _current
-    previous = None if _handler_kept else signal.signal(signal.SIGALRM, _on_alarm)
+    previous = None if _handler_kept else _signal(signal.SIGALRM, _on_alarm)
     alarm.frame = sys._getframe()
     _current = alarm
-    signal.setitimer(signal.ITIMER_REAL, seconds, _REPEAT_S)
+    thread = _get_ident()
+    marked = thread not in _guarded
+    _setitimer(signal.ITIMER_REAL, seconds, _REPEAT_S)
+    _guarded.add(thread)
     try:
         return fn(*args, **kwargs)
     finally:
         # The alarm may fire once more while we disarm; absorb it so it never escapes the guard.
         while True:
             try:
+                if marked:
+                    _guarded.discard(thread)
                 _current = None
-                signal.setitimer(signal.ITIMER_REAL, 0)
+                _setitimer(signal.ITIMER_REAL, 0)
                 if alarm.tracing:
-                    sys.settrace(alarm.previous_trace)
+                    _settrace(alarm.previous_trace)
                 if not _handler_kept:
-                    signal.signal(signal.SIGALRM, previous)
+                    _signal(signal.SIGALRM, previous)
                 alarm.frame = None  # the frame holds the alarm: a cycle that would keep the call's locals
                 break
             except alarm.error:
@@ -213,9 +235,13 @@ class _Watchdog:
                     self._asleep = False
                     self._ensure_thread()
                     self._wake.set()
+            marked = entry.thread_id not in _guarded
+            _guarded.add(entry.thread_id)
             try:
                 return fn(*args, **kwargs)
             finally:
+                if marked:
+                    _guarded.discard(entry.thread_id)
                 self._forget(key)
                 if entry.fired:
                     # Drop an injected exception that has not been raised yet.
@@ -266,3 +292,72 @@ class _Watchdog:
 
 
 _WATCHDOG = _Watchdog()
+
+
+# (module, attribute, what environment code is told it may not do)
+_REFUSED: tuple[tuple[str, str, str], ...] = (
+    *((module, name, "change signal handling: it enforces time limits")
+      for module in ("signal", "_signal")
+      for name in ("signal", "setitimer", "alarm", "pthread_sigmask", "siginterrupt", "set_wakeup_fd")),
+    *(("sys", name, "change the interpreter's tracing, switching or recursion limits: they keep its time limits and its stack safe")
+      for name in ("settrace", "setprofile", "setswitchinterval", "setrecursionlimit")),
+    *(("threading", name, "change how threads are traced") for name in ("settrace", "setprofile")),
+    *(("_thread", name, "start threads: one would run on after its call") for name in ("start_new_thread", "start_new")),
+    ("threading", "_start_new_thread", "start threads: one would run on after its call"),
+    *(("os", name, "start processes") for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system")),
+    ("_posixsubprocess", "fork_exec", "start processes"),
+)
+_REFUSED_EVENTS = {"ctypes.dlopen": "load C libraries", "ctypes.dlsym": "call C functions",
+                   "ctypes.call_function": "call C functions", "ctypes.cdata": "reach raw memory"}
+_protected = False
+
+
+@contextlib.contextmanager
+def running_env_code() -> Iterator[None]:
+    """Mark the calling thread as running environment code (without a time limit: a module's load),
+    so that what :func:`protect_time_limits` refuses is refused to it."""
+    thread = _get_ident()
+    marked = thread not in _guarded
+    _guarded.add(thread)
+    try:
+        yield
+    finally:
+        if marked:
+            _guarded.discard(thread)
+
+
+def protect_time_limits() -> None:
+    """Refuse environment code under a limit what would defeat the limits (see the module's doc).
+
+    Call it once, in a process that runs environment code, before the code is loaded. The process's
+    own code (outside a limit) keeps every function.
+    """
+    global _protected
+    if _protected:
+        return
+    _protected = True
+    import importlib
+
+    for module_name, attribute, what in _REFUSED:
+        module = importlib.import_module(module_name)
+        original = getattr(module, attribute, None)
+        if original is not None:
+            setattr(module, attribute, _refused_to_env_code(original, what))
+    sys.addaudithook(_audit)
+
+
+def _refused_to_env_code(original: Callable[..., T], what: str) -> Callable[..., T]:
+    def guarded(*args: Any, **kwargs: Any) -> T:
+        if _get_ident() in _guarded:
+            raise PermissionError(f"environment code may not {what}")
+        return original(*args, **kwargs)
+
+    guarded.__name__ = getattr(original, "__name__", "guarded")
+    guarded.__doc__ = original.__doc__
+    return guarded
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    what = _REFUSED_EVENTS.get(event)
+    if what is not None and _get_ident() in _guarded:
+        raise PermissionError(f"environment code may not {what}")

@@ -9,6 +9,7 @@ import sys
 import types
 
 from envscaler.errors import EnvCodeError
+from envscaler.guard import running_env_code
 from envscaler.models import EnvSpec
 
 _CLASSES: dict[str, type] = {}
@@ -66,7 +67,8 @@ def load_class(spec: EnvSpec) -> type:
         filename,
     )
     try:
-        exec(code, module.__dict__)
+        with running_env_code():
+            exec(code, module.__dict__)
     except BaseException as e:  # noqa: BLE001 - module-level code is untrusted; report anything
         del sys.modules[module_name]
         raise EnvCodeError(f"{spec.env_id}: class code failed to load: {type(e).__name__}: {e}") from None

@@ -1,18 +1,45 @@
-"""Run untrusted work in a child Python process with resource limits and no inherited secrets."""
+"""Run untrusted work in a child Python process with resource limits and no inherited secrets.
+
+Where bubblewrap (``bwrap``) works, the child also runs in a sandbox (:func:`sandboxed`): new
+network, PID, IPC and UTS namespaces (the network has only its own loopback: nothing of the host's
+can be reached), a read-only filesystem that holds Python, this project's packages and the paths
+the caller names (a bundle), a private ``/tmp`` of bounded size, no capabilities, no new privileges,
+and a seccomp filter that refuses every new process (fork, vfork, clone without ``CLONE_THREAD``):
+threads still work, a fork bomb does not. ``ENVSCALER_SANDBOX=off`` turns it off.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
+import logging
 import os
+import platform
 import resource
+import shutil
 import signal
+import struct
 import subprocess
 import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 # Variables a child needs to run Python and nothing else: no tokens, keys or proxies leak in.
 _KEPT_ENV = ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "TMPDIR", "HOME")
 _PR_SET_PDEATHSIG = 1
+
+log = logging.getLogger("envscaler.sandbox")
+
+SANDBOX_VARIABLE = "ENVSCALER_SANDBOX"
+UNPROTECTED = ("environment code runs without a sandbox: unless a container holds it, it can read every file this "
+               "user can (a farm's catalog, with every token, included), connect to local services and start processes")
+# The private /tmp of a sandboxed process: tmpfs is memory that no address-space limit counts.
+TMPFS_BYTES = 64 * 1024 * 1024
+# Top-level packages of this project that sandboxed code imports, wherever they are installed.
+_PROJECT_PACKAGES = ("envscaler", "servers", "synth", "agent_client")
+_HOST_FILES = ("/etc/ld.so.cache", "/etc/localtime")
 
 
 def clean_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -44,29 +71,213 @@ def die_with_parent(signum: int = signal.SIGTERM) -> None:
 
 
 def start_module(
-    module: str, args: list[str], *, memory_mb: int, cpu_s: int, stderr: Any
+    module: str, args: list[str], *, memory_mb: int, cpu_s: int, stderr: Any, readable: Sequence[str | Path] = ()
 ) -> subprocess.Popen[bytes]:
-    """``python -m module args`` started in a limited child, its stdout a pipe for the caller to read."""
-    return subprocess.Popen(
-        [sys.executable, "-m", module, *args],
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        stdin=subprocess.DEVNULL,
-        env=clean_environment(),
-        preexec_fn=lambda: limit_resources(memory_mb, cpu_s),
-    )
+    """``python -m module args`` started in a limited child, sandboxed where possible (``readable``: the
+    paths it reads), its stdout a pipe for the caller to read."""
+    with _maybe_sandboxed([sys.executable, "-m", module, *args], readable) as (argv, fds):
+        return subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            stdin=subprocess.DEVNULL,
+            env=clean_environment(),
+            pass_fds=fds,
+            preexec_fn=lambda: limit_resources(memory_mb, cpu_s),
+        )
 
 
 def run_module(
-    module: str, args: list[str], *, timeout_s: float, memory_mb: int = 2048
+    module: str, args: list[str], *, timeout_s: float, memory_mb: int = 2048, readable: Sequence[str | Path] = ()
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m module args`` in a limited child; TimeoutExpired when it runs past ``timeout_s``."""
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        env=clean_environment(),
-        preexec_fn=lambda: limit_resources(memory_mb, int(timeout_s) + 1),
-        stdin=subprocess.DEVNULL,
-    )
+    """``python -m module args`` in a limited child, sandboxed where possible (``readable``: the paths it
+    reads); TimeoutExpired when it runs past ``timeout_s``."""
+    with _maybe_sandboxed([sys.executable, "-m", module, *args], readable) as (argv, fds):
+        return subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=clean_environment(),
+            pass_fds=fds,
+            preexec_fn=lambda: limit_resources(memory_mb, int(timeout_s) + 1),
+            stdin=subprocess.DEVNULL,
+        )
+
+
+@contextlib.contextmanager
+def _maybe_sandboxed(command: list[str], readable: Sequence[str | Path]) -> Iterator[tuple[list[str], tuple[int, ...]]]:
+    problem = sandbox_problem()
+    if problem is not None:
+        warn_unprotected(problem)
+        yield command, ()
+        return
+    with sandboxed(command, readable=readable) as wrapped:
+        yield wrapped
+
+
+def sandbox_problem() -> str | None:
+    """Why processes cannot be sandboxed here (what to install, or what failed), or None when they can."""
+    if os.environ.get(SANDBOX_VARIABLE, "").lower() in ("off", "0", "no", "false"):
+        return f"{SANDBOX_VARIABLE}={os.environ[SANDBOX_VARIABLE]} turned it off"
+    return _bwrap_problem()
+
+
+@functools.cache
+def _bwrap_problem() -> str | None:
+    if shutil.which("bwrap") is None:
+        return "bubblewrap is not installed (Debian/Ubuntu: apt-get install bubblewrap)"
+    if _SECCOMP_ARCH.get(platform.machine()) is None:
+        return f"no seccomp filter for this machine ({platform.machine()})"
+    try:
+        with sandboxed(["true"], readable=()) as (argv, fds):
+            done = subprocess.run(argv, pass_fds=fds, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"bwrap could not run: {e}"
+    if done.returncode != 0:
+        return f"bwrap cannot make a sandbox here: {done.stderr.strip() or f'exit {done.returncode}'}"
+    return None
+
+
+def warn_unprotected(problem: str) -> None:
+    """Log, once per process, that environment code runs unsandboxed and why."""
+    _warn_once(problem)
+
+
+@functools.cache
+def _warn_once(problem: str) -> None:
+    log.warning(f"{UNPROTECTED} ({problem})")
+
+
+@contextlib.contextmanager
+def sandboxed(command: Sequence[str], *, readable: Sequence[str | Path]) -> Iterator[tuple[list[str], tuple[int, ...]]]:
+    """``command`` wrapped in a bubblewrap sandbox: (argv, fds the child must inherit).
+
+    The fds (the seccomp program, which bwrap reads at start) are closed when the block ends: start
+    the child inside it. ``readable`` paths are visible read-only at the same place; so are Python and
+    this project's packages (without the bundled catalog, unless it is named).
+    """
+    seccomp = os.memfd_create("envscaler-seccomp", 0)
+    try:
+        os.write(seccomp, _seccomp_program())
+        os.lseek(seccomp, 0, os.SEEK_SET)
+        argv = ["bwrap", "--unshare-all", "--die-with-parent", "--cap-drop", "ALL"]
+        argv += _filesystem([Path(p) for p in readable])
+        argv += ["--setenv", "TMPDIR", "/tmp", "--setenv", "HOME", "/tmp", "--chdir", "/tmp", "--seccomp", str(seccomp), "--", *command]
+        yield argv, (seccomp,)
+    finally:
+        os.close(seccomp)
+
+
+def innermost_process(pid: int) -> int:
+    """The process that a sandbox started as ``pid`` runs (bubblewrap's innermost child), else ``pid``."""
+    while True:
+        try:
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:
+            return pid
+        if not children:
+            return pid
+        pid = int(children[0])
+
+
+def _filesystem(readable: list[Path]) -> list[str]:
+    # /tmp first: Python or a bundle may live under the host's /tmp, and binds made before would be hidden.
+    args = ["--proc", "/proc", "--dev", "/dev", "--size", str(TMPFS_BYTES), "--tmpfs", "/tmp"]
+    for top in ("/usr", "/bin", "/lib", "/lib64", "/sbin"):
+        path = Path(top)
+        if path.is_symlink():
+            args += ["--symlink", os.readlink(path), top]
+        elif path.is_dir():
+            args += ["--ro-bind", top, top]
+    for file in _HOST_FILES:
+        args += ["--ro-bind-try", file, file]
+    python = [Path(sys.base_prefix), Path(sys.prefix), Path(sys.executable).resolve().parent]
+    packages = [_package_dir(name) for name in _PROJECT_PACKAGES]
+    needed = sorted({path.resolve() for path in python + [p for p in packages if p is not None]})
+    for path in needed:
+        inside_another = any(other != path and path.is_relative_to(other) for other in needed)
+        if not inside_another and not path.is_relative_to("/usr"):
+            args += ["--ro-bind", str(path), str(path)]
+    catalog = Path(__file__).resolve().parent / "catalog"
+    if catalog.is_dir():
+        args += ["--tmpfs", str(catalog)]  # bundles are visible only when named
+    for path in readable:
+        resolved = str(path.resolve())
+        args += ["--ro-bind", resolved, resolved]
+    if catalog.is_dir():
+        args += ["--remount-ro", str(catalog)]
+    args += ["--remount-ro", "/"]
+    return args
+
+
+def _package_dir(name: str) -> Path | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))).resolve()
+
+
+# -- seccomp: no new processes ----------------------------------------------------------------------
+
+# machine -> (AUDIT_ARCH_*, syscall numbers of clone, clone3, ioctl, and of fork/vfork where they exist)
+_SECCOMP_ARCH: dict[str, tuple[int, int, int, int, tuple[int, ...]]] = {
+    "x86_64": (0xC000003E, 56, 435, 16, (57, 58)),
+    "aarch64": (0xC00000B7, 220, 435, 29, ()),
+}
+_CLONE_THREAD = 0x00010000
+# ioctls that push input into a terminal (so that the shell that started the server would run it).
+_TIOCSTI, _TIOCLINUX = 0x5412, 0x541C
+_X32_SYSCALL_BIT = 0x40000000
+_RET_ALLOW = 0x7FFF0000
+_RET_ERRNO = 0x00050000
+_EPERM, _ENOSYS = 1, 38
+# Classic BPF opcodes.
+_LD_ABS_W, _JEQ_K, _JGE_K, _JSET_K, _RET_K = 0x20, 0x15, 0x35, 0x45, 0x06
+
+
+def _seccomp_program() -> bytes:
+    """A seccomp filter (classic BPF, as bwrap's ``--seccomp`` reads it) that refuses new processes.
+
+    clone3 answers ENOSYS, so that the C library falls back to clone, whose flags a filter can read
+    (clone3 passes them in memory): clone with CLONE_THREAD (a thread) is allowed, any other clone,
+    fork and vfork get EPERM. So do the ioctls that push input into a terminal (TIOCSTI, TIOCLINUX),
+    which lets the sandbox share the caller's terminal and process group (its signals reach the
+    server; bwrap forwards none). System calls of another ABI (32-bit, x32) are refused outright.
+    """
+    arch, clone, clone3, ioctl, forks = _SECCOMP_ARCH[platform.machine()]
+
+    def op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
+        return struct.pack("=HBBI", code, jt, jf, k)
+
+    deny, enosys = _RET_ERRNO | _EPERM, _RET_ERRNO | _ENOSYS
+    program = [
+        op(_LD_ABS_W, 4),                 # seccomp_data.arch
+        op(_JEQ_K, arch, jt=1),
+        op(_RET_K, deny),
+        op(_LD_ABS_W, 0),                 # seccomp_data.nr
+        op(_JGE_K, _X32_SYSCALL_BIT, jf=1),
+        op(_RET_K, deny),
+        op(_JEQ_K, clone3, jf=1),
+        op(_RET_K, enosys),
+    ]
+    for number in forks:
+        program += [op(_JEQ_K, number, jf=1), op(_RET_K, deny)]
+    program += [
+        op(_JEQ_K, ioctl, jf=5),
+        op(_LD_ABS_W, 24),                # the low half of seccomp_data.args[1]: the ioctl's request
+        op(_JEQ_K, _TIOCSTI, jt=2),
+        op(_JEQ_K, _TIOCLINUX, jt=1),
+        op(_RET_K, _RET_ALLOW),
+        op(_RET_K, deny),
+    ]
+    program += [
+        op(_JEQ_K, clone, jf=3),
+        op(_LD_ABS_W, 16),                # the low half of seccomp_data.args[0]: clone's flags
+        op(_JSET_K, _CLONE_THREAD, jt=1),
+        op(_RET_K, deny),
+        op(_RET_K, _RET_ALLOW),
+    ]
+    return b"".join(program)

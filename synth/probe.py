@@ -60,7 +60,7 @@ def probe_sync(request: ProbeRequest, timeout_s: float) -> ProbeResult:
         path = Path(folder) / "request.json"
         path.write_text(request.model_dump_json(), encoding="utf-8")
         try:
-            done = run_module("synth.probe_worker", [str(path)], timeout_s=timeout_s)
+            done = run_module("synth.probe_worker", [str(path)], timeout_s=timeout_s, readable=[path])
         except TimeoutExpired:
             return ProbeResult(class_error=f"the generated code did not finish within {timeout_s:g} s")
     # Split on "\n" only: a result can hold U+2028 and the like, which splitlines() breaks on.

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from envscaler.errors import EnvScalerError
+from envscaler.guard import protect_time_limits
 from envscaler.jsonl import dumps
 from envscaler.runtime import EnvRuntime
 from synth.probe import Instantiation, ProbeRequest, ProbeResult, ProbeRun
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m synth.probe_worker REQUEST.json", file=sys.stderr)
         return 2
     request = ProbeRequest.model_validate_json(Path(args[0]).read_text(encoding="utf-8"))
+    protect_time_limits()
     print(dumps(run(request)))
     return 0
 

@@ -1,20 +1,17 @@
 """The gates in worker processes: a time limit per scenario, failures kept apart, the work split over processes."""
 
-import signal
-
 from envscaler.gate_workers import check_isolated
 from tests.support.bundles import COUNTER_CODE, counter_bundle, counter_scenario, counter_spec, second_scenario, write_bundle
 from tests.support.cli import envscaler
 
-# Tools that defeat the in-process guard: one disables its timer and loops, one kills its process.
+# Tools that defeat the in-process guard: one loops in C code (no signal handler runs until it
+# returns), one kills its process.
 SABOTAGE_CODE = COUNTER_CODE.replace(
     "    def get_item(",
     "    def hang(self) -> dict:\n"
     "        \"\"\"Hang where no guard reaches.\"\"\"\n"
-    "        import signal\n"
-    "        signal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
-    "        while True:\n"
-    "            pass\n"
+    "        import itertools\n"
+    "        return sum(itertools.repeat(1, 10 ** 15))\n"
     "\n"
     "    def crash(self) -> dict:\n"
     "        \"\"\"End the process.\"\"\"\n"
