@@ -1,7 +1,8 @@
 """One environment served two ways, measured with the same raw HTTP client in one run.
 
 - ours: ``envscaler serve`` (episodes, guards, trajectories, validator), tools at
-  ``/episodes/{id}/mcp``;
+  ``/episodes/{id}/mcp``, in its bubblewrap sandbox (``envscaler.sandbox``) and without it
+  (``--no-sandbox``), where bwrap works;
 - baseline: what a user would otherwise write, a plain ``mcp`` ``MCPServer`` with the same tools
   (bound methods of one shared instance: no episodes, no reset, no guards) at ``/mcp`` with the SDK's
   default settings (``server.run("streamable-http")``), under the same uvicorn (httptools + uvloop).
@@ -16,7 +17,8 @@ Ratios are the median of the per-round ratios. Server CPU per call is read from 
     python benchmarks/server.py [--env DIR] [--rounds 5] [--seconds 1] [--episodes 10000]
 
 Targets: throughput >= 4x the baseline, sequential p50 <= 1 ms, idle RSS <= 45 MB, 10,000 live
-episodes within +300 MB. Exits 1 when one is missed.
+episodes within +300 MB; in the sandbox, throughput and p50 within 10% of the server without it.
+Exits 1 when one is missed.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -34,6 +37,7 @@ from pathlib import Path
 
 from agent_client.http import LeanHttp
 from envscaler import EnvRuntime, default_catalog, load_bundle
+from envscaler.sandbox import innermost_process, sandbox_problem
 
 TOKEN = "bench-token"
 CONCURRENCY = 16
@@ -72,15 +76,20 @@ class Target:
         await http.request("POST", self.url + self.mcp_path, {"jsonrpc": "2.0", "method": "notifications/initialized"}, headers)
         return session
 
+    @property
+    def pid(self) -> int:
+        """The server's own process (in the sandbox: not bubblewrap's)."""
+        return innermost_process(self.process.pid)
+
     def rss_mb(self) -> float:
-        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
         raise RuntimeError("no VmRSS")
 
     def cpu_seconds(self) -> float:
         """User + system CPU time of the server process so far."""
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
     async def call(self, http: LeanHttp, session: str | None, name: str, arguments: dict, number: int) -> None:
@@ -97,15 +106,16 @@ class Target:
             raise RuntimeError(f"{self.name}: tool call failed ({response.status}): {response.body[:300]!r}")
 
     def stop(self) -> None:
-        self.process.terminate()
+        # The whole group: a sandboxed server's bubblewrap ignores SIGTERM sent to it alone.
+        os.killpg(self.process.pid, signal.SIGTERM)
         try:
             self.process.wait(10)
         except subprocess.TimeoutExpired:
-            self.process.kill()
+            os.killpg(self.process.pid, signal.SIGKILL)
 
 
 def start(command: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, dict]:
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True)
     line = process.stdout.readline() if process.stdout else ""
     if not line:
         raise RuntimeError(f"{command[:4]} exited before listening")
@@ -230,6 +240,9 @@ def read_only_call(env_dir: Path) -> tuple[str, str, dict]:
 
 async def run(args: argparse.Namespace) -> int:
     scenario_id, tool, arguments = read_only_call(Path(args.env))
+    problem = sandbox_problem()
+    if problem is not None:
+        print(f"the sandbox is not measured: {problem}")
     print(f"environment {Path(args.env).name}, tool {tool}({json.dumps(arguments)}), {CONCURRENCY} concurrent clients, "
           f"{args.rounds} rounds of {args.seconds:g} s per server")
 
@@ -240,30 +253,39 @@ async def run(args: argparse.Namespace) -> int:
         legacy = Target("baseline-handshake", process, ready["url"], "/mcp", legacy=True)
         targets += [base, legacy]
         env = {**os.environ, "ENVSCALER_TOKEN": TOKEN}
-        process, ready = start([sys.executable, "-m", "servers.launch", args.env, "--port", "0", "--log-level", "warning"], env)
+        command = [sys.executable, "-m", "servers.launch", args.env, "--port", "0", "--log-level", "warning"]
+        process, ready = start([*command, "--no-sandbox"], env)
         ours = Target("ours", process, ready["url"], "")
         targets.append(ours)
+        boxed: Target | None = None
+        if problem is None:
+            process, ready = start(command, env)
+            boxed = Target("ours-sandboxed", process, ready["url"], "")
+            targets.append(boxed)
         idle = {t.name: t.rss_mb() for t in targets}
         async with LeanHttp() as http:
-            ours.mcp_path = (await control(http, ours.url, "/episodes", {"scenario_id": scenario_id}, 201))["mcp_path"]
-        await measure_rounds([base, legacy, ours], tool, arguments, args.rounds, args.seconds)
+            for server in (ours, boxed):
+                if server is not None:
+                    server.mcp_path = (await control(http, server.url, "/episodes", {"scenario_id": scenario_id}, 201))["mcp_path"]
+        await measure_rounds([base, legacy, ours, *([boxed] if boxed else [])], tool, arguments, args.rounds, args.seconds)
         costs = await episode_costs(ours, scenario_id, args.episodes)
     finally:
         for target in targets:
             target.stop()
 
     def row(label: str, values: list[str]) -> None:
-        print(f"{label:<34} {values[0]:>10} {values[1]:>10} {values[2]:>10}")
+        print(f"{label:<34}" + "".join(f" {value:>14}" for value in values))
 
     print()
-    row("", ["ours", "baseline", "baseline"])
-    row("", ["2026-07-28", "2026-07-28", LEGACY_VERSION])
-    measured = [ours, base, legacy]
+    measured = [ours, *([boxed] if boxed else []), base, legacy]
+    row("", ["ours", *(["ours"] if boxed else []), "baseline", "baseline"])
+    row("", ["", *(["sandboxed"] if boxed else []), "", ""])
+    row("", ["2026-07-28", *(["2026-07-28"] if boxed else []), "2026-07-28", LEGACY_VERSION])
     row("tool calls/s, 16 concurrent (median)", [f"{statistics.median(t.rates):,.0f}" for t in measured])
     row("server CPU per call (us)", [f"{1e6 * t.cpu_s / t.calls:.0f}" for t in measured])
     row("sequential p50 (ms)", [f"{percentile(t.latencies, 0.5):.3f}" for t in measured])
     row("sequential p99 (ms)", [f"{percentile(t.latencies, 0.99):.3f}" for t in measured])
-    row("idle RSS (MB)", [f"{idle['ours']:.1f}", f"{idle['baseline']:.1f}", "(same)"])
+    row("idle RSS (MB)", [f"{idle[t.name]:.1f}" for t in measured[:-1]] + ["(same)"])
     print(f"{f'RSS with {args.episodes} live episodes (MB)':<34} {costs['rss_loaded_mb']:>10.1f}  (+{costs['rss_delta_mb']:.1f} MB)")
     print(f"{'episode create p50 (ms)':<34} {costs['create_p50_ms']:>10.3f}")
     print(f"{'validate p50 (ms)':<34} {costs['validate_p50_ms']:>10.3f}")
@@ -280,6 +302,13 @@ async def run(args: argparse.Namespace) -> int:
         (f"idle RSS {idle['ours']:.1f} MB", idle["ours"] <= 45.0, "<= 45 MB"),
         (f"{args.episodes} episodes +{costs['rss_delta_mb']:.1f} MB", costs["rss_delta_mb"] <= 300.0, "<= +300 MB"),
     ]
+    if boxed is not None:
+        boxed_p50 = percentile(boxed.latencies, 0.5)
+        verdicts += [
+            (f"sandboxed throughput {ratio(boxed, base):.1f}x the baseline", ratio(boxed, base) >= 4.0, ">= 4x"),
+            (f"sandboxed throughput {ratio(boxed, ours):.2f}x unsandboxed", ratio(boxed, ours) >= 0.9, ">= 0.9x"),
+            (f"sandboxed p50 {boxed_p50:.3f} ms = {boxed_p50 / p50:.2f}x unsandboxed", boxed_p50 <= 1.1 * p50, "<= 1.1x"),
+        ]
     for text, ok, target in verdicts:
         print(f"{text:<48} target {target:<10} {'ok' if ok else 'MISSED'}")
     return 0 if all(ok for _, ok, _ in verdicts) else 1

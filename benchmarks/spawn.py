@@ -88,7 +88,7 @@ def start_popen(envs: list[EnvPlan], logs: Path) -> tuple[float, list[Memory]]:
             read_fd, write_fd = os.pipe()
             with open(logs / f"{env.env_id}.log", "ab") as log:
                 children.append(subprocess.Popen(
-                    server_command(env), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    server_command(env, sandbox=False), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                     env={**environment(env), READY_FD_VARIABLE: str(write_fd)}, pass_fds=(write_fd,), start_new_session=True,
                     preexec_fn=functools.partial(_child_setup, 256),
                 ))

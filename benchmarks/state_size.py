@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -56,7 +57,8 @@ class Server:
         env = {**os.environ, "ENVSCALER_TOKEN": TOKEN}
         command = [sys.executable, "-m", "servers.launch", str(bundle), "--port", "0", "--log-level", "warning",
                    "--max-episodes", "100000"]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+                                        start_new_session=True)
         line = self.process.stdout.readline() if self.process.stdout else ""
         if not line:
             raise SystemExit(f"{label}: the server exited before listening")
@@ -118,11 +120,12 @@ class Server:
         return (self.rss_mb() - before) * 1024 * 1024 / episodes
 
     def stop(self) -> None:
-        self.process.terminate()
+        # The whole group: a sandboxed server's bubblewrap ignores SIGTERM sent to it alone.
+        os.killpg(self.process.pid, signal.SIGTERM)
         try:
             self.process.wait(10)
         except subprocess.TimeoutExpired:
-            self.process.kill()
+            os.killpg(self.process.pid, signal.SIGKILL)
 
 
 def p50_ms(values: list[float]) -> float:

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from envscaler import EnvScalerError, logs
 from envscaler.arguments import with_examples
+from envscaler.sandbox import sandbox_problem, warn_unprotected
 from servers.app import ServerConfig
 from servers.episode_ids import new_replica_id
 from servers.openenv_endpoint.config import OpenEnvConfig
@@ -37,7 +38,7 @@ _FLAGS = {
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from servers.serve import serve
+    from servers.serve import serve, serve_in_sandbox
 
     token = args.token or _read_token_file(args.token_file) or os.environ.get("ENVSCALER_TOKEN")
     generated = token is None
@@ -47,6 +48,11 @@ def _serve(args: argparse.Namespace) -> int:
         problems = "; ".join(f"{_FLAGS.get(str(item['loc'][0]), item['loc'][0])}: {item['msg']}" for item in e.errors())
         raise EnvScalerError(f"serve: {problems}") from None
     logs.configure(args.log_level)
+    problem = sandbox_problem() if args.sandbox else "--no-sandbox"
+    if problem is None:
+        serve_in_sandbox(args.env_dir, args.host, args.port, config, announce_token=generated, heartbeat=args.stop_when_stale,
+                         log_level=args.log_level)
+    warn_unprotected(problem)
     serve(args.env_dir, args.host, args.port, config, announce_token=generated, heartbeat=args.stop_when_stale)
     return 0
 
@@ -150,5 +156,8 @@ def register_serve(commands: Any) -> None:
                              "so that a gateway can route each episode to the replica holding it")
     parser.add_argument("--stop-when-stale", metavar="FILE",
                         help="stop once FILE has not been touched for 15 s (a farm's heartbeat: no server outlives its daemon)")
+    parser.add_argument("--no-sandbox", dest="sandbox", action="store_false",
+                        help="run the environment's code without the bubblewrap sandbox (by default it runs in one where "
+                        "bwrap works: no network, a read-only view of only Python and the bundle, no new processes)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.set_defaults(func=_serve)

@@ -1,4 +1,10 @@
-"""Run one environment server: bind, print where it listens, serve until SIGINT/SIGTERM."""
+"""Run one environment server: bind, print where it listens, serve until SIGINT/SIGTERM.
+
+In a sandbox (:func:`serve_in_sandbox`), the server binds its sockets here, on the host's network,
+then replaces itself with bubblewrap running ``python -m servers.serve``: inside, with no network of
+its own, it serves the sockets it inherited, and reads its settings (the token among them) from an
+inherited memory file, never from its command line or environment.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +21,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from envscaler import EnvScalerError, load_bundle
-from envscaler.guard import keep_alarm_handler
+from pydantic import BaseModel
+
+from envscaler import EnvScalerError, load_bundle, logs
+from envscaler.guard import keep_alarm_handler, protect_time_limits
+from envscaler.sandbox import clean_environment, sandboxed
 from servers.app import EnvServerApp, ServerConfig
 from servers.http_server import HttpServer
 
@@ -38,19 +47,76 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class SandboxedServe(BaseModel):
+    """What a sandboxed server is told by the process that started it (through an inherited file)."""
+
+    bundle_dir: str
+    host: str
+    config: ServerConfig
+    announce_token: bool
+    heartbeat: str | None = None
+    log_level: str = "info"
+    listen_fd: int
+    openenv_listen_fd: int | None = None
+
+
+# A farm's processes carry its id in this variable: ``farm down`` finds them by it.
+FARM_ID_VARIABLE = "ENVSCALER_FARM_ID"
+_SANDBOX_PASSES = (READY_FD_VARIABLE, FARM_ID_VARIABLE, "MALLOC_ARENA_MAX")
+
+
+def serve_in_sandbox(
+    bundle_dir: str, host: str, port: int, config: ServerConfig, *, announce_token: bool,
+    heartbeat: str | None = None, log_level: str = "info",
+) -> None:
+    """Bind here, then become ``serve`` inside a bubblewrap sandbox (see the module's doc); never returns.
+
+    Check ``envscaler.sandbox.sandbox_problem()`` first. bwrap forwards no signal, so it is made to
+    ignore SIGTERM and SIGINT and the server stays in this process group: SIGTERM or Ctrl-C to the
+    group (what a terminal, systemd and the farm send) stops the server gracefully, and bwrap exits
+    with its status. SIGKILL to bwrap kills the server with it.
+    """
+    load_bundle(bundle_dir)  # a bad bundle is reported here, in the user's terms, not from inside
+    sock = bind(host, port)
+    openenv_sock = bind(host, config.openenv.openenv_port) if config.openenv is not None else None
+    settings = SandboxedServe(
+        bundle_dir=str(Path(bundle_dir).resolve()), host=host, config=config, announce_token=announce_token,
+        heartbeat=str(Path(heartbeat).resolve()) if heartbeat else None, log_level=log_level, listen_fd=sock.fileno(),
+        openenv_listen_fd=openenv_sock.fileno() if openenv_sock is not None else None,
+    )
+    settings_fd = os.memfd_create("envscaler-serve", 0)
+    os.write(settings_fd, settings.model_dump_json().encode())
+    os.lseek(settings_fd, 0, os.SEEK_SET)
+    readable = [settings.bundle_dir] + ([settings.heartbeat] if settings.heartbeat else [])
+    command = [sys.executable, "-m", "servers.serve", str(settings_fd)]
+    with sandboxed(command, readable=readable) as (argv, fds):
+        for fd in (*fds, settings_fd, sock.fileno(), *((openenv_sock.fileno(),) if openenv_sock else ())):
+            os.set_inheritable(fd, True)
+        # The supervisor's ready pipe, the farm id, the allocator's setting: no token, no host secrets.
+        environment = clean_environment({key: value for key, value in os.environ.items() if key in _SANDBOX_PASSES})
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_IGN)  # inherited by bwrap; the server installs its own handlers
+        os.execvpe(argv[0], argv, environment)
+
+
 def serve(
-    bundle_dir: str, host: str, port: int, config: ServerConfig, *, announce_token: bool, heartbeat: str | None = None
+    bundle_dir: str, host: str, port: int, config: ServerConfig, *, announce_token: bool, heartbeat: str | None = None,
+    listening: socket.socket | None = None, openenv_listening: socket.socket | None = None,
 ) -> None:
     """Serve ``bundle_dir`` until stopped. Prints one JSON line with the URL once listening.
 
     With ``heartbeat`` (a file its supervisor touches), the server stops itself once the file has not
-    been touched for ``HEARTBEAT_STALE_S``: a farm's servers never outlive its daemon.
+    been touched for ``HEARTBEAT_STALE_S``: a farm's servers never outlive its daemon. ``listening``
+    (and ``openenv_listening``) are sockets already listening, used instead of binding ``port``.
     """
+    protect_time_limits()
     bundle = load_bundle(bundle_dir)
     if heartbeat is not None:
         threading.Thread(target=_stop_when_stale, args=(Path(heartbeat),), name="heartbeat", daemon=True).start()
     listener_class = _openenv_listener() if config.openenv is not None else None
-    sock = bind(host, port)
+    sock = listening if listening is not None else bind(host, port)
     actual_port = sock.getsockname()[1]
     shown_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
     url = f"http://{shown_host}:{actual_port}"
@@ -62,7 +128,7 @@ def serve(
     server = HttpServer(app, max_body_bytes=config.max_body_bytes)
     listener = None
     if listener_class is not None and config.openenv is not None:
-        openenv_sock = bind(host, config.openenv.openenv_port)
+        openenv_sock = openenv_listening if openenv_listening is not None else bind(host, config.openenv.openenv_port)
         ready["openenv_url"] = f"http://{shown_host}:{openenv_sock.getsockname()[1]}"
         listener = listener_class(app, config.openenv, openenv_sock)
 
@@ -140,3 +206,18 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
     except ImportError:  # uvloop is optional (no Windows build): asyncio's own loop works too
         return asyncio.new_event_loop
     return uvloop.new_event_loop
+
+
+def _serve_sandboxed(settings_fd: int) -> None:
+    """Inside the sandbox: read the settings ``serve_in_sandbox`` left, and serve."""
+    with os.fdopen(settings_fd, "rb") as file:
+        settings = SandboxedServe.model_validate_json(file.read())
+    logs.configure(settings.log_level)
+    listening = socket.socket(fileno=settings.listen_fd)
+    openenv_listening = socket.socket(fileno=settings.openenv_listen_fd) if settings.openenv_listen_fd is not None else None
+    serve(settings.bundle_dir, settings.host, 0, settings.config, announce_token=settings.announce_token,
+          heartbeat=settings.heartbeat, listening=listening, openenv_listening=openenv_listening)
+
+
+if __name__ == "__main__":
+    _serve_sandboxed(int(sys.argv[1]))

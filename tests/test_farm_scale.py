@@ -94,8 +94,10 @@ def test_a_hung_server_is_restarted_and_reported(big_farm):
 def test_down_leaves_nothing_behind(big_farm):
     state = read_state(big_farm)
     groups = [r["pid"] for r in state["envs"].values()]
-    # The servers, the daemon, the zygote they were forked from, and haproxy's master and worker in front.
-    assert len(farm_processes(state["farm_id"])) == ENVS + 2 + (2 if state["gateway_proxy"].startswith("haproxy") else 0)
+    # The daemon, the servers in their sandboxes (bubblewrap, its init, the server) or the servers and the
+    # zygote they were forked from, and haproxy's master and worker in front.
+    servers = 3 * ENVS if state["sandbox"] else ENVS + 1
+    assert len(farm_processes(state["farm_id"])) == 1 + servers + (2 if state["gateway_proxy"].startswith("haproxy") else 0)
     down = envscaler("farm", "down", "--catalog", str(big_farm), timeout=120)
     assert down.returncode == 0, down.stderr
     assert farm_processes(state["farm_id"]) == []

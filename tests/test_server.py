@@ -41,7 +41,7 @@ from tests.support.bundles import (
     write_bundle,
 )
 from tests.support.large_state import shop_bundle
-from tests.support.server import serve
+from tests.support.server import serve, stop
 
 pytestmark = pytest.mark.anyio
 
@@ -353,8 +353,7 @@ def test_graceful_shutdown_on_sigterm(counter_dir, tmp_path):
     with open(tmp_path / "server.log", "w") as log, serve(counter_dir, log=log) as server:
         with server.client() as http:
             http.post("/episodes", json={"scenario_id": "counter_001"})
-        server.process.terminate()
-        server.process.wait(10)
+        stop(server.process)  # SIGTERM to its group: in the sandbox, bubblewrap forwards no signal
     lines = [json.loads(line) for line in (tmp_path / "server.log").read_text().splitlines() if line.startswith("{")]
     stopping = [line for line in lines if line["event"] == "server stopping"]
     assert stopping and stopping[0]["env"] == "counter" and stopping[0]["episodes"] == 1
@@ -492,7 +491,8 @@ def test_a_server_tells_its_supervisor_it_listens_through_the_ready_pipe(tmp_pat
     read_end, write_end = os.pipe()
     command = [sys.executable, "-m", "servers.launch", str(bundle), "--port", "0", "--log-level", "warning"]
     environment = {**os.environ, READY_FD_VARIABLE: str(write_end), "ENVSCALER_TOKEN": "t"}
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=environment, pass_fds=[write_end])
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=environment, pass_fds=[write_end],
+                               start_new_session=True)
     os.close(write_end)
     try:
         with os.fdopen(read_end) as pipe:
@@ -501,5 +501,4 @@ def test_a_server_tells_its_supervisor_it_listens_through_the_ready_pipe(tmp_pat
         assert ready["event"] == "listening" and ready["env_id"] == "library_circulation" and "token" not in ready
         assert httpx.get(ready["url"] + "/healthz").status_code == 200
     finally:
-        process.terminate()
-        process.wait(30)
+        stop(process)

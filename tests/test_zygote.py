@@ -185,8 +185,10 @@ def test_a_process_farm_can_be_forced_to_start_each_server_as_its_own_interprete
         state = json.loads((tmp_path / "farm.json.farm" / "state.json").read_text())
         server = state["envs"]["library_circulation"]["pid"]
         assert parent_of(server) == state["daemon_pid"]  # no zygote between them
-        # The daemon and its server, and haproxy's master and worker when it is in front of the gateway.
-        assert len(farm_processes(state["farm_id"])) == 2 + (2 if state["gateway_proxy"].startswith("haproxy") else 0)
+        # The daemon and its server (in the sandbox: bubblewrap, its init, the server), and haproxy's
+        # master and worker when it is in front of the gateway.
+        server = 3 if state["sandbox"] else 1
+        assert len(farm_processes(state["farm_id"])) == 1 + server + (2 if state["gateway_proxy"].startswith("haproxy") else 0)
         assert httpx.get(json.loads(catalog.read_text())["envs"]["library_circulation"]["url"] + "/healthz").status_code == 200
     finally:
         assert envscaler("farm", "down", "--catalog", str(catalog)).returncode == 0

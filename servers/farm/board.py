@@ -22,6 +22,7 @@ class Board:
             farm_id=plan.farm_id,
             backend=plan.backend,
             daemon_pid=os.getpid(),
+            sandbox=plan.sandbox,
             started_at=now,
             updated_at=now,
             envs={env.env_id: EnvStatus(env_id=env.env_id, url=env.url) for env in plan.envs},

@@ -20,6 +20,7 @@ from envscaler.arguments import with_examples
 from envscaler.bundle import default_catalog, find_bundles, load_bundle
 from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from envscaler.loader import precheck_class
+from envscaler.sandbox import UNPROTECTED, sandbox_problem
 from envscaler.wire import DEFAULT_FARM_CATALOG
 from servers.errors import FarmError
 from servers.farm.images import docker_answers
@@ -127,6 +128,11 @@ def farm_up(args: argparse.Namespace) -> int:
     if args.probe_period is not None and args.probe_period <= 0:
         raise FarmError(f"--probe-period must be more than 0 seconds, not {args.probe_period:g}")
     plan.probes.period_s = args.probe_period
+    if backend == "process":
+        problem = sandbox_problem() if args.sandbox else "--no-sandbox"
+        plan.sandbox = problem is None
+        if problem is not None:
+            print(f"farm: warning: {UNPROTECTED} ({problem}); the docker backend isolates every server", file=sys.stderr)
     print(f"farm: starting {len(plan.envs)} environment(s) with the {backend} backend (farm {plan.farm_id})", file=sys.stderr)
     if backend == "swarm":
         from servers.farm.swarm_backend import swarm_up
@@ -173,7 +179,8 @@ def farm_status(args: argparse.Namespace) -> int:
     else:
         total = len(state.envs)
         restarts = sum(record.restarts for record in state.envs.values())
-        print(f"farm {state.farm_id}: {state.backend} backend, daemon pid {state.daemon_pid} "
+        sandboxed = " (sandboxed)" if state.sandbox else " (NOT sandboxed)" if state.backend == "process" else ""
+        print(f"farm {state.farm_id}: {state.backend} backend{sandboxed}, daemon pid {state.daemon_pid} "
               f"{'running' if alive else 'NOT RUNNING'}, gateway {state.gateway}"
               f"{f' ({state.gateway_proxy})' if state.gateway_proxy else ''}, {'ready' if state.ready else 'not ready'}; "
               f"{_counts(state, total) if alive else f'{total} environment(s), status unknown'}, {restarts} restart(s)")
@@ -238,6 +245,9 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--probe-period", type=float, metavar="SECONDS",
                     help="each server is asked for /healthz once per this many seconds, the farm's probes spread over it; "
                          "one that misses 3 in a row is hung and is restarted (default: 10, or environments/50 when more)")
+    up.add_argument("--no-sandbox", dest="sandbox", action="store_false",
+                    help="process backend: run environment code without the bubblewrap sandbox (by default each server "
+                    "runs in one where bwrap works: no network, a read-only view of only Python and its bundle, no new processes)")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for every server to be healthy (default: 120)")
     swarm = up.add_argument_group("swarm backend")
     swarm.add_argument("--registry", metavar="HOST:PORT", help="registry the farm's images are pushed to and every node pulls from (required)")

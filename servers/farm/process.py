@@ -1,8 +1,9 @@
 """The process backend: one local server process per environment, restarted when it dies.
 
-Isolation here is what a plain process can get: a clean environment (no host secrets), an
-address-space limit, no core dumps, its own process group, and death with the daemon
-(PR_SET_PDEATHSIG). Network, CPU, pids and filesystem isolation need the docker backend.
+Every server gets a clean environment (no host secrets), an address-space limit, no core dumps, its
+own process group, and death with the daemon (PR_SET_PDEATHSIG). With the plan's ``sandbox`` (the
+default where bubblewrap works) each also runs in its own sandbox (``envscaler.sandbox``): no network,
+only Python and its bundle visible, read-only, no new processes. CPU limits need the docker backend.
 
 Supervision costs nothing per environment while the farm is quiet: a server says it listens over its
 ready pipe, its exit wakes the daemon through a pidfd, and only a bounded number of servers start at
@@ -28,11 +29,10 @@ import anyio
 from envscaler.sandbox import clean_environment, die_with_parent, limit_resources
 from servers.farm.board import Board
 from servers.farm.models import EnvPlan, FarmPaths, FarmPlan
-from servers.serve import READY_FD_VARIABLE
+from servers.serve import FARM_ID_VARIABLE, READY_FD_VARIABLE
 
 log = logging.getLogger("envscaler.farm")
 
-FARM_ID_VARIABLE = "ENVSCALER_FARM_ID"
 # A server that dies this many times before it was ever healthy is broken, not unlucky.
 _STARTUP_ATTEMPTS = 3
 # Address space is not resident memory: thread stacks and allocator arenas reserve far more than they use.
@@ -92,19 +92,23 @@ def killed_for_memory(pid: int, since: float) -> bool:
 
 
 def _child_setup(memory_mb: int) -> None:
-    """Runs in the child before exec: limits, and die when the daemon dies so nothing is orphaned."""
+    """Runs in the child before exec: limits, and die when the daemon dies so nothing is orphaned
+    (SIGKILL: a sandboxed server's bubblewrap ignores SIGTERM, see ``servers.serve.serve_in_sandbox``)."""
     limit_resources(memory_mb * ADDRESS_SPACE_FACTOR)
-    die_with_parent()
+    die_with_parent(signal.SIGKILL)
 
 
-def server_command(env: EnvPlan) -> list[str]:
-    """The command line of one environment server on its loopback port (and OpenEnv port, if planned)."""
+def server_command(env: EnvPlan, *, sandbox: bool) -> list[str]:
+    """The command line of one environment server on its loopback port (and OpenEnv port, if planned),
+    in the bubblewrap sandbox or not (``envscaler.sandbox``)."""
     command = [
         sys.executable, "-m", "servers.launch", env.bundle_dir,
         "--host", "127.0.0.1", "--port", str(env.port), "--public-url", env.url, "--log-level", "warning",
     ]
     if env.openenv_port is not None:
         command += ["--openenv-port", str(env.openenv_port)]
+    if not sandbox:
+        command.append("--no-sandbox")
     return command
 
 
@@ -199,10 +203,14 @@ class PopenServer:
 
 
 class PopenSpawner:
-    """Starts each server as a fresh interpreter (fork + exec): simple, and the fallback of the zygote."""
+    """Starts each server as a fresh interpreter (fork + exec): simple, the fallback of the zygote, and
+    the only way to start servers in the sandbox (each is its own bubblewrap)."""
 
     # An interpreter's start-up is CPU-bound (imports): more than one per core makes every one slower.
     starts_per_core = 1
+
+    def __init__(self, *, sandbox: bool = False) -> None:
+        self.sandbox = sandbox
 
     async def spawn(self, env: EnvPlan, environment: dict[str, str], log_path: Path, memory_mb: int) -> ServerProcess:
         """Start ``env``'s server (see ``Spawner.spawn``); the ready pipe's write end goes to the child only."""
@@ -212,7 +220,7 @@ class PopenSpawner:
                 # Popen runs in the event loop's thread on purpose: PR_SET_PDEATHSIG fires when the
                 # thread that forked the child ends, and this one lives as long as the daemon.
                 child = subprocess.Popen(
-                    server_command(env),
+                    server_command(env, sandbox=self.sandbox),
                     stdin=subprocess.DEVNULL,
                     stdout=log_file,
                     stderr=subprocess.STDOUT,
@@ -233,8 +241,11 @@ class PopenSpawner:
 
 
 def default_spawner(plan: FarmPlan) -> Spawner:
-    """The spawner the process backend uses unless it is given one: servers forked from the plan's
-    zygote where fork works, unless ``ENVSCALER_SPAWNER=popen``; otherwise an interpreter per server."""
+    """The spawner the process backend uses unless it is given one: in the sandbox, an interpreter (and
+    a bubblewrap) per server; else servers forked from the plan's zygote where fork works, unless
+    ``ENVSCALER_SPAWNER=popen``; otherwise an interpreter per server."""
+    if plan.sandbox:
+        return PopenSpawner(sandbox=True)
     from servers.farm.zygote import zygote_spawner
 
     return zygote_spawner(plan) or PopenSpawner()

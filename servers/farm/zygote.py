@@ -210,7 +210,7 @@ class ZygoteSpawner:
         its own process group, and death when the zygote (and so the farm) goes away."""
         from servers.farm.process import ADDRESS_SPACE_FACTOR, server_command
 
-        request = SpawnRequest(argv=server_command(env)[3:], address_space_mb=memory_mb * ADDRESS_SPACE_FACTOR)
+        request = SpawnRequest(argv=server_command(env, sandbox=False)[3:], address_space_mb=memory_mb * ADDRESS_SPACE_FACTOR)
         for attempt in range(2):
             server = await self._spawn_once(request, environment, log_path)
             if server is not None:

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.support.server import TOKEN, RunningServer
+from tests.support.server import TOKEN, RunningServer, stop
 
 
 @dataclass
@@ -27,7 +27,7 @@ def serve_openenv(bundle_dirs: list[Path], *flags: str) -> Iterator[list[OpenEnv
         subprocess.Popen(
             [sys.executable, "-m", "envscaler.cli", "serve", str(d), "--port", "0", "--token", TOKEN, "--openenv-port", "0",
              "--log-level", "warning", *flags],
-            stdout=subprocess.PIPE, text=True, env=env,
+            stdout=subprocess.PIPE, text=True, env=env, start_new_session=True,
         )
         for d in bundle_dirs
     ]
@@ -43,10 +43,4 @@ def serve_openenv(bundle_dirs: list[Path], *flags: str) -> Iterator[list[OpenEnv
         yield servers
     finally:
         for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop(process)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -41,7 +42,8 @@ def serve(bundle_dir: Path | str, *flags: str, token: str = TOKEN, log: Any = No
     """
     command = [sys.executable, "-m", "envscaler.cli", "serve", str(bundle_dir), "--port", "0", *(["--token", token] if token else []), *flags]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    # Its own process group: in the sandbox, a graceful stop is a signal to the group (bwrap forwards none).
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True)
     try:
         assert process.stdout is not None
         line = process.stdout.readline()
@@ -51,9 +53,16 @@ def serve(bundle_dir: Path | str, *flags: str, token: str = TOKEN, log: Any = No
         assert event["event"] == "listening", event
         yield RunningServer(url=event["url"], token=token, process=process)
     finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process)
+
+
+def stop(process: subprocess.Popen, signum: int = signal.SIGTERM) -> None:
+    """Signal a server started by ``serve`` (its whole process group) and wait for it; SIGKILL after 10 s."""
+    try:
+        os.killpg(process.pid, signum)
+        process.wait(10)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
