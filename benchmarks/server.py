@@ -107,9 +107,11 @@ class Target:
 
     def stop(self) -> None:
         # The whole group: a sandboxed server's bubblewrap ignores SIGTERM sent to it alone.
-        os.killpg(self.process.pid, signal.SIGTERM)
         try:
+            os.killpg(self.process.pid, signal.SIGTERM)
             self.process.wait(10)
+        except ProcessLookupError:
+            pass  # stopped already (two targets share the baseline's process)
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
 
