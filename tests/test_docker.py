@@ -18,10 +18,11 @@ import pytest
 
 from envscaler import default_catalog, load_bundle
 from servers.farm.images import LABEL_ENV, LABEL_FARM, LABEL_HASH, docker_answers, env_image_tag
-from tests.support.bundles import COUNTER_CODE, counter_scenario, counter_spec, write_bundle
+from tests.support.bundles import counter_scenario, counter_spec, write_bundle
 from tests.support.cli import envscaler
 from tests.support.farm import read_state
 from tests.support.gateway import replay_through_gateway
+from tests.support.hostile import HOSTILE_CODE, attack, common_attacks
 
 pytestmark = pytest.mark.docker
 
@@ -32,7 +33,8 @@ if not docker_answers():
 
 import docker  # noqa: E402 - only once an engine is known to answer
 
-HOG_CODE = COUNTER_CODE.replace(
+# The counter with the hostile tools (tests.support.hostile) and one that eats memory.
+HOG_CODE = HOSTILE_CODE.replace(
     "    def _secret(self) -> dict:",
     '    def hog(self) -> dict:\n        """Allocate memory without bound."""\n'
     "        blocks = []\n        while True:\n            blocks.append(b\"x\" * (64 * 1024 * 1024))\n\n"
@@ -157,6 +159,12 @@ def test_no_egress_not_even_to_the_host(farm, engine):
     assert b"CONNECTED" not in probe.output and not accepted
     # The same listener is reachable from the host itself, so the probe would have seen it.
     assert gateway_ip and port
+
+
+def test_hostile_tools_fail_in_their_container_while_others_answer(farm):
+    attacks = common_attacks(farm, default_catalog() / "online_retail")
+    attacks["write", json.dumps({"path": "/usr/pwned"})] = "Read-only file system"
+    attack(farm, "counter", "online_retail", attacks)
 
 
 def test_a_container_cannot_reach_a_sibling(farm, engine):

@@ -5,90 +5,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from envscaler.sandbox import sandbox_problem, sandboxed
-from tests.support.bundles import COUNTER_CODE, counter_bundle, counter_scenario, counter_spec, write_bundle
+from tests.support.bundles import counter_bundle, counter_scenario, counter_spec, write_bundle
 from tests.support.cli import envscaler
+from tests.support.hostile import HOSTILE_CODE, attack, call, common_attacks, hostile_bundle
 from tests.support.server import serve
 
 needs_sandbox = pytest.mark.skipif(sandbox_problem() is not None, reason=f"no sandbox here: {sandbox_problem()}")
-
-HOSTILE_TOOLS = '''
-    def read(self, path: str) -> dict:
-        """Read a file.
-
-        Args:
-            path (str): Where.
-        """
-        with open(path) as file:
-            return {"success": True, "data": file.read()[:100]}
-
-    def connect(self, port: int) -> dict:
-        """Connect to a local port.
-
-        Args:
-            port (int): Which.
-        """
-        import socket
-        socket.create_connection(("127.0.0.1", port), timeout=2).close()
-        return {"success": True}
-
-    def write(self, path: str) -> dict:
-        """Write a file.
-
-        Args:
-            path (str): Where.
-        """
-        with open(path, "w") as file:
-            file.write("pwned")
-        return {"success": True}
-
-    def scratch(self) -> dict:
-        """Write and read back a file in the private /tmp."""
-        with open("/tmp/scratch", "w") as file:
-            file.write("mine")
-        with open("/tmp/scratch") as file:
-            return {"success": True, "data": file.read()}
-
-    def fork_bomb(self) -> dict:
-        """Fork forever."""
-        import os
-        while True:
-            os.fork()
-
-    def ignore_alarm(self) -> dict:
-        """Ignore the time limit's signal, then loop."""
-        import signal
-        signal.signal(signal.SIGALRM, signal.SIG_IGN)
-        while True:
-            pass
-
-    def linger(self) -> dict:
-        """Start a thread that runs on after the call."""
-        import threading
-        threading.Thread(target=lambda: [None for _ in iter(int, 1)], daemon=True).start()
-        return {"success": True}
-
-    def get_item('''
-
-HOSTILE_CODE = COUNTER_CODE.replace("\n    def get_item(", HOSTILE_TOOLS, 1)
-
-
-def hostile_bundle(root: Path) -> Path:
-    spec = counter_spec(env_id="hostile", env_class_code=HOSTILE_CODE)
-    return write_bundle(root, spec, [counter_scenario(env_id="hostile", task_id="hostile_001")])
-
-
-def call(http: httpx.Client, mcp_url: str, name: str, arguments: dict) -> dict:
-    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": name, "arguments": arguments}}
-    reply = http.post(mcp_url, json=body)
-    assert reply.status_code == 200, reply.text
-    return reply.json()["result"]
 
 
 @needs_sandbox
@@ -122,41 +49,17 @@ def test_hostile_tools_fail_and_are_reported_while_other_environments_keep_answe
     assert up.returncode == 0, up.stderr
     assert "without a sandbox" not in up.stderr
     try:
-        farm = json.loads(catalog.read_text())
-        gateway_port = int(farm["gateway"].rsplit(":", 1)[1])
-        outside = tmp_path / "outside.txt"
+        attacks = common_attacks(catalog, victim)
+        attacks["write", json.dumps({"path": str(hostile / "env.json")})] = "Read-only file system"
+        attack(catalog, "hostile", "counter", attacks)
         with httpx.Client(timeout=60) as http:
-            def episode(env_id: str, scenario_id: str) -> tuple[str, str]:
-                endpoint = farm["envs"][env_id]
-                created = http.post(f"{endpoint['url']}/episodes", json={"scenario_id": scenario_id},
-                                    headers={"Authorization": f"Bearer {endpoint['token']}"}).json()
-                return created["mcp_url"], f"{endpoint['url']}/episodes/{created['episode_id']}"
-
-            victim_mcp, _ = episode("counter", "counter_001")
-            attacks = {
-                ("read", json.dumps({"path": str(catalog)})): "No such file",
-                ("read", json.dumps({"path": str(victim / "env.json")})): "No such file",
-                ("connect", json.dumps({"port": gateway_port})): "Connection refused",
-                ("write", json.dumps({"path": str(hostile / "env.json")})): "Read-only file system",
-                ("fork_bomb", "{}"): "may not start processes",
-                ("ignore_alarm", "{}"): "may not change signal handling",
-                ("linger", "{}"): "may not start threads",
-            }
-            for (tool, arguments), expected in attacks.items():
-                hostile_mcp, hostile_control = episode("hostile", "hostile_001")
-                started = time.monotonic()
-                result = call(http, hostile_mcp, tool, json.loads(arguments))
-                assert result["isError"] and expected in result["content"][0]["text"], (tool, result)
-                assert time.monotonic() - started < 5, tool
-                trajectory = http.get(f"{hostile_control}/trajectory",
-                                      headers={"Authorization": f"Bearer {farm['envs']['hostile']['token']}"}).json()
-                assert trajectory["env_errors"] == 1, (tool, trajectory)
-                answer = call(http, victim_mcp, "get_item", {"item_id": "a"})
-                assert not answer["isError"] and '"count"' in answer["content"][0]["text"]
-            hostile_mcp, _ = episode("hostile", "hostile_001")
-            assert "mine" in call(http, hostile_mcp, "scratch", {})["content"][0]["text"]
+            endpoint = json.loads(catalog.read_text())["envs"]["hostile"]
+            created = http.post(f"{endpoint['url']}/episodes", json={"scenario_id": "hostile_001"},
+                                headers={"Authorization": f"Bearer {endpoint['token']}"}).json()
+            assert "mine" in call(http, created["mcp_url"], "scratch", {})["content"][0]["text"]
             # A host path under /tmp lands in the sandbox's private /tmp, never on the host.
-            call(http, hostile_mcp, "write", {"path": str(outside)})
+            outside = tmp_path / "outside.txt"
+            call(http, created["mcp_url"], "write", {"path": str(outside)})
             assert not outside.exists()
         status = envscaler("farm", "status", "--catalog", str(catalog))
         assert "2/2 healthy, 0 restart(s)" in status.stdout, status.stdout

@@ -1,0 +1,129 @@
+"""Hostile environment tools, and the attacks a test runs with them against a farm."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.support.bundles import COUNTER_CODE, counter_scenario, counter_spec, write_bundle
+
+HOSTILE_TOOLS = '''
+    def read(self, path: str) -> dict:
+        """Read a file.
+
+        Args:
+            path (str): Where.
+        """
+        with open(path) as file:
+            return {"success": True, "data": file.read()[:100]}
+
+    def connect(self, port: int) -> dict:
+        """Connect to a local port.
+
+        Args:
+            port (int): Which.
+        """
+        import socket
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        return {"success": True}
+
+    def write(self, path: str) -> dict:
+        """Write a file.
+
+        Args:
+            path (str): Where.
+        """
+        with open(path, "w") as file:
+            file.write("pwned")
+        return {"success": True}
+
+    def scratch(self) -> dict:
+        """Write and read back a file in the private /tmp."""
+        with open("/tmp/scratch", "w") as file:
+            file.write("mine")
+        with open("/tmp/scratch") as file:
+            return {"success": True, "data": file.read()}
+
+    def fork_bomb(self) -> dict:
+        """Fork forever."""
+        import os
+        while True:
+            os.fork()
+
+    def ignore_alarm(self) -> dict:
+        """Ignore the time limit's signal, then loop."""
+        import signal
+        signal.signal(signal.SIGALRM, signal.SIG_IGN)
+        while True:
+            pass
+
+    def linger(self) -> dict:
+        """Start a thread that runs on after the call."""
+        import threading
+        threading.Thread(target=lambda: [None for _ in iter(int, 1)], daemon=True).start()
+        return {"success": True}
+
+    def get_item('''
+
+HOSTILE_CODE = COUNTER_CODE.replace("\n    def get_item(", HOSTILE_TOOLS, 1)
+
+
+def hostile_bundle(root: Path) -> Path:
+    """The counter environment with the hostile tools, as env ``hostile``."""
+    spec = counter_spec(env_id="hostile", env_class_code=HOSTILE_CODE)
+    return write_bundle(root, spec, [counter_scenario(env_id="hostile", task_id="hostile_001")])
+
+
+def call(http: httpx.Client, mcp_url: str, name: str, arguments: dict) -> dict:
+    """One tools/call on an episode's MCP URL: its result."""
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": name, "arguments": arguments}}
+    reply = http.post(mcp_url, json=body)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["result"]
+
+
+
+
+def attack(catalog: Path, hostile: str, victim: str, expected: dict[tuple[str, str], str]) -> None:
+    """Call each hostile tool (name, JSON arguments) on a fresh episode of env ``hostile`` of the farm
+    whose catalog is ``catalog``: each must fail at once with its expected text, counted as an
+    environment error, while an episode of env ``victim`` keeps answering."""
+    farm = json.loads(catalog.read_text())
+
+    def episode(http: httpx.Client, env_id: str) -> tuple[str, str]:
+        endpoint = farm["envs"][env_id]
+        headers = {"Authorization": f"Bearer {endpoint['token']}"}
+        scenario_id = http.get(f"{endpoint['url']}/scenarios", headers=headers).json()["scenarios"][0]["task_id"]
+        created = http.post(f"{endpoint['url']}/episodes", json={"scenario_id": scenario_id}, headers=headers).json()
+        return created["mcp_url"], f"{endpoint['url']}/episodes/{created['episode_id']}"
+
+    with httpx.Client(timeout=60) as http:
+        victim_mcp, _ = episode(http, victim)
+        for (tool, arguments), text in expected.items():
+            hostile_mcp, hostile_control = episode(http, hostile)
+            started = time.monotonic()
+            result = call(http, hostile_mcp, tool, json.loads(arguments))
+            assert result["isError"] and text in result["content"][0]["text"], (tool, result)
+            assert time.monotonic() - started < 5, tool
+            trajectory = http.get(f"{hostile_control}/trajectory",
+                                  headers={"Authorization": f"Bearer {farm['envs'][hostile]['token']}"}).json()
+            assert trajectory["env_errors"] == 1, (tool, trajectory)
+            listed = http.post(victim_mcp, json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
+            assert listed.status_code == 200 and listed.json()["result"]["tools"], listed.text
+
+
+def common_attacks(catalog: Path, victim_bundle: Path) -> dict[tuple[str, str], str]:
+    """The attacks every backend refuses the same way: the catalog file and another bundle are not
+    there, the gateway's port is not reachable, no process, signal handler or lingering thread."""
+    gateway_port = int(json.loads(catalog.read_text())["gateway"].rsplit(":", 1)[1])
+    return {
+        ("read", json.dumps({"path": str(catalog)})): "No such file",
+        ("read", json.dumps({"path": str(victim_bundle / "env.json")})): "No such file",
+        ("connect", json.dumps({"port": gateway_port})): "Connection refused",
+        ("fork_bomb", "{}"): "may not start processes",
+        ("ignore_alarm", "{}"): "may not change signal handling",
+        ("linger", "{}"): "may not start threads",
+    }
