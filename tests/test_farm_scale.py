@@ -78,7 +78,7 @@ def test_a_hung_server_is_restarted_and_reported(big_farm):
     env_id = sorted(state["envs"])[42]
     before = state["envs"][env_id]["restarts"]
     victim = state["envs"][env_id]["pid"]
-    os.kill(victim, signal.SIGSTOP)  # alive, but answers nothing
+    os.killpg(victim, signal.SIGSTOP)  # alive, but answers nothing (its group: in the sandbox, bubblewrap and the server)
     # Three missed probes, one every PROBE_PERIOD_S, then a restart.
     wait_until(lambda: read_state(big_farm)["envs"][env_id]["restarts"] == before + 1
                and read_state(big_farm)["envs"][env_id]["status"] == "healthy", 8 * PROBE_PERIOD_S + 20, "restart of a hung server")
