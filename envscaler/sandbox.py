@@ -139,13 +139,9 @@ def _bwrap_problem() -> str | None:
     return None
 
 
+@functools.cache
 def warn_unprotected(problem: str) -> None:
     """Log, once per process, that environment code runs unsandboxed and why."""
-    _warn_once(problem)
-
-
-@functools.cache
-def _warn_once(problem: str) -> None:
     log.warning(f"{UNPROTECTED} ({problem})")
 
 
