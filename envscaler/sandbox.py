@@ -29,6 +29,7 @@ from typing import Any
 # Variables a child needs to run Python and nothing else: no tokens, keys or proxies leak in.
 _KEPT_ENV = ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "TMPDIR", "HOME")
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 
 log = logging.getLogger("envscaler.sandbox")
 
@@ -68,6 +69,15 @@ def die_with_parent(signum: int = signal.SIGTERM) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
     except (OSError, AttributeError):
         pass  # not Linux: the parent's own stop is all there is
+
+
+def adopt_orphans() -> None:
+    """Make the current process the reaper of its descendants' orphans (Linux only), so that it can reap
+    a killed sandbox's init itself instead of leaving a zombie for pid 1 to collect when it gets round to it."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: orphans go to init, as everywhere
 
 
 def start_module(

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from servers.farm.teardown import farm_processes, pid_alive
+from servers.farm.teardown import farm_processes
 from tests.support.cli import envscaler
 from tests.support.farm import catalog_copies, gateway_only_catalog, read_state
 
@@ -65,6 +65,9 @@ def test_a_killed_server_is_restarted_and_reported(big_farm):
                and read_state(big_farm)["envs"][env_id]["status"] == "healthy", 30, "restart after kill -9")
     record = read_state(big_farm)["envs"][env_id]
     assert record["pid"] != victim and record["last_exit"] == "killed by SIGKILL"
+    # Nothing of it is left, not even a zombie: in the sandbox, its init was orphaned to the daemon, which reaped it.
+    with pytest.raises(ProcessLookupError):
+        os.killpg(victim, 0)
     status = envscaler("farm", "status", "--catalog", str(big_farm))
     assert f"{ENVS}/{ENVS} healthy, 1 restart(s)" in status.stdout
     listed = [line for line in status.stdout.splitlines()[1:] if line.split()[0] != "env_id"]
@@ -83,7 +86,9 @@ def test_a_hung_server_is_restarted_and_reported(big_farm):
     wait_until(lambda: read_state(big_farm)["envs"][env_id]["restarts"] == before + 1
                and read_state(big_farm)["envs"][env_id]["status"] == "healthy", 8 * PROBE_PERIOD_S + 20, "restart of a hung server")
     record = read_state(big_farm)["envs"][env_id]
-    assert record["pid"] != victim and not pid_alive(victim)
+    assert record["pid"] != victim
+    with pytest.raises(ProcessLookupError):
+        os.killpg(victim, 0)
     assert record["last_exit"] == "hung: no answer to 3 health probes in a row"
     status = envscaler("farm", "status", "--catalog", str(big_farm))
     assert "hung: no answer to 3 health probes" in status.stdout

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import anyio
 
-from envscaler.sandbox import clean_environment, die_with_parent, limit_resources
+from envscaler.sandbox import adopt_orphans, clean_environment, die_with_parent, limit_resources
 from servers.farm.board import Board
 from servers.farm.models import EnvPlan, FarmPaths, FarmPlan
 from servers.serve import FARM_ID_VARIABLE, READY_FD_VARIABLE
@@ -202,6 +202,18 @@ class PopenServer:
             pass  # the group is gone already
 
 
+async def reap_group(pgid: int, timeout_s: float = 5.0) -> None:
+    """Reap what is left of a server's process group among our children: when bubblewrap is killed, the
+    sandbox's init is orphaned to us (see ``adopt_orphans``), and unreaped it would keep the group alive."""
+    with anyio.move_on_after(timeout_s):
+        while True:
+            try:
+                if os.waitid(os.P_PGID, pgid, os.WEXITED | os.WNOHANG) is None:
+                    await anyio.sleep(_STOP_POLL_S)
+            except ChildProcessError:
+                return  # none of our children is left in the group
+
+
 class PopenSpawner:
     """Starts each server as a fresh interpreter (fork + exec): simple, the fallback of the zygote, and
     the only way to start servers in the sandbox (each is its own bubblewrap)."""
@@ -268,6 +280,7 @@ class ProcessBackend:
     async def run(self) -> None:
         """Start and supervise every environment until cancelled."""
         self.paths.logs.mkdir(parents=True, exist_ok=True)
+        adopt_orphans()
         try:
             async with anyio.create_task_group() as tasks:
                 for env in self.plan.envs:
@@ -294,6 +307,7 @@ class ProcessBackend:
                     return
                 code = await server.wait_exit()
                 server.send_signal(signal.SIGKILL)  # whatever it forked dies with it
+                await reap_group(server.pid)
                 self.servers.pop(env.env_id, None)
                 if self._stopping:
                     return
