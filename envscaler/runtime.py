@@ -29,6 +29,7 @@ from typing import Any
 
 from envscaler.annotations import tool_annotations
 from envscaler.checks import run_checks, score
+from envscaler.env_globals import EnvGlobals, describe_change
 from envscaler.errors import EnvCodeError, SchemaError
 from envscaler.guard import GuardSignal, Preempted, TimeLimitExceeded, call_preemptibly, call_with_limit
 from envscaler.loader import code_filename, load_class
@@ -87,6 +88,7 @@ class EnvRuntime:
         self._env_file = code_filename(spec.env_id)
         self._shared: OrderedDict[str, SharedState | NotNative] = OrderedDict()
         self._tracked_class = _tracked_subclass(self.env_class)
+        self.env_globals = EnvGlobals(self.env_class, subclasses=(self._tracked_class,) if self._tracked_class else ())
 
     def tool_list(self) -> list[ToolSchema]:
         """The callable tools, in the spec's order."""
@@ -128,13 +130,18 @@ class EnvRuntime:
         """EnvScaler's construction, under the call time limit. Raises EnvCodeError on failure."""
         config = json.loads(to_json_text(init_config)[0])
         try:
-            return call_with_limit(_construct, self.call_timeout_s, self.env_class, config)
+            instance = call_with_limit(_construct, self.call_timeout_s, self.env_class, config)
         except TimeLimitExceeded:
             raise EnvCodeError(f"{self.env_id}: constructor ran longer than {self.call_timeout_s:g} s") from None
         except GuardSignal:
             raise
         except BaseException as e:  # noqa: BLE001 - constructor is untrusted code, SystemExit included
             raise EnvCodeError(f"{self.env_id}: cannot instantiate: {self.describe_exception(e)}") from None
+        finally:
+            changed = self.env_globals.restore_changed()
+        if changed:
+            raise EnvCodeError(f"{self.env_id}: the constructor {describe_change(changed)}")
+        return instance
 
     def describe_exception(self, error: BaseException) -> str:
         """``Type: message (env code line N)`` for an exception raised by environment code."""
@@ -366,6 +373,7 @@ class Episode:
                 outcome = call_with_limit(self._run, limit, name, arguments)
         except Preempted:
             self._undo(before, deleted)
+            runtime.env_globals.restore_changed()  # the run again must not find this run's changes
             raise
         except TimeLimitExceeded:
             message = f"Tool {name!r} ran longer than {limit:g} s and was stopped"
@@ -374,6 +382,9 @@ class Episode:
             raise
         except BaseException as e:  # noqa: BLE001 - environment code is untrusted; report, keep the episode
             outcome = ToolOutcome.failure(name, arguments, "env", f"Environment error in {name!r}: {runtime.describe_exception(e)}")
+        changed = runtime.env_globals.restore_changed()
+        if changed:
+            outcome = ToolOutcome.failure(name, arguments, "env", f"Environment error in {name!r}: the call {describe_change(changed)}")
         outcome.latency_s = time.perf_counter() - started
         outcome.diff = self._finish(before, deleted)
         return outcome

@@ -134,23 +134,38 @@ def test_a_check_that_only_errors_on_the_initial_state_is_not_a_clean_failure(tm
     assert verdicts["do_nothing_below_one"].passed
 
 
-def test_deterministic_fails_when_the_reference_leaves_different_states(tmp_path):
-    # Class-level state survives between episodes: the second replay numbers its stamp differently.
-    code = COUNTER_CODE.replace(
+def counter_with_stamp(doc: str, stamp: str, class_lines: str = "") -> str:
+    """The counter's code with a ``stamp`` tool that sets ``self.stamp_no`` to ``stamp``."""
+    return COUNTER_CODE.replace(
         "    def _secret(self) -> dict:",
-        "    calls = [0]\n\n"
-        "    def stamp(self) -> dict:\n"
-        '        """Stamp the state with a number that never repeats."""\n'
-        "        Counter.calls[0] += 1\n"
-        "        self.stamp_no = Counter.calls[0]\n"
+        f"{class_lines}    def stamp(self) -> dict:\n"
+        f'        """{doc}"""\n'
+        f"        self.stamp_no = {stamp}\n"
         '        return {"success": True, "data": self.stamp_no}\n\n'
         "    def _secret(self) -> dict:",
     )
-    reference = counter_scenario()["reference_solution"] + [{"name": "stamp", "arguments": {}}]
-    _, verdicts = gate_verdicts(tmp_path, counter_spec(env_class_code=code), [counter_scenario(reference_solution=reference)])
+
+
+STAMPED_REFERENCE = counter_scenario()["reference_solution"] + [{"name": "stamp", "arguments": {}}]
+
+
+def test_deterministic_fails_when_the_reference_leaves_different_states(tmp_path):
+    # An unseeded random number: the second replay stamps the state differently.
+    code = "import random\n" + counter_with_stamp("Stamp the state with a random number.", "random.random()")
+    _, verdicts = gate_verdicts(tmp_path, counter_spec(env_class_code=code), [counter_scenario(reference_solution=STAMPED_REFERENCE)])
     assert verdicts["checks_pass_on_reference"].passed
     assert not verdicts["deterministic"].passed
     assert "different states" in verdicts["deterministic"].detail
+
+
+def test_a_reference_that_changes_class_attributes_fails_its_replay(tmp_path):
+    # Class-level state would survive between episodes: the call is an environment error instead.
+    code = counter_with_stamp("Stamp the state with a number kept in the class.", "Counter.calls.append(1) or len(Counter.calls)",
+                              "    calls = []\n\n")
+    report, verdicts = gate_verdicts(tmp_path, counter_spec(env_class_code=code), [counter_scenario(reference_solution=STAMPED_REFERENCE)])
+    failed = [g for g in verdicts.values() if not g.passed]
+    assert not report.passed and failed, verdicts
+    assert "class attribute Counter.calls" in failed[0].detail and "every episode shares" in failed[0].detail
 
 
 def test_deterministic_fails_when_a_check_answers_differently_on_the_same_state(tmp_path):

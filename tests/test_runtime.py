@@ -384,3 +384,96 @@ def test_a_constructor_without_init_config_falls_back_to_no_arguments():
     code = COUNTER_CODE.replace("def __init__(self, init_config: dict):", "def __init__(self):")
     episode = EnvRuntime(EnvSpec.model_validate(counter_spec(env_class_code=code))).new_episode(INIT)
     assert episode.state()["items"] == INIT["items"]
+
+
+SHARING_CODE = '''
+import time
+SEEN = []
+TABLE = {"rate": [1, 2]}
+BIG = list(range(5000))
+
+
+class Sharing:
+    registry = []
+
+    def __init__(self, init_config):
+        self.n = 0
+
+    def register(self, key: str) -> dict:
+        """Remember a key in the class.
+
+        Args:
+            key (str): The key.
+        """
+        Sharing.registry.append(key)
+        return {"success": True, "data": list(Sharing.registry)}
+
+    def count(self) -> dict:
+        """Count in a module global."""
+        global SEEN
+        SEEN = SEEN + [self.n]
+        return {"success": True}
+
+    def shrink(self) -> dict:
+        """Take from a big module table."""
+        BIG.pop()
+        return {"success": True}
+
+    def retag(self) -> dict:
+        """Add an attribute to the episode's own class."""
+        type(self).tag = "mine"
+        return {"success": True}
+
+    def slow_register(self, seconds: float) -> dict:
+        """Remember, then wait.
+
+        Args:
+            seconds (float): How long.
+        """
+        TABLE["rate"].append(3)
+        time.sleep(seconds)
+        return {"success": True}
+
+    def bump(self) -> dict:
+        """Change the episode's own state, reading the shared table."""
+        self.n += len(TABLE["rate"])
+        return {"success": True}
+'''
+
+
+def test_a_call_that_changes_what_every_episode_shares_is_an_env_error_and_is_put_back():
+    runtime = EnvRuntime(EnvSpec(env_id="sharing", env_class_name="Sharing", env_class_code=SHARING_CODE))
+    episode = runtime.new_episode({"n": 1}, scenario_key="s1")
+    for tool, arguments, label in [("register", {"key": "x"}, "class attribute Sharing.registry"),
+                                   ("count", {}, "module global SEEN"),
+                                   ("shrink", {}, "module global BIG"),
+                                   ("retag", {}, "class attribute Sharing.tag")]:
+        outcome = episode.call(tool, arguments)
+        assert outcome.error_kind == "env" and label in outcome.error and "every episode shares" in outcome.error, outcome
+    module = sys.modules[runtime.env_class.__module__]
+    assert (runtime.env_class.registry, module.SEEN, len(module.BIG)) == ([], [], 5000)
+    assert not hasattr(type(episode.instance), "tag")
+    # What belongs to the episode is no one else's business, and the other episodes saw nothing.
+    assert episode.call("bump", {}).error is None and episode.state() == {"n": 3}
+    other = runtime.new_episode({"n": 1}, scenario_key="s1")
+    assert other.call("register", {"key": "y"}).result is None and runtime.env_class.registry == []
+
+
+def test_a_preempted_call_that_changed_shared_values_leaves_nothing_for_its_rerun():
+    runtime = EnvRuntime(EnvSpec(env_id="sharing", env_class_name="Sharing", env_class_code=SHARING_CODE))
+    episode = runtime.new_episode({"n": 1}, scenario_key="s1")
+    with pytest.raises(Preempted):
+        episode.call("slow_register", {"seconds": 5}, inline_budget_s=0.02)
+    assert sys.modules[runtime.env_class.__module__].TABLE == {"rate": [1, 2]}
+    rerun = episode.call("slow_register", {"seconds": 0})
+    assert rerun.error_kind == "env" and "module global TABLE" in rerun.error
+    assert sys.modules[runtime.env_class.__module__].TABLE == {"rate": [1, 2]}
+
+
+def test_a_constructor_that_changes_class_attributes_is_refused_and_put_back():
+    code = "class Tally:\n    made = 0\n    def __init__(self, init_config):\n        Tally.made += 1\n        self.id = Tally.made\n"
+    runtime = EnvRuntime(EnvSpec(env_id="tally", env_class_name="Tally", env_class_code=code))
+    for _ in range(2):
+        with pytest.raises(EnvCodeError, match=r"tally: the constructor changed class attribute Tally.made"):
+            runtime.new_episode({})
+    assert runtime.env_class.made == 0

@@ -66,6 +66,11 @@ HOSTILE_TOOLS = '''
         threading.Thread(target=lambda: [None for _ in iter(int, 1)], daemon=True).start()
         return {"success": True}
 
+    def tamper(self) -> dict:
+        """Change what every episode of this environment shares."""
+        type(self).tampered = True
+        return {"success": True}
+
     def get_item('''
 
 HOSTILE_CODE = COUNTER_CODE.replace("\n    def get_item(", HOSTILE_TOOLS, 1)
@@ -117,7 +122,8 @@ def attack(catalog: Path, hostile: str, victim: str, expected: dict[tuple[str, s
 
 def common_attacks(catalog: Path, victim_bundle: Path) -> dict[tuple[str, str], str]:
     """The attacks every backend refuses the same way: the catalog file and another bundle are not
-    there, the gateway's port is not reachable, no process, signal handler or lingering thread."""
+    there, the gateway's port is not reachable, no process, signal handler or lingering thread, and
+    no change to what every episode shares."""
     gateway_port = int(json.loads(catalog.read_text())["gateway"].rsplit(":", 1)[1])
     return {
         ("read", json.dumps({"path": str(catalog)})): "No such file",
@@ -126,4 +132,5 @@ def common_attacks(catalog: Path, victim_bundle: Path) -> dict[tuple[str, str], 
         ("fork_bomb", "{}"): "may not start processes",
         ("ignore_alarm", "{}"): "may not change signal handling",
         ("linger", "{}"): "may not start threads",
+        ("tamper", "{}"): "which every episode shares",
     }

@@ -1,0 +1,124 @@
+"""What every episode of an environment shares, kept as it was loaded: module globals and class attributes.
+
+An episode is an instance, but the environment's module and classes exist once per process: a tool
+that writes to a class attribute or a module global (``Env.registry.append(...)``, ``global
+counter``) would change the world of every other episode, and a preempted call run again would
+apply its change twice. Environment state belongs on ``self``. After each call the shared values
+are compared with what they were at load; a changed one is put back and the caller is told which
+it was, so the call can be reported as an environment error (and the gates reject such code).
+
+The comparison must not make every call pay for the size of constant tables: a rebinding is seen
+by identity, in place changes by equality with a copy taken at load, for containers of up to
+``DEEP_CHECK_ITEMS`` items in all; bigger containers are compared by length only (an append or a
+removal is seen, an element replaced in place is not).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any
+
+# Items (nested included) of the containers compared by equality after every call, all together.
+DEEP_CHECK_ITEMS = 2_000
+_MISSING = object()
+
+
+@dataclass
+class _Shared:
+    owner: Any  # the module or the class the name lives on
+    label: str  # "class attribute Env.registry", "module global counter"
+    name: str
+    value: Any  # the object bound at load (identity tells a rebinding)
+    pristine: Any  # a copy taken at load, _MISSING when it cannot be copied
+    deep: bool  # compared by equality with ``pristine``
+    length: int | None  # else compared by length, when it has one
+
+
+def _is_data(name: str, value: Any) -> bool:
+    """Whether a namespace entry is data (as opposed to code: functions, classes, modules, descriptors)."""
+    if name.startswith("__") and name.endswith("__"):
+        return False
+    if isinstance(value, (type, types.ModuleType)) or callable(value):
+        return False
+    kind = type(value)
+    return not (hasattr(kind, "__get__") or hasattr(kind, "__set__"))
+
+
+def _items(value: Any, budget: int) -> int:
+    """How many items ``value`` holds, nested ones included, counting no further than ``budget``."""
+    if isinstance(value, dict):
+        values: Any = value.values()
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        values = value
+    else:
+        return 1
+    total = len(value)
+    for item in values:
+        if total > budget:
+            break
+        total += _items(item, budget - total)
+    return total
+
+
+class EnvGlobals:
+    """The data an environment's code shares between episodes: its module's globals and the attributes
+    of the classes it defines."""
+
+    def __init__(self, env_class: type, *, subclasses: tuple[type, ...] = ()) -> None:
+        """``subclasses``: classes made from ``env_class`` at run time, whose attributes are shared as well."""
+        module = sys.modules.get(env_class.__module__)
+        classes = [value for value in list(vars(module).values())
+                   if isinstance(value, type) and value.__module__ == module.__name__] if module is not None else [env_class]
+        owners: list[tuple[Any, str]] = [(module, "module global ")] if module is not None else []
+        owners += [(cls, f"class attribute {cls.__name__}.") for cls in [*classes, *subclasses]]
+        self._owners = [(owner, prefix, set(vars(owner))) for owner, prefix in owners]
+        self._shared: list[_Shared] = []
+        budget = DEEP_CHECK_ITEMS
+        for owner, prefix in owners:
+            for name, value in list(vars(owner).items()):
+                if not _is_data(name, value):
+                    continue
+                try:
+                    pristine = copy.deepcopy(value)
+                except Exception:  # noqa: BLE001 - a lock, a file: only a rebinding can be told then
+                    pristine = _MISSING
+                size = _items(value, budget)
+                deep = pristine is not _MISSING and size <= budget
+                budget -= size if deep else 0
+                length = len(value) if not deep and hasattr(value, "__len__") else None
+                self._shared.append(_Shared(owner, prefix + name, name, value, pristine, deep, length))
+
+    def restore_changed(self) -> list[str]:
+        """Put back every shared value changed since load; the labels of those changed (none: ``[]``)."""
+        changed = [shared for shared in self._shared if self._differs(shared)]
+        added = [(owner, prefix, name) for owner, prefix, names in self._owners if len(vars(owner)) != len(names)
+                 for name in set(vars(owner)) - names]
+        for shared in changed:
+            value = shared.value if shared.pristine is _MISSING else copy.deepcopy(shared.pristine)
+            setattr(shared.owner, shared.name, value)
+            shared.value = value
+            shared.length = len(value) if shared.length is not None else None
+        for owner, _, name in added:
+            delattr(owner, name)
+        return [shared.label for shared in changed] + [prefix + name for _, prefix, name in added]
+
+    @staticmethod
+    def _differs(shared: _Shared) -> bool:
+        current = vars(shared.owner).get(shared.name, _MISSING)
+        if current is not shared.value:
+            return True
+        try:
+            if shared.deep:
+                return bool(current != shared.pristine)
+            return shared.length is not None and len(current) != shared.length
+        except Exception:  # noqa: BLE001 - a comparison that fails tells nothing: count it as changed
+            return True
+
+
+def describe_change(labels: list[str]) -> str:
+    """What a caller reports about a call that changed shared values (``EnvGlobals.restore_changed``)."""
+    return (f"changed {', '.join(labels)}, which every episode shares; it was put back "
+            "(environment state belongs on self)")
