@@ -166,8 +166,9 @@ class ServerInfo(BaseModel):
 
 
 class Health(BaseModel):
-    """Reply of ``GET /healthz`` (no token needed)."""
+    """Reply of ``GET /healthz`` (no token needed): 200, or 503 when the server is alive but cannot serve."""
 
+    # "ok", or why it cannot serve.
     status: str = "ok"
     env_id: str
     episodes: int

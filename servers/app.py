@@ -159,8 +159,11 @@ class EnvServerApp:
             await self._legacy_sse(scope, receive, send, parts[1], parts[2])
             return
         if path == "/healthz":
-            health = Health(env_id=self.bundle.env_id, episodes=len(self.store.episodes), replica=self.config.replica_id)
-            await send_json(send, 200, json_bytes(health))
+            # Alive is not enough: a server whose every call thread is stuck cannot serve (503 makes a farm restart it).
+            exhausted = self.store.runner.exhausted
+            health = Health(status=f"no call capacity: all {self.store.runner.max_threads} call threads are stuck" if exhausted else "ok",
+                            env_id=self.bundle.env_id, episodes=len(self.store.episodes), replica=self.config.replica_id)
+            await send_json(send, 503 if exhausted else 200, json_bytes(health))
             return
         if parts[0] not in _CONTROL_ROOTS or len(parts) > 3:
             # Not a control route: no token could help (a strict client would read 401 as "OAuth here").

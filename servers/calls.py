@@ -72,6 +72,12 @@ class CallRunner:
         """Worker threads alive now, retired ones included."""
         return len(self._workers)
 
+    @property
+    def exhausted(self) -> bool:
+        """Whether every thread is held by a call that outran its hand-over: a new call waits until one
+        returns, if ever (each is abandoned at its deadline meanwhile)."""
+        return self._active is None and len(self._workers) >= self.max_threads
+
     async def run(self, fn: Callable[[], T], limit_s: float) -> T:
         """``fn()`` on a worker thread. Raises what it raises, or CallAbandoned after ``limit_s``."""
         loop = self._loop

@@ -70,9 +70,10 @@ async def test_stuck_threads_are_bounded_and_calls_resume_when_they_end():
         tasks.start_soon(stuck)
         tasks.start_soon(stuck)
         await anyio.sleep(0.1)
-        assert runner.threads == 2
+        assert runner.threads == 2 and runner.exhausted
         with pytest.raises(CallAbandoned):
             await runner.run(lambda: "no thread left for me", 0.2)
     assert runner.threads <= 2
     await anyio.sleep(1.0)
+    assert not runner.exhausted
     assert await runner.run(lambda: "served again", 1) == "served again"

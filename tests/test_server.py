@@ -8,6 +8,7 @@ import resource
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import anyio
 import httpx
@@ -502,3 +503,26 @@ def test_a_server_tells_its_supervisor_it_listens_through_the_ready_pipe(tmp_pat
         assert httpx.get(ready["url"] + "/healthz").status_code == 200
     finally:
         stop(process)
+
+
+def test_a_server_whose_call_threads_are_all_stuck_says_so_on_healthz(counter_dir):
+    with serve(counter_dir, "--workers", "2", "--call-timeout", "0.5") as server, server.client() as http:
+        assert http.get("/healthz").json()["status"] == "ok"
+        calls = []
+        for _ in range(2):
+            mcp_url = http.post("/episodes", json={"scenario_id": "counter_001"}).json()["mcp_url"]
+            body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                    "params": {"name": "slow_add", "arguments": {"item_id": "a", "seconds": 4}}}
+            calls.append((mcp_url, body))
+        started = time.monotonic()
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(lambda call: http.post(call[0], json=call[1]).json()["result"], calls))
+        # Each sleeping call is abandoned at its limit, but holds its thread until the sleep ends.
+        assert all(r["isError"] and "abandoned" in r["content"][0]["text"] for r in results), results
+        assert time.monotonic() - started < 3
+        health = http.get("/healthz")
+        assert health.status_code == 503 and health.json()["status"] == "no call capacity: all 2 call threads are stuck"
+        deadline = time.monotonic() + 10
+        while http.get("/healthz").status_code != 200:
+            assert time.monotonic() < deadline, "the threads never came back"
+            time.sleep(0.2)
