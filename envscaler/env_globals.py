@@ -16,6 +16,7 @@ removal is seen, an element replaced in place is not).
 from __future__ import annotations
 
 import copy
+import importlib
 import sys
 import types
 from dataclasses import dataclass
@@ -23,12 +24,15 @@ from typing import Any
 
 # Items (nested included) of the containers compared by equality after every call, all together.
 DEEP_CHECK_ITEMS = 2_000
+# The code that scores an episode: environment code may not patch it (``run_check = lambda ...``).
+_CHECKER_MODULES = ("envscaler.checks", "envscaler.runtime")
 _MISSING = object()
 
 
 @dataclass
 class _Shared:
     owner: Any  # the module or the class the name lives on
+    entries: Any  # its namespace (live)
     label: str  # "class attribute Env.registry", "module global counter"
     name: str
     value: Any  # the object bound at load (identity tells a rebinding)
@@ -74,7 +78,10 @@ class EnvGlobals:
                    if isinstance(value, type) and value.__module__ == module.__name__] if module is not None else [env_class]
         owners: list[tuple[Any, str]] = [(module, "module global ")] if module is not None else []
         owners += [(cls, f"class attribute {cls.__name__}.") for cls in [*classes, *subclasses]]
-        self._owners = [(owner, prefix, set(vars(owner))) for owner, prefix in owners]
+        # vars() of a class makes a new proxy on every call: each namespace's is taken once, and stays live.
+        self._owners = [(owner, vars(owner), prefix, set(vars(owner))) for owner, prefix in owners]
+        # The checker's namespaces, every entry as it was (compared by identity: about a microsecond each).
+        self._checker = [(namespace, vars(namespace), dict(vars(namespace))) for namespace in _checker_namespaces()]
         self._shared: list[_Shared] = []
         budget = DEEP_CHECK_ITEMS
         for owner, prefix in owners:
@@ -89,13 +96,13 @@ class EnvGlobals:
                 deep = pristine is not _MISSING and size <= budget
                 budget -= size if deep else 0
                 length = len(value) if not deep and hasattr(value, "__len__") else None
-                self._shared.append(_Shared(owner, prefix + name, name, value, pristine, deep, length))
+                self._shared.append(_Shared(owner, vars(owner), prefix + name, name, value, pristine, deep, length))
 
     def restore_changed(self) -> list[str]:
         """Put back every shared value changed since load; the labels of those changed (none: ``[]``)."""
         changed = [shared for shared in self._shared if self._differs(shared)]
-        added = [(owner, prefix, name) for owner, prefix, names in self._owners if len(vars(owner)) != len(names)
-                 for name in set(vars(owner)) - names]
+        added = [(owner, prefix, name) for owner, entries, prefix, names in self._owners if len(entries) != len(names)
+                 for name in set(entries) - names]
         for shared in changed:
             value = shared.value if shared.pristine is _MISSING else copy.deepcopy(shared.pristine)
             setattr(shared.owner, shared.name, value)
@@ -103,11 +110,14 @@ class EnvGlobals:
             shared.length = len(value) if shared.length is not None else None
         for owner, _, name in added:
             delattr(owner, name)
-        return [shared.label for shared in changed] + [prefix + name for _, prefix, name in added]
+        patched = [f"{_qualified(namespace)}.{name} (the checker's own code)"
+                   for namespace, live, entries in self._checker if live != entries
+                   for name in _put_back(namespace, entries)]
+        return [shared.label for shared in changed] + [prefix + name for _, prefix, name in added] + patched
 
     @staticmethod
     def _differs(shared: _Shared) -> bool:
-        current = vars(shared.owner).get(shared.name, _MISSING)
+        current = shared.entries.get(shared.name, _MISSING)
         if current is not shared.value:
             return True
         try:
@@ -116,6 +126,29 @@ class EnvGlobals:
             return shared.length is not None and len(current) != shared.length
         except Exception:  # noqa: BLE001 - a comparison that fails tells nothing: count it as changed
             return True
+
+
+def _checker_namespaces() -> list[Any]:
+    modules = [importlib.import_module(name) for name in _CHECKER_MODULES]
+    classes = [value for module in modules for value in vars(module).values()
+               if isinstance(value, type) and value.__module__ == module.__name__]
+    return [*modules, *classes]
+
+
+def _qualified(namespace: Any) -> str:
+    return namespace.__name__ if isinstance(namespace, types.ModuleType) else f"{namespace.__module__}.{namespace.__qualname__}"
+
+
+def _put_back(namespace: Any, entries: dict[str, Any]) -> list[str]:
+    """Restore ``namespace`` (a module or a class) to ``entries``; the names that differed."""
+    current = dict(vars(namespace))
+    names = sorted(name for name in current.keys() | entries.keys() if current.get(name, _MISSING) is not entries.get(name, _MISSING))
+    for name in names:
+        if name in entries:
+            setattr(namespace, name, entries[name])
+        else:
+            delattr(namespace, name)
+    return names
 
 
 def describe_change(labels: list[str]) -> str:

@@ -477,3 +477,22 @@ def test_a_constructor_that_changes_class_attributes_is_refused_and_put_back():
         with pytest.raises(EnvCodeError, match=r"tally: the constructor changed class attribute Tally.made"):
             runtime.new_episode({})
     assert runtime.env_class.made == 0
+
+
+def test_environment_code_cannot_patch_the_checker():
+    code = SHARING_CODE + '''
+    def cheat(self) -> dict:
+        """Make every check pass."""
+        import envscaler.checks, envscaler.runtime
+        envscaler.checks.run_check = lambda item, views, limit_s: envscaler.checks.CheckResult(check_item=item.check_item, passed=True)
+        envscaler.runtime.Episode.validate = lambda self, checklist: None
+        return {"success": True}
+'''
+    runtime = EnvRuntime(EnvSpec(env_id="cheat", env_class_name="Sharing", env_class_code=code))
+    outcome = runtime.new_episode({"n": 1}).call("cheat", {})
+    assert outcome.error_kind == "env"
+    assert "envscaler.checks.run_check (the checker's own code)" in outcome.error
+    assert "envscaler.runtime.Episode.validate (the checker's own code)" in outcome.error
+    untouched = runtime.new_episode({"n": 1})
+    never = CheckItem(check_item="never", check_func="def check_func(final_state):\n    return False")
+    assert untouched.validate([never]).score == 0.0
