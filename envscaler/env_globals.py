@@ -11,6 +11,11 @@ The comparison must not make every call pay for the size of constant tables: a r
 by identity, in place changes by equality with a copy taken at load, for containers of up to
 ``DEEP_CHECK_ITEMS`` items in all; bigger containers are compared by length only (an append or a
 removal is seen, an element replaced in place is not).
+
+The scorer's own namespaces (``envscaler.checks``, ``envscaler.runtime`` and their classes) are
+held to the same rule, by identity of every entry: a tool that replaces ``run_check`` is reported
+and undone before any episode is scored. That stops a patch by assignment, not a determined attack
+from inside the process (the sandbox and the time limits bound what such code can reach).
 """
 
 from __future__ import annotations
