@@ -13,9 +13,10 @@ by identity, in place changes by equality with a copy taken at load, for contain
 removal is seen, an element replaced in place is not).
 
 The scorer's own namespaces (``envscaler.checks``, ``envscaler.runtime`` and their classes) are
-held to the same rule, by identity of every entry: a tool that replaces ``run_check`` is reported
-and undone before any episode is scored. That stops a patch by assignment, not a determined attack
-from inside the process (the sandbox and the time limits bound what such code can reach).
+compared by identity of every entry before each validation: a replaced ``run_check`` is put back
+before any episode is scored. That stops a patch by assignment of what scoring calls, not a
+replaced ``Episode.validate`` (the entry point that does the comparing) nor a determined attack from
+inside the process: the sandbox and the time limits bound what such code can reach.
 """
 
 from __future__ import annotations
@@ -56,6 +57,24 @@ def _is_data(name: str, value: Any) -> bool:
     return not (hasattr(kind, "__get__") or hasattr(kind, "__set__"))
 
 
+_PLAIN_SCALARS = (str, int, float, bool, bytes, type(None))
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is built of Python's own containers and scalars only: copying, comparing and
+    measuring it then runs none of the environment's code (which would run outside any time limit)."""
+    kind = type(value)
+    if kind in _PLAIN_SCALARS:
+        return True
+    if depth > 32:
+        return False
+    if kind is dict:
+        return all(type(k) in _PLAIN_SCALARS and _plain(v, depth + 1) for k, v in value.items())
+    if kind in (list, tuple, set, frozenset):
+        return all(_plain(item, depth + 1) for item in value)
+    return False
+
+
 def _items(value: Any, budget: int) -> int:
     """How many items ``value`` holds, nested ones included, counting no further than ``budget``."""
     if isinstance(value, dict):
@@ -85,22 +104,23 @@ class EnvGlobals:
         owners += [(cls, f"class attribute {cls.__name__}.") for cls in [*classes, *subclasses]]
         # vars() of a class makes a new proxy on every call: each namespace's is taken once, and stays live.
         self._owners = [(owner, vars(owner), prefix, set(vars(owner))) for owner, prefix in owners]
-        # The checker's namespaces, every entry as it was (compared by identity: about a microsecond each).
-        self._checker = [(namespace, vars(namespace), dict(vars(namespace))) for namespace in _checker_namespaces()]
+        # The checker's namespaces, every entry as it was, and their identities: compared by ``==``, an
+        # object planted there could claim to equal what it replaced.
+        self._checker = [(namespace, vars(namespace), dict(vars(namespace)), _identities(vars(namespace)))
+                         for namespace in _checker_namespaces()]
         self._shared: list[_Shared] = []
         budget = DEEP_CHECK_ITEMS
         for owner, prefix in owners:
             for name, value in list(vars(owner).items()):
                 if not _is_data(name, value):
                     continue
-                try:
-                    pristine = copy.deepcopy(value)
-                except Exception:  # noqa: BLE001 - a lock, a file: only a rebinding can be told then
-                    pristine = _MISSING
-                size = _items(value, budget)
-                deep = pristine is not _MISSING and size <= budget
+                # Other objects (a lock, an instance of the environment's own class) are told by identity only.
+                plain = _plain(value)
+                pristine = copy.deepcopy(value) if plain else _MISSING
+                size = _items(value, budget) if plain else 0
+                deep = plain and size <= budget
                 budget -= size if deep else 0
-                length = len(value) if not deep and hasattr(value, "__len__") else None
+                length = len(value) if plain and not deep else None
                 self._shared.append(_Shared(owner, vars(owner), prefix + name, name, value, pristine, deep, length))
 
     def restore_changed(self) -> list[str]:
@@ -115,22 +135,33 @@ class EnvGlobals:
             shared.length = len(value) if shared.length is not None else None
         for owner, _, name in added:
             delattr(owner, name)
-        patched = [f"{_qualified(namespace)}.{name} (the checker's own code)"
-                   for namespace, live, entries in self._checker if live != entries
-                   for name in _put_back(namespace, entries)]
-        return [shared.label for shared in changed] + [prefix + name for _, prefix, name in added] + patched
+        return [shared.label for shared in changed] + [prefix + name for _, prefix, name in added]
+
+    def restore_checker(self) -> list[str]:
+        """Put back every entry of the checker's namespaces that was replaced since load; their names.
+
+        Run before scoring rather than after every call: comparing ~130 entries by identity costs ~10 us.
+        """
+        patched = []
+        for index, (namespace, live, entries, identities) in enumerate(self._checker):
+            if _identities(live) != identities:
+                patched += [f"{_qualified(namespace)}.{name}" for name in _put_back(namespace, entries)]
+                self._checker[index] = (namespace, live, entries, _identities(live))  # put back, maybe in another order
+        return patched
 
     @staticmethod
     def _differs(shared: _Shared) -> bool:
         current = shared.entries.get(shared.name, _MISSING)
         if current is not shared.value:
             return True
-        try:
-            if shared.deep:
-                return bool(current != shared.pristine)
-            return shared.length is not None and len(current) != shared.length
-        except Exception:  # noqa: BLE001 - a comparison that fails tells nothing: count it as changed
-            return True
+        if shared.deep:
+            return bool(current != shared.pristine)
+        return shared.length is not None and len(current) != shared.length
+
+
+def _identities(entries: Any) -> tuple[int, ...]:
+    # The originals are held in the snapshot, so no new object can take one of their ids.
+    return tuple(map(id, entries.values()))
 
 
 def _checker_namespaces() -> list[Any]:

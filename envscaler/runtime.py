@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import logging
 import time
 import traceback
 from collections import OrderedDict
@@ -46,6 +47,8 @@ from envscaler.overlay import MISSING, NotNative, Overlay, SharedState, plain, v
 from envscaler.schema import schema_problems, validate
 from envscaler.state import diff, public_attributes, snapshot, state_hash, to_json_text
 from envscaler.tools import derive_tools, public_methods
+
+log = logging.getLogger("envscaler.runtime")
 
 DEFAULT_CALL_TIMEOUT_S = 10.0
 DEFAULT_CHECK_TIMEOUT_S = 5.0
@@ -468,6 +471,10 @@ class Episode:
 
     def validate(self, checklist: list[CheckItem] | None) -> ValidationResult:
         """Run the checklist on the current state. Raises ChecklistError when it is empty."""
+        patched = self.runtime.env_globals.restore_checker()
+        if patched:
+            log.warning("environment code replaced the checker's own code; put back before scoring",
+                        extra={"env": self.runtime.env_id, "patched": ", ".join(patched)})
         if self._overlay is None:
             final: Any = json.loads(self._private_text)
             initial: Any = json.loads(self.initial_text)

@@ -483,16 +483,43 @@ def test_environment_code_cannot_patch_the_checker():
     code = SHARING_CODE + '''
     def cheat(self) -> dict:
         """Make every check pass."""
-        import envscaler.checks, envscaler.runtime
+        import envscaler.checks
         envscaler.checks.run_check = lambda item, views, limit_s: envscaler.checks.CheckResult(check_item=item.check_item, passed=True)
-        envscaler.runtime.Episode.validate = lambda self, checklist: None
         return {"success": True}
 '''
     runtime = EnvRuntime(EnvSpec(env_id="cheat", env_class_name="Sharing", env_class_code=code))
-    outcome = runtime.new_episode({"n": 1}).call("cheat", {})
-    assert outcome.error_kind == "env"
-    assert "envscaler.checks.run_check (the checker's own code)" in outcome.error
-    assert "envscaler.runtime.Episode.validate (the checker's own code)" in outcome.error
     untouched = runtime.new_episode({"n": 1})
+    assert runtime.new_episode({"n": 1}).call("cheat", {}).error is None
     never = CheckItem(check_item="never", check_func="def check_func(final_state):\n    return False")
     assert untouched.validate([never]).score == 0.0
+    assert runtime.env_globals.restore_checker() == []  # all put back by the validation
+
+
+def test_a_planted_object_that_claims_equality_is_still_found_and_no_env_code_runs_outside_the_limit():
+    code = SHARING_CODE.replace("class Sharing:", '''class Liar:
+    def __eq__(self, other):
+        while True:
+            pass
+
+    def __len__(self):
+        while True:
+            pass
+
+
+LIAR = Liar()
+
+
+class Sharing:''') + '''
+    def plant(self) -> dict:
+        """Replace the checker's run_check with an object that says it is equal to anything."""
+        import envscaler.checks
+        envscaler.checks.run_check = LIAR
+        return {"success": True}
+'''
+    runtime = EnvRuntime(EnvSpec(env_id="liar", env_class_name="Sharing", env_class_code=code), call_timeout_s=0.5)
+    started = time.monotonic()
+    episode = runtime.new_episode({"n": 1})
+    assert episode.call("plant", {}).error is None
+    assert time.monotonic() - started < 0.5
+    assert runtime.env_globals.restore_checker() == ["envscaler.checks.run_check"]
+    assert callable(sys.modules["envscaler.checks"].run_check)
