@@ -105,6 +105,10 @@ def gateway_on(swarm: Swarm, catalog: Path, node: str) -> str:
 
 
 def test_replicas_spread_over_the_nodes_and_replay_scores_one_on_every_scenario(farm, swarm, tmp_path):
+    # 'farm up' returned, so the gateway of every node (host publishing), not just the catalog's, sees every replica.
+    for node in swarm.nodes:
+        health = httpx.get(f"{gateway_on(swarm, farm, node)}/healthz", timeout=5).json()
+        assert health["replicas"] == {env_id: 2 for env_id in ENVS}, (node, health)
     placement = running_tasks(swarm, farm)
     assert sorted(placement) == sorted(ENVS) and all(len(nodes) == 2 for nodes in placement.values())
     assert all(len(set(nodes)) == 2 for nodes in placement.values()), placement

@@ -285,29 +285,60 @@ def _gateway_view(gateway: str) -> dict[str, int] | None:
         return None
 
 
+def _gateway_urls(client: Any, farm: SwarmFarm) -> list[str]:
+    """Every URL a client may be given: the farm's one URL, and in host mode that port on every node that runs tasks.
+
+    A host-mode gateway runs once per node and each one starts on its own; the farm is ready only
+    when every one of them answers, not just the one in the catalog.
+    """
+    if farm.gateway_publish != "host":
+        return [farm.gateway]
+    port = httpx.URL(farm.gateway).port
+    urls = [farm.gateway]
+    for node in client.api.nodes():
+        if node["Spec"].get("Availability") != "active" or node["Status"].get("State") != "ready":
+            continue
+        address = node["Status"].get("Addr") or ""
+        if address in ("", "0.0.0.0"):  # a manager may report no address of its own here, only in ManagerStatus
+            address = (node.get("ManagerStatus") or {}).get("Addr", "").rpartition(":")[0]
+        url = f"http://{address}:{port}"
+        if address and url not in urls:
+            urls.append(url)
+    return urls
+
+
+def _gateways_view(client: Any, farm: SwarmFarm) -> tuple[dict[str, int], list[str]]:
+    """What every gateway URL sees (the smallest count of each environment), and the URLs that do not answer."""
+    views = {url: _gateway_view(url) for url in _gateway_urls(client, farm)}
+    silent = [url for url, view in views.items() if view is None]
+    answering = [view for view in views.values() if view is not None]
+    seen = {env_id: min(view.get(env_id, 0) for view in answering) for env_id in farm.services} if answering else {}
+    return seen, silent
+
+
 def _wait_ready(client: Any, farm: SwarmFarm, started: float, timeout_s: float) -> str | None:
-    """None once the gateway sees ``replicas`` healthy replicas of every environment, else what went wrong."""
+    """None once every gateway URL sees ``replicas`` healthy replicas of every environment, else what went wrong."""
     interactive = sys.stderr.isatty()
     last_line, last_print = "", 0.0
     while True:
-        view = _gateway_view(farm.gateway)
-        ready = sum((view or {}).get(env_id, 0) >= farm.replicas for env_id in farm.services)
-        line = (f"farm: {ready}/{len(farm.services)} environments at {farm.replicas} replica(s)"
-                f"{'' if view is not None else ' (gateway not answering yet)'} after {time.monotonic() - started:.1f} s")
+        view, silent = _gateways_view(client, farm)
+        ready = sum(view.get(env_id, 0) >= farm.replicas for env_id in farm.services)
+        waiting = f" (gateway not answering yet at {', '.join(silent)})" if silent else ""
+        line = f"farm: {ready}/{len(farm.services)} environments at {farm.replicas} replica(s){waiting} after {time.monotonic() - started:.1f} s"
         if interactive or line.split(" after")[0] != last_line or time.monotonic() - last_print > 5:
             print(("\r" + line) if interactive else line, end="" if interactive else "\n", file=sys.stderr, flush=True)
             last_line, last_print = line.split(" after")[0], time.monotonic()
-        if view is not None and ready == len(farm.services):
+        if not silent and ready == len(farm.services):
             if interactive:
                 print(file=sys.stderr)
             return None
         if time.monotonic() - started > timeout_s:
             if interactive:
                 print(file=sys.stderr)
-            late = [name for env_id, name in farm.services.items() if (view or {}).get(env_id, 0) < farm.replicas]
+            late = [name for env_id, name in farm.services.items() if view.get(env_id, 0) < farm.replicas]
             errors = _task_errors(client, [*late, farm.gateway_service])
-            detail = "; ".join(errors[:5]) or f"gateway {farm.gateway} {'answers' if view is not None else 'does not answer'}"
-            hint = "" if view is not None or farm.gateway_publish == "host" else (
+            detail = "; ".join(errors[:5]) or (f"no gateway answers at {', '.join(silent)}" if silent else f"gateway {farm.gateway} answers")
+            hint = "" if not silent or farm.gateway_publish == "host" else (
                 " (no answer on the ingress: if the nodes' kernels lack IPVS, Swarm's routing mesh cannot work; "
                 "use --gateway-publish host)")
             return f"not every replica was healthy within {timeout_s:g} s: {detail}{hint}"
@@ -345,19 +376,20 @@ def _status(paths: FarmPaths, as_json: bool) -> int:
         return EXIT_FAILED
     client = _client(farm.docker_host)
     nodes = {node["ID"]: node["Description"]["Hostname"] for node in client.api.nodes()}
-    view = _gateway_view(farm.gateway) or {}
+    view, silent = _gateways_view(client, farm)
     rows = {}
     for env_id, service in farm.services.items():
         running = [t for t in client.api.tasks(filters={"service": service, "desired-state": "running"})
                    if (t.get("Status") or {}).get("State") == "running"]
         rows[env_id] = {"service": service, "desired": farm.replicas, "running": len(running), "healthy": view.get(env_id, 0),
                         "nodes": sorted({nodes.get(t.get("NodeID"), t.get("NodeID", "?")) for t in running})}
-    healthy = bool(view) and all(r["running"] >= farm.replicas and r["healthy"] >= farm.replicas for r in rows.values())
+    healthy = bool(view) and not silent and all(r["running"] >= farm.replicas and r["healthy"] >= farm.replicas for r in rows.values())
     if as_json:
-        print(json.dumps({"farm_id": farm.farm_id, "backend": "swarm", "gateway": farm.gateway, "ready": healthy, "envs": rows}, indent=2))
+        print(json.dumps({"farm_id": farm.farm_id, "backend": "swarm", "gateway": farm.gateway, "gateways_not_answering": silent,
+                          "ready": healthy, "envs": rows}, indent=2))
     else:
-        print(f"farm {farm.farm_id}: swarm backend, gateway {farm.gateway} {'answering' if view else 'NOT ANSWERING'}, "
-              f"{'ready' if healthy else 'not ready'}")
+        answering = f"NOT ANSWERING at {', '.join(silent)}" if silent else "answering"
+        print(f"farm {farm.farm_id}: swarm backend, gateway {farm.gateway} {answering}, {'ready' if healthy else 'not ready'}")
         print(f"{'env_id':<28} {'running':>7} {'healthy':>7}  nodes")
         for env_id, row in rows.items():
             print(f"{env_id:<28} {row['running']:>3}/{row['desired']:<3} {row['healthy']:>7}  {', '.join(row['nodes'])}")
