@@ -35,9 +35,10 @@ from envscaler.wire import (
 from servers.asgi import json_bytes, parse_json, read_body, send_json
 from servers.cors import CorsPolicy, request_origin
 from servers.episode_ids import REPLICA_ID_PATTERN
-from servers.episodes import EpisodeStore, LiveEpisode
+from servers.episodes import EpisodeRegistry, EpisodeStore, LiveEpisode
 from servers.errors import (
     CallAbandoned,
+    EpisodeLost,
     ErrorReply,
     LimitReached,
     OutOfMemory,
@@ -48,6 +49,8 @@ from servers.mcp_endpoint import ROUTING_HEADERS, McpEndpoint, parse_error
 from servers.memory import memory_status
 from servers.openenv_endpoint.config import OpenEnvConfig
 from servers.sse import SseSessions
+from servers.worker_store import WorkerEpisodeStore
+from servers.worker_wire import WorkerSettings
 
 log = logging.getLogger("envscaler.server")
 
@@ -81,6 +84,24 @@ class ServerConfig(BaseModel):
     openenv: OpenEnvConfig | None = None
     # Set when this server is one replica of many: episode ids then name it (servers.episode_ids).
     replica_id: str | None = Field(default=None, pattern=REPLICA_ID_PATTERN)
+    # Environment code in a worker process that is killed and restarted when it freezes (servers.worker_store),
+    # inside the bubblewrap sandbox when ``worker_sandbox``.
+    worker_process: bool = False
+    worker_sandbox: bool = False
+
+
+def _episode_store(bundle: Bundle, config: ServerConfig) -> EpisodeRegistry:
+    """Where the environment's code runs: a worker process (``worker_process``), or this one."""
+    limits: dict[str, Any] = dict(max_episodes=config.max_episodes, idle_ttl_s=config.idle_ttl_s, memory_reserve_mb=config.memory_reserve_mb,
+                                  replica_id=config.replica_id, max_trajectory_chars=config.max_trajectory_chars)
+    if config.worker_process:
+        settings = WorkerSettings(bundle=bundle, call_timeout_s=config.call_timeout_s, check_timeout_s=config.check_timeout_s,
+                                  max_result_chars=config.max_result_chars, worker_threads=config.worker_threads,
+                                  inline_budget_s=config.inline_budget_s, memory_reserve_mb=config.memory_reserve_mb)
+        return WorkerEpisodeStore(bundle, settings, sandbox=config.worker_sandbox, **limits)
+    runtime = EnvRuntime(bundle.spec, call_timeout_s=config.call_timeout_s, check_timeout_s=config.check_timeout_s,
+                         max_result_chars=config.max_result_chars)
+    return EpisodeStore(bundle, runtime, worker_threads=config.worker_threads, inline_budget_s=config.inline_budget_s, **limits)
 
 
 class EnvServerApp:
@@ -89,24 +110,12 @@ class EnvServerApp:
     def __init__(self, bundle: Bundle, config: ServerConfig) -> None:
         self.bundle = bundle
         self.config = config
-        self.runtime = EnvRuntime(bundle.spec, call_timeout_s=config.call_timeout_s, check_timeout_s=config.check_timeout_s,
-                                  max_result_chars=config.max_result_chars)
-        self.store = EpisodeStore(
-            bundle,
-            self.runtime,
-            max_episodes=config.max_episodes,
-            idle_ttl_s=config.idle_ttl_s,
-            worker_threads=config.worker_threads,
-            inline_budget_s=config.inline_budget_s,
-            memory_reserve_mb=config.memory_reserve_mb,
-            replica_id=config.replica_id,
-            max_trajectory_chars=config.max_trajectory_chars,
-        )
+        self.store = _episode_store(bundle, config)
         self.mcp = McpEndpoint(self.store, f"envscaler-{bundle.env_id}", bundle.spec.environment_introduction)
         self._token = f"Bearer {config.token}".encode()
         self.cors = CorsPolicy(config.allowed_origins)
         self.sse = SseSessions()
-        self._tools_openai = [tool.openai() for tool in self.runtime.tool_list()]
+        self._tools_openai = [tool.openai() for tool in self.store.tool_list()]
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -131,10 +140,11 @@ class EnvServerApp:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 tasks.start_soon(self._expire_idle_forever)
-                log.info("server ready", extra={"env": self.bundle.env_id, "tools": len(self.runtime.tools)})
+                log.info("server ready", extra={"env": self.bundle.env_id, "tools": len(self.store.tool_list())})
                 await send({"type": "lifespan.startup.complete"})
             message = await receive()
             tasks.cancel_scope.cancel()
+        self.store.close()
         log.info("server stopping", extra={"env": self.bundle.env_id, "episodes": len(self.store.episodes)})
         await send({"type": "lifespan.shutdown.complete"})
 
@@ -160,10 +170,9 @@ class EnvServerApp:
             return
         if path == "/healthz":
             # Alive is not enough: a server whose every call thread is stuck cannot serve (503 makes a farm restart it).
-            exhausted = self.store.runner.exhausted
-            health = Health(status=f"no call capacity: all {self.store.runner.max_threads} call threads are stuck" if exhausted else "ok",
-                            env_id=self.bundle.env_id, episodes=len(self.store.episodes), replica=self.config.replica_id)
-            await send_json(send, 503 if exhausted else 200, json_bytes(health))
+            problem = (await self.store.stats()).capacity_problem
+            health = Health(status=problem or "ok", env_id=self.bundle.env_id, episodes=len(self.store.episodes), replica=self.config.replica_id)
+            await send_json(send, 503 if problem else 200, json_bytes(health))
             return
         if parts[0] not in _CONTROL_ROOTS or len(parts) > 3:
             # Not a control route: no token could help (a strict client would read 401 as "OAuth here").
@@ -171,7 +180,7 @@ class EnvServerApp:
         self._authorize(scope)
         result: BaseModel | dict[str, Any]
         if parts == ["info"] and method == "GET":
-            result, status = self._info(), 200
+            result, status = await self._info(), 200
         elif parts == ["scenarios"] and method == "GET":
             result, status = self._scenarios(), 200
         elif len(parts) == 2 and parts[0] == "scenarios" and method == "GET":
@@ -193,7 +202,7 @@ class EnvServerApp:
             self.store.end(live.episode_id)
             return EpisodeEnded(episode_id=live.episode_id, calls=len(live.calls), **live.counts())
         if action == "state" and method == "GET":
-            return EpisodeState(episode_id=live.episode_id, state=live.episode.state())
+            return EpisodeState(episode_id=live.episode_id, state=await self._guard(self.store.state(live)))
         if action == "trajectory" and method == "GET":
             return live.trajectory()
         if action == "reset" and method == "POST":
@@ -213,6 +222,10 @@ class EnvServerApp:
                 raise ErrorReply(409, f"{e}; pass a checklist in the body or create the episode from a scenario") from None
             except CallAbandoned:
                 raise ErrorReply(504, f"the checks outlived their limit of {self.config.check_timeout_s:g} s each and were abandoned") from None
+            except EpisodeLost as e:
+                raise ErrorReply(410, str(e)) from None
+            except EnvScalerError as e:
+                raise ErrorReply(500, f"environment error: {e}") from None
             return EpisodeValidation(**dict(result), **live.counts())
         raise ErrorReply(404 if action not in (None, "state", "trajectory", "reset", "validate") else 405, f"no route {method} /episodes/{{id}}/{action or ''}")
 
@@ -264,6 +277,8 @@ class EnvServerApp:
             raise ErrorReply(429, str(e)) from None
         except OutOfMemory as e:
             raise ErrorReply(507, str(e)) from None
+        except EpisodeLost as e:
+            raise ErrorReply(410, str(e)) from None
         except EnvScalerError as e:
             raise ErrorReply(500, f"environment error: {e}") from None
 
@@ -296,18 +311,19 @@ class EnvServerApp:
         # In a container or behind NAT our own bind address means nothing to the caller; its Host does.
         return f"{scope.get('scheme', 'http')}://{host}" if host else ""
 
-    def _info(self) -> ServerInfo:
+    async def _info(self) -> ServerInfo:
+        stats = await self.store.stats()
         return ServerInfo(
             env_id=self.bundle.env_id,
             spec_hash=self.bundle.spec.content_hash(),
             environment_summary=self.bundle.spec.environment_summary,
-            tools=[t.name for t in self.runtime.tool_list()],
+            tools=[t.name for t in self.store.tool_list()],
             scenarios=len(self.bundle.scenarios),
             limits=self.config.model_dump(exclude={"token"}),
             live_episodes=len(self.store.episodes),
-            stuck_calls=self.store.stuck_calls,
-            call_threads=self.store.runner.threads,
-            threaded_tools=sorted(self.store.threaded_tools),
+            stuck_calls=stats.stuck_calls,
+            call_threads=stats.call_threads,
+            threaded_tools=stats.threaded_tools,
             expired_episodes=self.store.expired,
             memory=memory_status(),
         )

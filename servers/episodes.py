@@ -23,14 +23,16 @@ import logging
 import time
 from typing import Any
 
+from pydantic import BaseModel
+
 from envscaler import Bundle, EnvCodeError, EnvRuntime, Episode, Scenario, ToolOutcome, ValidationResult
 from envscaler.guard import Preempted, can_preempt
-from envscaler.models import CheckItem
+from envscaler.models import CheckItem, ToolAnnotations, ToolSchema
 from envscaler.wire import Trajectory
 from servers.asgi import json_bytes
 from servers.calls import CallRunner
 from servers.episode_ids import new_episode_id
-from servers.errors import CallAbandoned, LimitReached, OutOfMemory, UnknownEpisode, UnknownScenario
+from servers.errors import CallAbandoned, EpisodeLost, LimitReached, OutOfMemory, UnknownEpisode, UnknownScenario
 from servers.memory import memory_status
 
 log = logging.getLogger("envscaler.server")
@@ -39,11 +41,24 @@ log = logging.getLogger("envscaler.server")
 _ABANDON_GRACE_S = 0.5
 
 
+class CallStats(BaseModel):
+    """How the calls of one environment stand (``GET /info``, ``/healthz``)."""
+
+    call_threads: int
+    stuck_calls: int
+    threaded_tools: list[str]
+    # Why no new call could run now (``/healthz`` answers 503 with it), or None.
+    capacity_problem: str | None = None
+
+
 class LiveEpisode:
     """One episode with its scenario, lock, counters and call record."""
 
-    def __init__(self, episode_id: str, episode: Episode, scenario: Scenario | None, init_config: dict[str, Any] | None) -> None:
+    def __init__(self, episode_id: str, env_id: str, episode: Episode | None, scenario: Scenario | None,
+                 init_config: dict[str, Any] | None) -> None:
         self.episode_id = episode_id
+        self.env_id = env_id
+        # None when the episode's state lives in a worker process (servers.worker_store).
         self.episode = episode
         self.scenario = scenario
         # A raw episode's state (no scenario): what a reset with no body goes back to.
@@ -54,6 +69,8 @@ class LiveEpisode:
         self.stuck = False
         # Characters of results and arguments the trajectory holds (capped: ``keep``).
         self.kept_chars = 0
+        # Why the episode's state is gone (its worker process was restarted), or None.
+        self.lost: str | None = None
 
     def keep(self, outcome: ToolOutcome, limit_chars: int) -> None:
         """Add ``outcome`` to the trajectory; past ``limit_chars`` in all, its result is kept cut (``truncated``)."""
@@ -68,14 +85,20 @@ class LiveEpisode:
         self.kept_chars += size
         self.calls.append(outcome)
 
-    def reset(self, episode: Episode, scenario: Scenario | None, init_config: dict[str, Any] | None) -> None:
-        self.episode.close()
+    def close(self) -> None:
+        """Let go of the episode's state (if it lives here)."""
+        if self.episode is not None:
+            self.episode.close()
+
+    def reset(self, episode: Episode | None, scenario: Scenario | None, init_config: dict[str, Any] | None) -> None:
+        self.close()
         self.episode = episode
         self.scenario = scenario
         self.init_config = init_config
         self.calls = []
         self.kept_chars = 0
         self.stuck = False
+        self.lost = None
         self.last_used = time.monotonic()
 
     def counts(self) -> dict[str, int]:
@@ -91,60 +114,100 @@ class LiveEpisode:
     def trajectory(self) -> Trajectory:
         return Trajectory(
             episode_id=self.episode_id,
-            env_id=self.episode.runtime.env_id,
+            env_id=self.env_id,
             scenario_id=self.scenario.task_id if self.scenario else None,
             calls=self.calls,
             **self.counts(),
         )
 
 
-class EpisodeStore:
-    """Every live episode of one environment, keyed by an unguessable id."""
+class EpisodeRegistry:
+    """Every live episode of one environment, keyed by an unguessable id: ids, limits, records, logs.
+
+    Where the environment's code runs is up to a subclass: :class:`EpisodeStore` runs it in this
+    process, ``servers.worker_store.WorkerEpisodeStore`` in a worker process. They fill in the
+    hooks below (building an episode, one call, the checks, letting go of a state).
+    """
 
     def __init__(
         self,
         bundle: Bundle,
-        runtime: EnvRuntime,
         *,
         max_episodes: int,
         idle_ttl_s: float,
-        worker_threads: int,
-        inline_budget_s: float,
         memory_reserve_mb: float = 0.0,
         replica_id: str | None = None,
         max_trajectory_chars: int = 16_000_000,
+        records: bool = True,
     ) -> None:
         self.bundle = bundle
+        self.env_id = bundle.env_id
         # Prefixes every episode id when this server is one replica of many (servers.episode_ids).
         self.replica_id = replica_id
-        self.runtime = runtime
         self.max_episodes = max_episodes
         self.idle_ttl_s = idle_ttl_s
         self.episodes: dict[str, LiveEpisode] = {}
         self.scenarios = {s.task_id: s for s in bundle.scenarios}
-        self.runner = CallRunner(f"env-{runtime.env_id}", max_threads=worker_threads)
-        self.inline_budget_s = inline_budget_s
         self.memory_reserve_mb = memory_reserve_mb
         self.max_trajectory_chars = max_trajectory_chars
-        # Tools that once outran the inline budget: they go to the worker thread directly.
-        self.threaded_tools: set[str] = set()
-        self.stuck_calls = 0
+        # False in a worker process: the server in front of it keeps the trajectories.
+        self.records = records
         self.expired = 0
+
+    # -- the hooks -----------------------------------------------------------------------------
+
+    def tool_list(self) -> list[ToolSchema]:
+        """The environment's tools, in its spec's order."""
+        raise NotImplementedError
+
+    @property
+    def annotations(self) -> dict[str, ToolAnnotations]:
+        """Each tool's MCP hints."""
+        raise NotImplementedError
+
+    async def stats(self) -> CallStats:
+        """How the calls stand: threads, stuck calls, and whether a new call could run now."""
+        raise NotImplementedError
+
+    async def state(self, live: LiveEpisode) -> dict[str, Any]:
+        """The episode's state as JSON-able data."""
+        raise NotImplementedError
+
+    async def _construct(self, episode_id: str, scenario: Scenario | None, init_config: dict[str, Any] | None) -> Episode | None:
+        """Build the state of episode ``episode_id``: the Episode when it lives here, else None."""
+        raise NotImplementedError
+
+    async def _run_call(self, live: LiveEpisode, name: str, arguments: Any) -> ToolOutcome:
+        """One tool call under its limits (``live.lock`` is held)."""
+        raise NotImplementedError
+
+    async def _run_checks(self, live: LiveEpisode, checklist: list[CheckItem] | None) -> ValidationResult:
+        """The checklist run on the episode's state (``live.lock`` is held)."""
+        raise NotImplementedError
+
+    def _release(self, live: LiveEpisode) -> None:
+        """Let go of an ended episode's state."""
+        live.close()
+
+    def close(self) -> None:
+        """Let go of what the store holds besides its episodes (the server is stopping)."""
+
+    # -- the episodes --------------------------------------------------------------------------
 
     def _scenario(self, scenario_id: str) -> Scenario:
         scenario = self.scenarios.get(scenario_id)
         if scenario is None:
-            raise UnknownScenario(f"{self.runtime.env_id} has no scenario {scenario_id!r}; 'envscaler catalog scenarios' (or GET /scenarios) lists them")
+            raise UnknownScenario(f"{self.env_id} has no scenario {scenario_id!r}; 'envscaler catalog scenarios' (or GET /scenarios) lists them")
         return scenario
 
-    async def _build(self, scenario_id: str | None, init_config: dict[str, Any] | None) -> tuple[Episode, Scenario | None]:
+    async def _build(self, episode_id: str, scenario_id: str | None, init_config: dict[str, Any] | None) -> tuple[Episode | None, Scenario | None]:
         """The episode, built with room to spare. Raises UnknownScenario, OutOfMemory or EnvCodeError."""
         scenario = self._scenario(scenario_id) if scenario_id else None
         self._check_memory()
         try:
-            return await self._construct(scenario_id, scenario, init_config)
+            return await self._construct(episode_id, scenario, init_config), scenario
         except MemoryError:
-            raise OutOfMemory(f"{self.runtime.env_id}: ran out of memory building the episode; {self._memory_advice()}") from None
+            raise OutOfMemory(f"{self.env_id}: ran out of memory building the episode; {self._memory_advice()}") from None
 
     def _check_memory(self) -> None:
         if not self.memory_reserve_mb:
@@ -152,37 +215,30 @@ class EpisodeStore:
         status = memory_status()
         if status.headroom_mb is not None and status.headroom_mb < self.memory_reserve_mb:
             raise OutOfMemory(
-                f"{self.runtime.env_id}: only {status.headroom_mb:.0f} MB of memory left under the {status.limited_by} limit of "
+                f"{self.env_id}: only {status.headroom_mb:.0f} MB of memory left under the {status.limited_by} limit of "
                 f"{status.limit_mb:.0f} MB (the server keeps {self.memory_reserve_mb:g} MB in reserve); {self._memory_advice()}"
             )
 
     def _memory_advice(self) -> str:
         return f"{len(self.episodes)} episodes are live: end some (DELETE /episodes/{{id}}) or give the server more memory"
 
-    async def _construct(self, scenario_id: str | None, scenario: Scenario | None, init_config: dict[str, Any] | None) -> tuple[Episode, Scenario | None]:
-        config = scenario.init_config if scenario else (init_config or {})
-        if scenario_id is not None and self.runtime.shares(scenario_id):
-            return self.runtime.new_episode(config, scenario_key=scenario_id), scenario  # runs no env code
-        limit = self.runtime.call_timeout_s + _ABANDON_GRACE_S
-        try:
-            return await self.runner.run(lambda: self.runtime.new_episode(config, scenario_key=scenario_id), limit), scenario
-        except CallAbandoned:
-            raise EnvCodeError(f"{self.runtime.env_id}: constructor ran longer than {self.runtime.call_timeout_s:g} s") from None
-
-    async def create(self, scenario_id: str | None, init_config: dict[str, Any] | None) -> LiveEpisode:
-        """A new episode. Raises LimitReached, UnknownScenario or EnvCodeError."""
+    async def create(self, scenario_id: str | None, init_config: dict[str, Any] | None, episode_id: str | None = None) -> LiveEpisode:
+        """A new episode (its id given, or a new one). Raises LimitReached, UnknownScenario or EnvCodeError."""
         self._check_room()
-        episode, scenario = await self._build(scenario_id, init_config)
-        self._check_room()  # others may have been created while this one was built
-        live = LiveEpisode(new_episode_id(self.replica_id), episode, scenario, None if scenario else (init_config or {}))
+        episode_id = episode_id or new_episode_id(self.replica_id)
+        episode, scenario = await self._build(episode_id, scenario_id, init_config)
+        live = LiveEpisode(episode_id, self.env_id, episode, scenario, None if scenario else (init_config or {}))
+        if len(self.episodes) >= self.max_episodes:  # others may have been created while this one was built
+            self._release(live)
+            self._check_room()
         self.episodes[live.episode_id] = live
-        log.info("episode created", extra={"env": self.runtime.env_id, "episode": live.episode_id, "scenario": scenario_id})
+        log.info("episode created", extra={"env": self.env_id, "episode": live.episode_id, "scenario": scenario_id})
         return live
 
     def _check_room(self) -> None:
         if len(self.episodes) >= self.max_episodes:
             raise LimitReached(
-                f"{self.runtime.env_id} already holds {self.max_episodes} live episodes; end some (DELETE) or raise --max-episodes"
+                f"{self.env_id} already holds {self.max_episodes} live episodes; end some (DELETE) or raise --max-episodes"
             )
 
     def get(self, episode_id: str) -> LiveEpisode:
@@ -194,17 +250,17 @@ class EpisodeStore:
 
     async def reset(self, live: LiveEpisode, scenario_id: str | None, init_config: dict[str, Any] | None) -> None:
         """Put ``live`` back to a scenario's (or a raw) initial state; its id and URL stay."""
-        episode, scenario = await self._build(scenario_id, init_config)
+        episode, scenario = await self._build(live.episode_id, scenario_id, init_config)
         async with live.lock:
             live.reset(episode, scenario, None if scenario else (init_config or {}))
-        log.info("episode reset", extra={"env": self.runtime.env_id, "episode": live.episode_id, "scenario": scenario_id})
+        log.info("episode reset", extra={"env": self.env_id, "episode": live.episode_id, "scenario": scenario_id})
 
     def end(self, episode_id: str) -> LiveEpisode:
         live = self.episodes.pop(episode_id, None)
         if live is None:
             raise UnknownEpisode(f"no live episode {episode_id!r} (ended, expired, or never created)")
-        live.episode.close()
-        log.info("episode ended", extra={"env": self.runtime.env_id, "episode": episode_id, "calls": len(live.calls)})
+        self._release(live)
+        log.info("episode ended", extra={"env": self.env_id, "episode": episode_id, "calls": len(live.calls)})
         return live
 
     def expire_idle(self) -> int:
@@ -212,8 +268,8 @@ class EpisodeStore:
         cutoff = time.monotonic() - self.idle_ttl_s
         stale = [eid for eid, live in self.episodes.items() if live.last_used < cutoff and not live.lock.locked()]
         for episode_id in stale:
-            self.episodes.pop(episode_id).episode.close()
-            log.info("episode expired", extra={"env": self.runtime.env_id, "episode": episode_id})
+            self._release(self.episodes.pop(episode_id))
+            log.info("episode expired", extra={"env": self.env_id, "episode": episode_id})
         self.expired += len(stale)
         return len(stale)
 
@@ -223,32 +279,91 @@ class EpisodeStore:
             if live.stuck:
                 message = "This episode is unusable: an earlier tool call is still stuck. It must be reset or ended."
                 return ToolOutcome.failure(name, arguments, "timeout", message)
-            episode = live.episode
-            outcome = self._call_inline(live, name, arguments)
-            if outcome is None:
-                try:
-                    outcome = await self.runner.run(
-                        lambda: episode.call(name, arguments), self.runtime.call_timeout_s + _ABANDON_GRACE_S
-                    )
-                except CallAbandoned:
-                    live.stuck = True
-                    self.stuck_calls += 1
-                    message = f"Tool {name!r} ran longer than {self.runtime.call_timeout_s:g} s and was abandoned"
-                    outcome = ToolOutcome.failure(name, arguments, "timeout", message)
-            live.keep(outcome, self.max_trajectory_chars)
+            if live.lost is not None:  # recorded: the agent was answered
+                outcome = ToolOutcome.failure(name, arguments, "env", f"This episode is lost ({live.lost}). It must be reset or ended.")
+            else:
+                outcome = await self._run_call(live, name, arguments)
+            if self.records:
+                live.keep(outcome, self.max_trajectory_chars)
             live.last_used = time.monotonic()
         if outcome.error:
             level = logging.INFO if outcome.error_kind in ("agent", "tool") else logging.WARNING
             log.log(
                 level,
                 "tool error",
-                extra={"env": self.runtime.env_id, "episode": live.episode_id, "tool": name, "kind": outcome.error_kind, "error": outcome.error},
+                extra={"env": self.env_id, "episode": live.episode_id, "tool": name, "kind": outcome.error_kind, "error": outcome.error},
             )
         return outcome
+
+    async def validate(self, live: LiveEpisode, checklist: list[CheckItem] | None) -> ValidationResult:
+        """Run the checklist (the scenario's unless one is given) off the event loop.
+
+        Raises EpisodeLost when the episode's state is gone, ChecklistError when there is no
+        checklist, CallAbandoned when the checks as a whole outlive their limits (each check is
+        stopped at its own limit first).
+        """
+        async with live.lock:
+            if live.lost is not None:
+                raise EpisodeLost(f"episode {live.episode_id} is lost ({live.lost}); reset it to run its scenario again")
+            return await self._run_checks(live, checklist)
+
+
+class EpisodeStore(EpisodeRegistry):
+    """Episodes whose environment code runs in this process, inline or on call threads."""
+
+    def __init__(self, bundle: Bundle, runtime: EnvRuntime, *, worker_threads: int, inline_budget_s: float, **limits: Any) -> None:
+        super().__init__(bundle, **limits)
+        self.runtime = runtime
+        self.runner = CallRunner(f"env-{runtime.env_id}", max_threads=worker_threads)
+        self.inline_budget_s = inline_budget_s
+        # Tools that once outran the inline budget: they go to the worker thread directly.
+        self.threaded_tools: set[str] = set()
+        self.stuck_calls = 0
+
+    def tool_list(self) -> list[ToolSchema]:
+        return self.runtime.tool_list()
+
+    @property
+    def annotations(self) -> dict[str, ToolAnnotations]:
+        return self.runtime.annotations
+
+    async def stats(self) -> CallStats:
+        problem = f"no call capacity: all {self.runner.max_threads} call threads are stuck" if self.runner.exhausted else None
+        return CallStats(call_threads=self.runner.threads, stuck_calls=self.stuck_calls, threaded_tools=sorted(self.threaded_tools),
+                         capacity_problem=problem)
+
+    async def state(self, live: LiveEpisode) -> dict[str, Any]:
+        assert live.episode is not None
+        return live.episode.state()
+
+    async def _construct(self, episode_id: str, scenario: Scenario | None, init_config: dict[str, Any] | None) -> Episode:
+        config = scenario.init_config if scenario else (init_config or {})
+        key = scenario.task_id if scenario else None
+        if key is not None and self.runtime.shares(key):
+            return self.runtime.new_episode(config, scenario_key=key)  # runs no env code
+        limit = self.runtime.call_timeout_s + _ABANDON_GRACE_S
+        try:
+            return await self.runner.run(lambda: self.runtime.new_episode(config, scenario_key=key), limit)
+        except CallAbandoned:
+            raise EnvCodeError(f"{self.env_id}: constructor ran longer than {self.runtime.call_timeout_s:g} s") from None
+
+    async def _run_call(self, live: LiveEpisode, name: str, arguments: Any) -> ToolOutcome:
+        episode = live.episode
+        assert episode is not None
+        outcome = self._call_inline(live, name, arguments)
+        if outcome is not None:
+            return outcome
+        try:
+            return await self.runner.run(lambda: episode.call(name, arguments), self.runtime.call_timeout_s + _ABANDON_GRACE_S)
+        except CallAbandoned:
+            live.stuck = True
+            self.stuck_calls += 1
+            return ToolOutcome.failure(name, arguments, "timeout", f"Tool {name!r} ran longer than {self.runtime.call_timeout_s:g} s and was abandoned")
 
     def _call_inline(self, live: LiveEpisode, name: str, arguments: Any) -> ToolOutcome | None:
         """The call run here on the event loop within the budget, or None: run it on the worker."""
         episode = live.episode
+        assert episode is not None
         if not self.inline_budget_s or name in self.threaded_tools or not episode.preemptible or not can_preempt():
             return None
         try:
@@ -258,18 +373,13 @@ class EpisodeStore:
                 self.threaded_tools.add(name)
                 log.info(
                     "tool moved to the worker thread",
-                    extra={"env": self.runtime.env_id, "episode": live.episode_id, "tool": name, "budget_s": self.inline_budget_s},
+                    extra={"env": self.env_id, "episode": live.episode_id, "tool": name, "budget_s": self.inline_budget_s},
                 )
             return None
 
-    async def validate(self, live: LiveEpisode, checklist: list[CheckItem] | None) -> ValidationResult:
-        """Run the checklist (the scenario's unless one is given) off the event loop.
-
-        Raises ChecklistError when there is no checklist, CallAbandoned when the checks as a whole
-        outlive their limits (each check is stopped at its own limit first).
-        """
+    async def _run_checks(self, live: LiveEpisode, checklist: list[CheckItem] | None) -> ValidationResult:
+        episode = live.episode
+        assert episode is not None
         items = checklist if checklist is not None else (live.scenario.checklist_with_func if live.scenario else None)
         limit = len(items or ()) * (self.runtime.check_timeout_s + _ABANDON_GRACE_S) + _ABANDON_GRACE_S
-        async with live.lock:
-            episode = live.episode
-            return await self.runner.run(lambda: episode.validate(items), limit)
+        return await self.runner.run(lambda: episode.validate(items), limit)

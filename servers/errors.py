@@ -9,6 +9,7 @@ Part of the tree drawn in ``envscaler.errors``; the exit code applies when one r
     ├── UnknownScenario         -   the environment has no scenario with this id (HTTP 404)
     ├── OutOfMemory             -   no memory is left for another episode (HTTP 507)
     ├── CallAbandoned           -   a call on a worker thread outlived its deadline and was left behind
+    ├── EpisodeLost             -   the episode's state went with its worker process (HTTP 410)
     ├── OpenEnvSessionError     -   an OpenEnv reset or step that cannot be done (sent back to the session)
     └── FarmError               2   the farm cannot do what was asked: bad input, no engine, unreadable farm files
 
@@ -47,6 +48,10 @@ class OutOfMemory(EnvScalerError):
 
 class CallAbandoned(EnvScalerError):
     """The call did not finish by its deadline; its thread was left behind."""
+
+
+class EpisodeLost(EnvScalerError):
+    """The episode's state is gone: the worker process that held it was killed or died."""
 
 
 class FarmError(EnvScalerError):

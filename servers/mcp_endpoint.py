@@ -39,7 +39,7 @@ from envscaler.wire import (
     UNSUPPORTED_PROTOCOL_VERSION,
     decode_header_value,
 )
-from servers.episodes import EpisodeStore, LiveEpisode
+from servers.episodes import EpisodeRegistry, LiveEpisode
 
 ROUTING_HEADERS = (MCP_PROTOCOL_VERSION_HEADER.encode(), MCP_METHOD_HEADER.encode(), MCP_NAME_HEADER.encode())
 """The request headers (lower case) the endpoint reads; the application hands over these only."""
@@ -90,12 +90,12 @@ def _tool_result(outcome_text: str, is_error: bool, modern: bool) -> dict[str, A
 class McpEndpoint:
     """Answers JSON-RPC messages for the episodes of one store."""
 
-    def __init__(self, store: EpisodeStore, server_name: str, instructions: str) -> None:
+    def __init__(self, store: EpisodeRegistry, server_name: str, instructions: str) -> None:
         self.store = store
         self.server_info = {"name": server_name, "version": "1"}
         self.instructions = instructions
-        runtime = store.runtime
-        tools = [tool.mcp(runtime.annotations[tool.name]) for tool in runtime.tool_list()]
+        annotations = store.annotations
+        tools = [tool.mcp(annotations[tool.name]) for tool in store.tool_list()]
         self._tools_legacy = {"tools": tools}
         self._tools_modern = {"tools": tools, "cacheScope": "private", "ttlMs": 0, "resultType": "complete"}
 

@@ -38,7 +38,7 @@ def build_app(server: EnvServerApp, config: OpenEnvConfig) -> Any:
         env_id=server.bundle.env_id,
         introduction=server.bundle.spec.environment_introduction,
         summary=server.bundle.spec.environment_summary,
-        tools=server.runtime.tool_list(),
+        tools=server.store.tool_list(),
         scenarios=server.bundle.scenarios,
         max_steps=config.max_steps,
     )

@@ -39,7 +39,7 @@ from openenv.core.env_server.types import Action, EnvironmentMetadata, Observati
 from pydantic import Field
 
 from envscaler import Scenario, ToolOutcome, ToolSchema, ValidationResult
-from servers.episodes import EpisodeStore, LiveEpisode
+from servers.episodes import EpisodeRegistry, LiveEpisode
 from servers.errors import CallAbandoned, OpenEnvSessionError, UnknownEpisode
 
 FINISH_TOOL = "finish"
@@ -95,7 +95,7 @@ class EpisodeState(State):
 class EndpointContext:
     """What every session of one server shares: the store, the tools as listed, the scenarios."""
 
-    store: EpisodeStore
+    store: EpisodeRegistry
     env_id: str
     introduction: str
     summary: str

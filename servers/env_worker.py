@@ -1,0 +1,165 @@
+"""The environment worker: ``python -m servers.env_worker FD``, started by a server (``servers.worker_store``).
+
+Everything the environment's code does happens in this process: loading the class, constructors,
+tool calls, checks, and turning what they return into JSON. It runs the same engine as a server
+without a worker (``servers.episodes``: calls inline on the event loop within a budget, slow ones
+on call threads, each under its limit), but keeps no trajectory, holds no token and listens on no
+socket: it answers the server's requests on the inherited socket FD (``servers.worker_wire``).
+
+The server kills this process (its whole process group) when an answer is overdue, and starts a
+new one; the episodes held here are then reported lost. So whatever the code does here (ignore
+SIGALRM, hold the GIL in a C loop, exit, crash, fork) costs at most the episodes of this worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import signal
+import socket
+import sys
+from typing import Any
+
+from pydantic import BaseModel
+
+from envscaler import EnvCodeError, EnvRuntime, logs
+from envscaler.errors import ChecklistError
+from envscaler.guard import keep_alarm_handler, protect_time_limits
+from servers.asgi import json_bytes
+from servers.episodes import EpisodeStore
+from servers.errors import CallAbandoned, OutOfMemory, UnknownEpisode, UnknownScenario
+from servers.worker_wire import FAILED, HEADER, HELLO_ID, OK, WorkerFailure, WorkerHello, WorkerOutcome, WorkerRequest, WorkerSettings, frame
+
+log = logging.getLogger("envscaler.worker")
+
+_PR_SET_PDEATHSIG = 1
+_FAILURES = (EnvCodeError, UnknownScenario, UnknownEpisode, OutOfMemory, ChecklistError, CallAbandoned)
+
+
+class WorkerLink(asyncio.Protocol):
+    """Reads the server's requests, runs each as a task, writes each answer as one frame."""
+
+    def __init__(self, store: EpisodeStore, closed: asyncio.Future[None]) -> None:
+        self.store = store
+        self.closed = closed
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self.buffer
+        buffer += data
+        while len(buffer) >= HEADER.size:
+            length, request_id, _ = HEADER.unpack_from(buffer)
+            end = HEADER.size + length
+            if len(buffer) < end:
+                break
+            request = WorkerRequest.model_validate_json(bytes(buffer[HEADER.size:end]))
+            del buffer[:end]
+            asyncio.get_running_loop().create_task(self.answer(request_id, request))
+
+    async def answer(self, request_id: int, request: WorkerRequest) -> None:
+        try:
+            payload, status = await self.run(request), OK
+        except _FAILURES as e:
+            kind = next(cls.__name__ for cls in _FAILURES if isinstance(e, cls))
+            payload, status = WorkerFailure(error=kind, message=str(e)).model_dump_json().encode(), FAILED  # type: ignore[arg-type]
+        except Exception as e:  # noqa: BLE001 - whatever else environment code made of this request
+            message = f"{self.store.env_id}: {request.op} failed: {type(e).__name__}: {e}"
+            payload, status = WorkerFailure(error="EnvCodeError", message=message).model_dump_json().encode(), FAILED
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(frame(request_id, payload, status))
+
+    async def run(self, request: WorkerRequest) -> bytes:
+        store = self.store
+        if request.op == "call":
+            outcome = await store.call_tool(store.get(request.episode_id), request.name, request.arguments)
+            return WorkerOutcome(outcome=outcome, text=outcome.result_text).model_dump_json().encode()
+        if request.op == "create":  # of a new episode, or again of one this worker holds (a reset)
+            live = store.episodes.get(request.episode_id)
+            if live is None:
+                await store.create(request.scenario_id, request.init_config, request.episode_id)
+            else:
+                await store.reset(live, request.scenario_id, request.init_config)
+            return b"{}"
+        if request.op == "validate":
+            result = await store.validate(store.get(request.episode_id), request.checklist)
+            return result.model_dump_json().encode()
+        if request.op == "state":
+            return json_bytes(await store.state(store.get(request.episode_id)))
+        if request.op == "end":
+            if request.episode_id in store.episodes:
+                store.end(request.episode_id)
+            return b"{}"
+        return _json(await store.stats())  # stats
+
+
+def _json(model: BaseModel) -> bytes:
+    return model.model_dump_json().encode()
+
+
+def _read_settings(sock: socket.socket) -> WorkerSettings:
+    """The first frame in, read before the event loop exists."""
+    def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            if not chunk:
+                raise SystemExit(0)  # the server went away before we started
+            data += chunk
+        return data
+
+    length, _, _ = HEADER.unpack(exactly(HEADER.size))
+    return WorkerSettings.model_validate_json(exactly(length))
+
+
+def run_worker(sock: socket.socket) -> None:
+    """Load the environment named by the server's settings, say hello, answer requests until EOF."""
+    settings = _read_settings(sock)
+    protect_time_limits()
+    bundle = settings.bundle
+    try:
+        runtime = EnvRuntime(bundle.spec, call_timeout_s=settings.call_timeout_s, check_timeout_s=settings.check_timeout_s,
+                             max_result_chars=settings.max_result_chars)
+    except Exception as e:  # noqa: BLE001 - loading is environment code: report it to the server, then stop
+        sock.sendall(frame(HELLO_ID, WorkerFailure(error="EnvCodeError", message=f"{bundle.env_id}: {e}").model_dump_json().encode(), FAILED))
+        raise SystemExit(1) from None
+    store = EpisodeStore(bundle, runtime, max_episodes=2**31, idle_ttl_s=float("inf"), worker_threads=settings.worker_threads,
+                         inline_budget_s=settings.inline_budget_s, memory_reserve_mb=settings.memory_reserve_mb, records=False)
+    keep_alarm_handler()
+    hello = WorkerHello(tools=runtime.tool_list(), annotations=runtime.annotations)
+    sock.sendall(frame(HELLO_ID, _json(hello)))
+    sock.setblocking(False)
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        closed: asyncio.Future[None] = loop.create_future()
+        await loop.connect_accepted_socket(lambda: WorkerLink(store, closed), sock=sock)
+        await closed
+
+    asyncio.run(serve())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: ``python -m servers.env_worker FD`` (FD: the server's end of a socket pair)."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or not args[0].isdigit():
+        print("usage: python -m servers.env_worker FD  (started by an environment server, not by hand)", file=sys.stderr)
+        return 2
+    # Never outlive the server, even stuck in a C loop that would not notice its socket close.
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server stops us; a terminal's Ctrl-C goes to it
+    logs.configure("warning")
+    run_worker(socket.socket(fileno=int(args[0])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

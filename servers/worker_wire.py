@@ -1,0 +1,78 @@
+"""What the server and its environment worker process say to each other over one socket pair.
+
+Every message is a frame: a header (payload length, request id, status) and a JSON payload. The
+server sends requests (:class:`WorkerRequest`); the worker answers each one with the same request
+id, in any order. The server never unpickles or evaluates what the worker sends: the worker runs
+untrusted code, so its frames are parsed as JSON into the models below, with a size cap, and
+anything else is a broken worker.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from envscaler.models import Bundle, CheckItem, ToolAnnotations, ToolOutcome, ToolSchema
+
+HEADER = struct.Struct(">IIB")
+"""Payload length, request id, status (:data:`OK` or :data:`FAILED`)."""
+OK = 0
+FAILED = 1
+# A frame larger than this ends the worker: no single answer is allowed to hold the server's memory.
+MAX_FRAME_BYTES = 256 * 1024 * 1024
+HELLO_ID = 0
+"""The request id of the worker's first frame (:class:`WorkerHello`), sent unasked once it is ready."""
+
+Operation = Literal["create", "call", "validate", "state", "end", "stats"]
+
+
+class WorkerSettings(BaseModel):
+    """What the worker is told when it starts (its first frame in), never through argv or environment."""
+
+    bundle: Bundle
+    call_timeout_s: float
+    check_timeout_s: float
+    max_result_chars: int
+    worker_threads: int
+    inline_budget_s: float
+    memory_reserve_mb: float
+
+
+class WorkerHello(BaseModel):
+    """The worker's first frame out: it loaded the environment, and these are its tools."""
+
+    tools: list[ToolSchema]
+    annotations: dict[str, ToolAnnotations]
+
+
+class WorkerRequest(BaseModel):
+    """One thing the server asks of the worker, about one episode (``stats``: about the worker)."""
+
+    op: Operation
+    episode_id: str = ""
+    scenario_id: str | None = None
+    init_config: dict[str, Any] | None = None
+    name: str = ""
+    arguments: Any = None
+    checklist: list[CheckItem] | None = None
+
+
+class WorkerOutcome(BaseModel):
+    """The answer to ``call``: the outcome, with the text the agent is shown (not part of its record)."""
+
+    outcome: ToolOutcome
+    text: str | None = None
+
+
+class WorkerFailure(BaseModel):
+    """Any failed request: which of the server's errors it is, and its message."""
+
+    error: Literal["EnvCodeError", "UnknownScenario", "UnknownEpisode", "OutOfMemory", "ChecklistError", "CallAbandoned"]
+    message: str
+
+
+def frame(request_id: int, payload: bytes, status: int = OK) -> bytes:
+    """One frame of ``payload``."""
+    return HEADER.pack(len(payload), request_id, status) + payload
