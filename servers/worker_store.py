@@ -279,11 +279,10 @@ class WorkerEpisodeStore(EpisodeRegistry):
         return self._annotations
 
     async def stats(self) -> CallStats:
-        if self._worker.gone:
-            return CallStats(call_threads=0, stuck_calls=0, threaded_tools=[], capacity_problem="the environment worker is restarting")
+        # Asking starts a new worker when the last one was lost: a health probe alone brings it back.
         try:
             return CallStats.model_validate_json(await self._ask(WorkerRequest(op="stats"), 0.0, "a health question"))
-        except WorkerGone as e:
+        except (WorkerGone, EnvCodeError) as e:
             return CallStats(call_threads=0, stuck_calls=0, threaded_tools=[], capacity_problem=str(e))
 
     async def state(self, live: LiveEpisode) -> dict[str, Any]:

@@ -76,6 +76,9 @@ def test_a_worker_that_holds_the_gil_is_killed_and_its_episodes_are_reported_los
         took = time.monotonic() - started
         assert result["isError"] and "did not answer tool 'c_loop'" in result["content"][0]["text"], result
         assert took < CALL_TIMEOUT_S + 0.5 + GRACE_S + 1.0, took
+        # A health probe alone finds the server able to serve again: it starts the new worker.
+        health = httpx.get(f"{server.url}/healthz")
+        assert health.status_code == 200 and health.json()["status"] == "ok", health.text
         trajectory = http.get(f"/episodes/{attacker}/trajectory").json()
         assert trajectory["timeouts"] == 1 and trajectory["calls"][-1]["error_kind"] == "timeout"
 
