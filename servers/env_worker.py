@@ -21,15 +21,24 @@ import socket
 import sys
 from typing import Any
 
-from pydantic import BaseModel
-
 from envscaler import EnvCodeError, EnvRuntime, logs
 from envscaler.errors import ChecklistError
 from envscaler.guard import keep_alarm_handler, protect_time_limits
-from servers.asgi import json_bytes
 from servers.episodes import EpisodeStore
 from servers.errors import CallAbandoned, OutOfMemory, UnknownEpisode, UnknownScenario
-from servers.worker_wire import FAILED, HEADER, HELLO_ID, OK, WorkerFailure, WorkerHello, WorkerOutcome, WorkerRequest, WorkerSettings, frame
+from servers.worker_wire import (
+    FAILED,
+    HEADER,
+    HELLO_ID,
+    OK,
+    WorkerFailure,
+    WorkerHello,
+    WorkerOutcome,
+    WorkerRequest,
+    WorkerSettings,
+    decode,
+    frame,
+)
 
 log = logging.getLogger("envscaler.worker")
 
@@ -61,48 +70,47 @@ class WorkerLink(asyncio.Protocol):
             end = HEADER.size + length
             if len(buffer) < end:
                 break
-            request = WorkerRequest.model_validate_json(bytes(buffer[HEADER.size:end]))
+            payload = bytes(buffer[HEADER.size:end])
             del buffer[:end]
-            asyncio.get_running_loop().create_task(self.answer(request_id, request))
+            asyncio.get_running_loop().create_task(self.answer(request_id, payload))
 
-    async def answer(self, request_id: int, request: WorkerRequest) -> None:
+    async def answer(self, request_id: int, payload: bytes) -> None:
+        op = "request"
         try:
-            payload, status = await self.run(request), OK
+            request = decode(WorkerRequest, payload)
+            op = request.op
+            answer, status = await self.run(request), OK
         except _FAILURES as e:
             kind = next(cls.__name__ for cls in _FAILURES if isinstance(e, cls))
-            payload, status = WorkerFailure(error=kind, message=str(e)).model_dump_json().encode(), FAILED  # type: ignore[arg-type]
+            answer, status = WorkerFailure(error=kind, message=str(e)), FAILED  # type: ignore[arg-type]
         except Exception as e:  # noqa: BLE001 - whatever else environment code made of this request
-            message = f"{self.store.env_id}: {request.op} failed: {type(e).__name__}: {e}"
-            payload, status = WorkerFailure(error="EnvCodeError", message=message).model_dump_json().encode(), FAILED
+            message = f"{self.store.env_id}: {op} failed: {type(e).__name__}: {e}"
+            answer, status = WorkerFailure(error="EnvCodeError", message=message), FAILED
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(frame(request_id, payload, status))
+            self.transport.write(frame(request_id, answer, status))
 
-    async def run(self, request: WorkerRequest) -> bytes:
+    async def run(self, request: WorkerRequest) -> Any:
+        """What ``request`` asks for, as a model or plain data."""
         store = self.store
         if request.op == "call":
             outcome = await store.call_tool(store.get(request.episode_id), request.name, request.arguments)
-            return WorkerOutcome(outcome=outcome, text=outcome.result_text).model_dump_json().encode()
+            return WorkerOutcome(outcome=outcome, text=outcome.result_text)
         if request.op == "create":  # of a new episode, or again of one this worker holds (a reset)
             live = store.episodes.get(request.episode_id)
             if live is None:
                 await store.create(request.scenario_id, request.init_config, request.episode_id)
             else:
                 await store.reset(live, request.scenario_id, request.init_config)
-            return b"{}"
+            return {}
         if request.op == "validate":
-            result = await store.validate(store.get(request.episode_id), request.checklist)
-            return result.model_dump_json().encode()
+            return await store.validate(store.get(request.episode_id), request.checklist)
         if request.op == "state":
-            return json_bytes(await store.state(store.get(request.episode_id)))
+            return await store.state(store.get(request.episode_id))
         if request.op == "end":
             if request.episode_id in store.episodes:
                 store.end(request.episode_id)
-            return b"{}"
-        return _json(await store.stats())  # stats
-
-
-def _json(model: BaseModel) -> bytes:
-    return model.model_dump_json().encode()
+            return {}
+        return await store.stats()  # stats
 
 
 def _read_settings(sock: socket.socket) -> WorkerSettings:
@@ -117,7 +125,7 @@ def _read_settings(sock: socket.socket) -> WorkerSettings:
         return data
 
     length, _, _ = HEADER.unpack(exactly(HEADER.size))
-    return WorkerSettings.model_validate_json(exactly(length))
+    return decode(WorkerSettings, exactly(length))
 
 
 def run_worker(sock: socket.socket) -> None:
@@ -129,13 +137,13 @@ def run_worker(sock: socket.socket) -> None:
         runtime = EnvRuntime(bundle.spec, call_timeout_s=settings.call_timeout_s, check_timeout_s=settings.check_timeout_s,
                              max_result_chars=settings.max_result_chars)
     except Exception as e:  # noqa: BLE001 - loading is environment code: report it to the server, then stop
-        sock.sendall(frame(HELLO_ID, WorkerFailure(error="EnvCodeError", message=f"{bundle.env_id}: {e}").model_dump_json().encode(), FAILED))
+        sock.sendall(frame(HELLO_ID, WorkerFailure(error="EnvCodeError", message=f"{bundle.env_id}: {e}"), FAILED))
         raise SystemExit(1) from None
     store = EpisodeStore(bundle, runtime, max_episodes=2**31, idle_ttl_s=float("inf"), worker_threads=settings.worker_threads,
                          inline_budget_s=settings.inline_budget_s, memory_reserve_mb=settings.memory_reserve_mb, records=False)
     keep_alarm_handler()
     hello = WorkerHello(tools=runtime.tool_list(), annotations=runtime.annotations)
-    sock.sendall(frame(HELLO_ID, _json(hello)))
+    sock.sendall(frame(HELLO_ID, hello))
     sock.setblocking(False)
 
     async def serve() -> None:

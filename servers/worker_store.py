@@ -30,13 +30,10 @@ import sys
 import time
 from typing import Any
 
-from pydantic import ValidationError
-
 from envscaler import Bundle, EnvCodeError, Episode, Scenario, ToolOutcome, ValidationResult
 from envscaler.errors import ChecklistError
 from envscaler.models import CheckItem, ToolAnnotations, ToolSchema
 from envscaler.sandbox import clean_environment, sandboxed
-from servers.asgi import json_bytes
 from servers.episodes import CallStats, EpisodeRegistry, LiveEpisode
 from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, UnknownEpisode, UnknownScenario
 from servers.worker_wire import (
@@ -49,6 +46,7 @@ from servers.worker_wire import (
     WorkerOutcome,
     WorkerRequest,
     WorkerSettings,
+    decode,
     frame,
 )
 
@@ -121,7 +119,7 @@ class _Worker:
                 command, fds = stack.enter_context(sandboxed(command, readable=[]))
             self.process = subprocess.Popen(command, pass_fds=[theirs.fileno(), *fds], env=clean_environment(), start_new_session=True)
         theirs.close()
-        ours.sendall(frame(0, settings.model_dump_json().encode()))
+        ours.sendall(frame(0, settings))
         self.link: _Link | None = None
         self.gone = False
 
@@ -133,7 +131,7 @@ class _Worker:
         payload = self._exactly(min(length, MAX_FRAME_BYTES))
         self.sock.setblocking(False)
         if status == FAILED:
-            raise EnvCodeError(WorkerFailure.model_validate_json(payload).message)
+            raise EnvCodeError(decode(WorkerFailure, payload).message)
         return payload
 
     def _exactly(self, n: int) -> bytes:
@@ -176,7 +174,7 @@ class WorkerEpisodeStore(EpisodeRegistry):
         self.restarts = 0
         make_undumpable()
         self._worker = _Worker(settings, sandbox)
-        hello = WorkerHello.model_validate_json(self._worker.read_hello(START_TIMEOUT_S))
+        hello = decode(WorkerHello, self._worker.read_hello(START_TIMEOUT_S))
         self._tools, self._annotations = hello.tools, hello.annotations
         self._starting: asyncio.Future[_Worker] | None = None
         self._pending: dict[int, tuple[asyncio.Future[tuple[int, bytes]], float, float, str]] = {}
@@ -208,7 +206,7 @@ class WorkerEpisodeStore(EpisodeRegistry):
         if fresh:
             status, payload = await self._wait(worker, HELLO_ID, START_TIMEOUT_S, 0.0, "its start")
             if status == FAILED:
-                raise EnvCodeError(WorkerFailure.model_validate_json(payload).message)
+                raise EnvCodeError(decode(WorkerFailure, payload).message)
             log.warning("environment worker restarted", extra={"env": self.env_id, "restarts": self.restarts})
         return worker
 
@@ -259,12 +257,12 @@ class WorkerEpisodeStore(EpisodeRegistry):
         request_id = self._next_id
         self._next_id = request_id + 1 if request_id < 0xFFFF_FFFF else HELLO_ID + 1
         assert worker.link is not None and worker.link.transport is not None
-        worker.link.transport.write(frame(request_id, json_bytes(request)))
+        worker.link.transport.write(frame(request_id, request))
         status, payload = await self._wait(worker, request_id, limit_s, GRACE_S, what)
         if status == FAILED:
             try:
-                failure = WorkerFailure.model_validate_json(payload)
-            except ValidationError:
+                failure = decode(WorkerFailure, payload)
+            except (ValueError, RecursionError):
                 raise EnvCodeError(f"{self.env_id}: the environment worker answered {what} with a malformed error") from None
             raise _ERRORS[failure.error](failure.message)
         return payload
@@ -281,7 +279,7 @@ class WorkerEpisodeStore(EpisodeRegistry):
     async def stats(self) -> CallStats:
         # Asking starts a new worker when the last one was lost: a health probe alone brings it back.
         try:
-            return CallStats.model_validate_json(await self._ask(WorkerRequest(op="stats"), 0.0, "a health question"))
+            return decode(CallStats, await self._ask(WorkerRequest(op="stats"), 0.0, "a health question"))
         except (WorkerGone, EnvCodeError) as e:
             return CallStats(call_threads=0, stuck_calls=0, threaded_tools=[], capacity_problem=str(e))
 
@@ -312,10 +310,10 @@ class WorkerEpisodeStore(EpisodeRegistry):
         request = WorkerRequest(op="call", episode_id=live.episode_id, name=name, arguments=arguments)
         try:
             payload = await self._ask(request, self.settings.call_timeout_s + _ABANDON_GRACE_S, f"tool {name!r}")
-            reply = WorkerOutcome.model_validate_json(payload)
+            reply = decode(WorkerOutcome, payload)
         except WorkerGone as e:
             return ToolOutcome.failure(name, arguments, "timeout" if e.hung else "env", f"{e}; this episode is lost: it must be reset or ended")
-        except (EnvCodeError, UnknownEpisode, ValidationError) as e:
+        except (EnvCodeError, UnknownEpisode, ValueError, RecursionError) as e:
             return ToolOutcome.failure(name, arguments, "env", f"Environment error in {name!r}: {e}")
         reply.outcome.result_text = reply.text
         return reply.outcome
@@ -325,10 +323,10 @@ class WorkerEpisodeStore(EpisodeRegistry):
         limit = len(items or ()) * (self.settings.check_timeout_s + _ABANDON_GRACE_S) + _ABANDON_GRACE_S
         try:
             payload = await self._ask(WorkerRequest(op="validate", episode_id=live.episode_id, checklist=checklist), limit, "the checks")
-            return ValidationResult.model_validate_json(payload)
+            return decode(ValidationResult, payload)
         except WorkerGone as e:
             raise EpisodeLost(f"episode {live.episode_id} is lost ({e}); reset it to run its scenario again") from None
-        except ValidationError:
+        except (ValueError, RecursionError):
             raise EnvCodeError(f"{self.env_id}: the environment worker answered the checks with a malformed result") from None
 
     def _release(self, live: LiveEpisode) -> None:

@@ -5,16 +5,23 @@ server sends requests (:class:`WorkerRequest`); the worker answers each one with
 id, in any order. The server never unpickles or evaluates what the worker sends: the worker runs
 untrusted code, so its frames are parsed as JSON into the models below, with a size cap, and
 anything else is a broken worker.
+
+Any text an agent sends crosses, a lone surrogate (``"\udfff"``) included: it is written as its JSON
+escape (``servers.asgi.json_bytes``) and read back by :func:`decode`.
 """
 
 from __future__ import annotations
 
+import json
 import struct
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from envscaler.models import Bundle, CheckItem, ToolAnnotations, ToolOutcome, ToolSchema
+from servers.asgi import json_bytes
+
+M = TypeVar("M", bound=BaseModel)
 
 HEADER = struct.Struct(">IIB")
 """Payload length, request id, status (:data:`OK` or :data:`FAILED`)."""
@@ -73,6 +80,21 @@ class WorkerFailure(BaseModel):
     message: str
 
 
-def frame(request_id: int, payload: bytes, status: int = OK) -> bytes:
-    """One frame of ``payload``."""
+def frame(request_id: int, message: Any, status: int = OK) -> bytes:
+    """One frame of ``message`` (a model or plain data) as JSON."""
+    payload = json_bytes(message)
     return HEADER.pack(len(payload), request_id, status) + payload
+
+
+def decode(model: type[M], payload: bytes) -> M:
+    """``payload`` read as ``model``. Raises ValueError (ValidationError among them) or RecursionError.
+
+    pydantic's JSON parser refuses the escape of a lone surrogate, which ``json.loads`` reads: the
+    rare payload that holds one is read that way, every other one by the faster parser.
+    """
+    try:
+        return model.model_validate_json(payload)
+    except ValidationError as e:
+        if not any(error["type"] == "json_invalid" for error in e.errors()):
+            raise
+    return model.model_validate(json.loads(payload))

@@ -8,6 +8,7 @@ call gets an error within its limit plus the grace, the episodes the worker held
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -55,7 +56,9 @@ def new_episode(http: httpx.Client) -> str:
 
 def call(http: httpx.Client, episode_id: str, name: str, arguments: dict | None = None) -> dict:
     body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": name, "arguments": arguments or {}}}
-    reply = http.post(f"/episodes/{episode_id}/mcp", json=body, headers=MCP_HEADERS)
+    # json.dumps escapes what UTF-8 cannot carry (a lone surrogate), as every JSON writer does.
+    reply = http.post(f"/episodes/{episode_id}/mcp", content=json.dumps(body).encode(),
+                      headers={**MCP_HEADERS, "Content-Type": "application/json"})
     assert reply.status_code == 200, reply.text
     return reply.json()["result"]
 
@@ -125,3 +128,17 @@ def test_the_worker_holds_no_token_and_normal_episodes_score_as_without_it(bundl
         assert f'"{server.process.pid}"' not in worker_pid(http, episode)
         info = http.get("/info").json()
         assert info["limits"]["worker_process"] is True and info["call_threads"] >= 0
+
+
+def test_a_lone_surrogate_crosses_the_worker_socket_both_ways_and_costs_no_episode(bundle):
+    with serve(bundle, "--worker-process") as server, server.client() as http:
+        bystander = new_episode(http)
+        episode = new_episode(http)
+        renamed = call(http, episode, "rename", {"item_id": "a", "name": "q\udfffz"})
+        assert not renamed["isError"], renamed
+        read = call(http, episode, "get_item", {"item_id": "a"})
+        assert not read["isError"] and json.loads(read["content"][0]["text"])["data"]["name"] == "q\udfffz", read
+        state = http.get(f"/episodes/{episode}/state")
+        assert state.status_code == 200 and state.json()["state"]["items"]["a"]["name"] == "q\udfffz"
+        assert http.get(f"/episodes/{episode}/trajectory").json()["calls"][0]["arguments"] == {"item_id": "a", "name": "q\udfffz"}
+        assert not call(http, bystander, "get_item", {"item_id": "a"})["isError"]
