@@ -30,6 +30,7 @@ from typing import Any
 _KEPT_ENV = ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "TMPDIR", "HOME")
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_SET_DUMPABLE = 4
 
 log = logging.getLogger("envscaler.sandbox")
 
@@ -78,6 +79,15 @@ def adopt_orphans() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     except (OSError, AttributeError):
         pass  # not Linux: orphans go to init, as everywhere
+
+
+def make_undumpable() -> None:
+    """Keep other processes of this user (an environment worker among them) from reading this process's
+    memory, environment or fds through /proc or ptrace (Linux only)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the worker's sandbox is all there is
 
 
 def start_module(

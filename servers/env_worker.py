@@ -14,7 +14,6 @@ SIGALRM, hold the GIL in a C loop, exit, crash, fork) costs at most the episodes
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import signal
 import socket
@@ -24,13 +23,14 @@ from typing import Any
 from envscaler import EnvCodeError, EnvRuntime, logs
 from envscaler.errors import ChecklistError
 from envscaler.guard import keep_alarm_handler, protect_time_limits
+from envscaler.sandbox import die_with_parent
 from servers.episodes import EpisodeStore
 from servers.errors import CallAbandoned, OutOfMemory, UnknownEpisode, UnknownScenario
 from servers.worker_wire import (
     FAILED,
-    HEADER,
     HELLO_ID,
     OK,
+    FrameReader,
     WorkerFailure,
     WorkerHello,
     WorkerOutcome,
@@ -38,11 +38,11 @@ from servers.worker_wire import (
     WorkerSettings,
     decode,
     frame,
+    recv_frame,
 )
 
 log = logging.getLogger("envscaler.worker")
 
-_PR_SET_PDEATHSIG = 1
 _FAILURES = (EnvCodeError, UnknownScenario, UnknownEpisode, OutOfMemory, ChecklistError, CallAbandoned)
 
 
@@ -53,7 +53,7 @@ class WorkerLink(asyncio.Protocol):
         self.store = store
         self.closed = closed
         self.transport: asyncio.Transport | None = None
-        self.buffer = bytearray()
+        self.frames = FrameReader()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -63,15 +63,8 @@ class WorkerLink(asyncio.Protocol):
             self.closed.set_result(None)
 
     def data_received(self, data: bytes) -> None:
-        buffer = self.buffer
-        buffer += data
-        while len(buffer) >= HEADER.size:
-            length, request_id, _ = HEADER.unpack_from(buffer)
-            end = HEADER.size + length
-            if len(buffer) < end:
-                break
-            payload = bytes(buffer[HEADER.size:end])
-            del buffer[:end]
+        # The server is trusted and caps its own frames: a FrameTooLarge here is a bug, and ends the worker.
+        for request_id, _, payload in self.frames.feed(data):
             asyncio.get_running_loop().create_task(self.answer(request_id, payload))
 
     async def answer(self, request_id: int, payload: bytes) -> None:
@@ -115,17 +108,11 @@ class WorkerLink(asyncio.Protocol):
 
 def _read_settings(sock: socket.socket) -> WorkerSettings:
     """The first frame in, read before the event loop exists."""
-    def exactly(n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            chunk = sock.recv(n - len(data))
-            if not chunk:
-                raise SystemExit(0)  # the server went away before we started
-            data += chunk
-        return data
-
-    length, _, _ = HEADER.unpack(exactly(HEADER.size))
-    return decode(WorkerSettings, exactly(length))
+    try:
+        _, _, payload = recv_frame(sock)
+    except EOFError:
+        raise SystemExit(0) from None  # the server went away before we started
+    return decode(WorkerSettings, payload)
 
 
 def run_worker(sock: socket.socket) -> None:
@@ -161,8 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1 or not args[0].isdigit():
         print("usage: python -m servers.env_worker FD  (started by an environment server, not by hand)", file=sys.stderr)
         return 2
-    # Never outlive the server, even stuck in a C loop that would not notice its socket close.
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    die_with_parent(signal.SIGKILL)  # even stuck in a C loop that would not notice its socket close
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server stops us; a terminal's Ctrl-C goes to it
     logs.configure("warning")
     run_worker(socket.socket(fileno=int(args[0])))

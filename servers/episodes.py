@@ -38,7 +38,12 @@ from servers.memory import memory_status
 log = logging.getLogger("envscaler.server")
 
 # Grace period past the limit (the guard in the call stops it then) before the server stops waiting.
-_ABANDON_GRACE_S = 0.5
+ABANDON_GRACE_S = 0.5
+
+
+def checks_limit_s(checklist: list[CheckItem] | None, check_timeout_s: float) -> float:
+    """How long the checks of ``checklist`` may take in all before they are abandoned."""
+    return len(checklist or ()) * (check_timeout_s + ABANDON_GRACE_S) + ABANDON_GRACE_S
 
 
 class CallStats(BaseModel):
@@ -71,6 +76,10 @@ class LiveEpisode:
         self.kept_chars = 0
         # Why the episode's state is gone (its worker process was restarted), or None.
         self.lost: str | None = None
+
+    def checklist(self, given: list[CheckItem] | None) -> list[CheckItem] | None:
+        """The checks a validation runs: ``given``, else the scenario's (None: there are none)."""
+        return given if given is not None else (self.scenario.checklist_with_func if self.scenario else None)
 
     def keep(self, outcome: ToolOutcome, limit_chars: int) -> None:
         """Add ``outcome`` to the trajectory; past ``limit_chars`` in all, its result is kept cut (``truncated``)."""
@@ -341,7 +350,7 @@ class EpisodeStore(EpisodeRegistry):
         key = scenario.task_id if scenario else None
         if key is not None and self.runtime.shares(key):
             return self.runtime.new_episode(config, scenario_key=key)  # runs no env code
-        limit = self.runtime.call_timeout_s + _ABANDON_GRACE_S
+        limit = self.runtime.call_timeout_s + ABANDON_GRACE_S
         try:
             return await self.runner.run(lambda: self.runtime.new_episode(config, scenario_key=key), limit)
         except CallAbandoned:
@@ -354,7 +363,7 @@ class EpisodeStore(EpisodeRegistry):
         if outcome is not None:
             return outcome
         try:
-            return await self.runner.run(lambda: episode.call(name, arguments), self.runtime.call_timeout_s + _ABANDON_GRACE_S)
+            return await self.runner.run(lambda: episode.call(name, arguments), self.runtime.call_timeout_s + ABANDON_GRACE_S)
         except CallAbandoned:
             live.stuck = True
             self.stuck_calls += 1
@@ -380,6 +389,5 @@ class EpisodeStore(EpisodeRegistry):
     async def _run_checks(self, live: LiveEpisode, checklist: list[CheckItem] | None) -> ValidationResult:
         episode = live.episode
         assert episode is not None
-        items = checklist if checklist is not None else (live.scenario.checklist_with_func if live.scenario else None)
-        limit = len(items or ()) * (self.runtime.check_timeout_s + _ABANDON_GRACE_S) + _ABANDON_GRACE_S
-        return await self.runner.run(lambda: episode.validate(items), limit)
+        items = live.checklist(checklist)
+        return await self.runner.run(lambda: episode.validate(items), checks_limit_s(items, self.runtime.check_timeout_s))

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -33,14 +32,14 @@ from typing import Any
 from envscaler import Bundle, EnvCodeError, Episode, Scenario, ToolOutcome, ValidationResult
 from envscaler.errors import ChecklistError
 from envscaler.models import CheckItem, ToolAnnotations, ToolSchema
-from envscaler.sandbox import clean_environment, sandboxed
-from servers.episodes import CallStats, EpisodeRegistry, LiveEpisode
+from envscaler.sandbox import clean_environment, make_undumpable, sandboxed
+from servers.episodes import ABANDON_GRACE_S, CallStats, EpisodeRegistry, LiveEpisode, checks_limit_s
 from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, UnknownEpisode, UnknownScenario
 from servers.worker_wire import (
     FAILED,
-    HEADER,
     HELLO_ID,
-    MAX_FRAME_BYTES,
+    FrameReader,
+    FrameTooLarge,
     WorkerFailure,
     WorkerHello,
     WorkerOutcome,
@@ -48,6 +47,7 @@ from servers.worker_wire import (
     WorkerSettings,
     decode,
     frame,
+    recv_frame,
 )
 
 log = logging.getLogger("envscaler.server")
@@ -55,10 +55,7 @@ log = logging.getLogger("envscaler.server")
 GRACE_S = 2.0
 """How long past a request's own limit the worker may take to answer before it counts as frozen."""
 START_TIMEOUT_S = 60.0
-# The worker abandons a call this long after its limit (servers.episodes): its answer comes by then.
-_ABANDON_GRACE_S = 0.5
 _TICK_S = 0.1
-_PR_SET_DUMPABLE = 4
 _ERRORS: dict[str, type[Exception]] = {
     "EnvCodeError": EnvCodeError, "UnknownScenario": UnknownScenario, "UnknownEpisode": UnknownEpisode,
     "OutOfMemory": OutOfMemory, "ChecklistError": ChecklistError, "CallAbandoned": CallAbandoned,
@@ -80,24 +77,18 @@ class _Link(asyncio.Protocol):
         self.store = store
         self.worker = worker
         self.transport: asyncio.Transport | None = None
-        self.buffer = bytearray()
+        self.frames = FrameReader()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        buffer = self.buffer
-        buffer += data
-        while len(buffer) >= HEADER.size:
-            length, request_id, status = HEADER.unpack_from(buffer)
-            if length > MAX_FRAME_BYTES:
-                self.store.lose(self.worker, f"the environment worker sent a frame of {length} bytes (the limit is {MAX_FRAME_BYTES})")
-                return
-            end = HEADER.size + length
-            if len(buffer) < end:
-                break
-            payload = bytes(buffer[HEADER.size:end])
-            del buffer[:end]
+        try:
+            frames = self.frames.feed(data)
+        except FrameTooLarge as e:
+            self.store.lose(self.worker, f"the environment worker sent {e}")
+            return
+        for request_id, status, payload in frames:
             self.store.answered(request_id, status, payload)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -126,26 +117,15 @@ class _Worker:
     def read_hello(self, timeout_s: float) -> bytes:
         """The first frame, read before the event loop runs (the server needs the tools to start)."""
         self.sock.settimeout(timeout_s)
-        header = self._exactly(HEADER.size)
-        length, _, status = HEADER.unpack(header)
-        payload = self._exactly(min(length, MAX_FRAME_BYTES))
+        try:
+            _, status, payload = recv_frame(self.sock)
+        except (EOFError, OSError, FrameTooLarge):
+            self.kill()
+            raise EnvCodeError(f"the environment worker did not start (exit code {self.process.poll()})") from None
         self.sock.setblocking(False)
         if status == FAILED:
             raise EnvCodeError(decode(WorkerFailure, payload).message)
         return payload
-
-    def _exactly(self, n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            try:
-                chunk = self.sock.recv(n - len(data))
-            except TimeoutError:
-                chunk = b""
-            if not chunk:
-                self.kill()
-                raise EnvCodeError(f"the environment worker did not start (exit code {self.process.poll()})")
-            data += chunk
-        return data
 
     def kill(self) -> None:
         self.gone = True
@@ -157,11 +137,6 @@ class _Worker:
         if self.link is not None and self.link.transport is not None:
             self.link.transport.abort()
         self.sock.close()
-
-
-def make_undumpable() -> None:
-    """Keep processes of this user (a worker among them) from reading this process's memory or fds."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
 
 
 class WorkerEpisodeStore(EpisodeRegistry):
@@ -301,7 +276,7 @@ class WorkerEpisodeStore(EpisodeRegistry):
         request = WorkerRequest(op="create", episode_id=episode_id, scenario_id=scenario.task_id if scenario else None,
                                 init_config=None if scenario else (init_config or {}))
         try:
-            await self._ask(request, self.settings.call_timeout_s + _ABANDON_GRACE_S, "a constructor")
+            await self._ask(request, self.settings.call_timeout_s + ABANDON_GRACE_S, "a constructor")
         except WorkerGone as e:
             raise EnvCodeError(f"{self.env_id}: {e}") from None
         return None
@@ -309,7 +284,7 @@ class WorkerEpisodeStore(EpisodeRegistry):
     async def _run_call(self, live: LiveEpisode, name: str, arguments: Any) -> ToolOutcome:
         request = WorkerRequest(op="call", episode_id=live.episode_id, name=name, arguments=arguments)
         try:
-            payload = await self._ask(request, self.settings.call_timeout_s + _ABANDON_GRACE_S, f"tool {name!r}")
+            payload = await self._ask(request, self.settings.call_timeout_s + ABANDON_GRACE_S, f"tool {name!r}")
             reply = decode(WorkerOutcome, payload)
         except WorkerGone as e:
             return ToolOutcome.failure(name, arguments, "timeout" if e.hung else "env", f"{e}; this episode is lost: it must be reset or ended")
@@ -319,8 +294,7 @@ class WorkerEpisodeStore(EpisodeRegistry):
         return reply.outcome
 
     async def _run_checks(self, live: LiveEpisode, checklist: list[CheckItem] | None) -> ValidationResult:
-        items = checklist if checklist is not None else (live.scenario.checklist_with_func if live.scenario else None)
-        limit = len(items or ()) * (self.settings.check_timeout_s + _ABANDON_GRACE_S) + _ABANDON_GRACE_S
+        limit = checks_limit_s(live.checklist(checklist), self.settings.check_timeout_s)
         try:
             payload = await self._ask(WorkerRequest(op="validate", episode_id=live.episode_id, checklist=checklist), limit, "the checks")
             return decode(ValidationResult, payload)

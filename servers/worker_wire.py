@@ -13,6 +13,7 @@ escape (``servers.asgi.json_bytes``) and read back by :func:`decode`.
 from __future__ import annotations
 
 import json
+import socket
 import struct
 from typing import Any, Literal, TypeVar
 
@@ -84,6 +85,54 @@ def frame(request_id: int, message: Any, status: int = OK) -> bytes:
     """One frame of ``message`` (a model or plain data) as JSON."""
     payload = json_bytes(message)
     return HEADER.pack(len(payload), request_id, status) + payload
+
+
+class FrameTooLarge(ValueError):
+    """A frame's header announces more than MAX_FRAME_BYTES."""
+
+
+class FrameReader:
+    """Whole frames out of bytes that arrive in pieces (an asyncio protocol's ``data_received``)."""
+
+    def __init__(self) -> None:
+        self.buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[tuple[int, int, bytes]]:
+        """The frames ``data`` completes, as (request id, status, payload). Raises FrameTooLarge."""
+        buffer = self.buffer
+        buffer += data
+        frames = []
+        while len(buffer) >= HEADER.size:
+            length, request_id, status = HEADER.unpack_from(buffer)
+            if length > MAX_FRAME_BYTES:
+                raise FrameTooLarge(f"a frame of {length} bytes (the limit is {MAX_FRAME_BYTES})")
+            end = HEADER.size + length
+            if len(buffer) < end:
+                break
+            frames.append((request_id, status, bytes(buffer[HEADER.size:end])))
+            del buffer[:end]
+        return frames
+
+
+def recv_frame(sock: socket.socket) -> tuple[int, int, bytes]:
+    """One whole frame from a blocking socket, before any event loop: (request id, status, payload).
+
+    Raises EOFError when the socket closes first, FrameTooLarge, or OSError (TimeoutError among them).
+    """
+    length, request_id, status = HEADER.unpack(_recv_exactly(sock, HEADER.size))
+    if length > MAX_FRAME_BYTES:
+        raise FrameTooLarge(f"a frame of {length} bytes (the limit is {MAX_FRAME_BYTES})")
+    return request_id, status, _recv_exactly(sock, length)
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise EOFError
+        data += chunk
+    return data
 
 
 def decode(model: type[M], payload: bytes) -> M:
