@@ -9,6 +9,8 @@ call gets an error within its limit plus the grace, the episodes the worker held
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import httpx
@@ -142,3 +144,9 @@ def test_a_lone_surrogate_crosses_the_worker_socket_both_ways_and_costs_no_episo
         assert state.status_code == 200 and state.json()["state"]["items"]["a"]["name"] == "q\udfffz"
         assert http.get(f"/episodes/{episode}/trajectory").json()["calls"][0]["arguments"] == {"item_id": "a", "name": "q\udfffz"}
         assert not call(http, bystander, "get_item", {"item_id": "a"})["isError"]
+
+
+def test_the_worker_started_by_hand_says_how_it_is_started():
+    for argv in ([], ["not-a-fd"], ["3", "4"]):
+        started = subprocess.run([sys.executable, "-m", "servers.env_worker", *argv], capture_output=True, text=True, timeout=60)
+        assert started.returncode == 2 and "started by an environment server, not by hand" in started.stderr, (argv, started.stderr)
