@@ -25,6 +25,7 @@ from envscaler.errors import ChecklistError
 from envscaler.guard import keep_alarm_handler, protect_time_limits
 from envscaler.sandbox import die_with_parent
 from servers.episodes import EpisodeStore
+from servers.event_loop import loop_factory
 from servers.errors import CallAbandoned, OutOfMemory, UnknownEpisode, UnknownScenario
 from servers.worker_wire import (
     FAILED,
@@ -47,13 +48,19 @@ _FAILURES = (EnvCodeError, UnknownScenario, UnknownEpisode, OutOfMemory, Checkli
 
 
 class WorkerLink(asyncio.Protocol):
-    """Reads the server's requests, runs each as a task, writes each answer as one frame."""
+    """Reads the server's requests and writes each answer as one frame.
+
+    A tool call whose episode is free and that ends within the inline budget (almost every call) is
+    answered right where its frame is read; anything else runs as a task. The answers ready by the
+    end of one read go out in one write: under load, one system call carries many answers.
+    """
 
     def __init__(self, store: EpisodeStore, closed: asyncio.Future[None]) -> None:
         self.store = store
         self.closed = closed
         self.transport: asyncio.Transport | None = None
         self.frames = FrameReader()
+        self.outbox: list[bytes] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -64,23 +71,46 @@ class WorkerLink(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         # The server is trusted and caps its own frames: a FrameTooLarge here is a bug, and ends the worker.
+        loop = asyncio.get_running_loop()
         for request_id, _, payload in self.frames.feed(data):
-            asyncio.get_running_loop().create_task(self.answer(request_id, payload))
+            try:
+                request = decode(WorkerRequest, payload)
+            except Exception as e:  # noqa: BLE001 - a request this worker cannot read costs only its answer
+                self.outbox.append(frame(request_id, WorkerFailure(error="EnvCodeError", message=f"unreadable request: {e}"), FAILED))
+                continue
+            answer = self.answer_now(request)
+            if answer is None:
+                loop.create_task(self.answer(request_id, request))
+            else:
+                self.outbox.append(frame(request_id, answer))
+        self.flush()
 
-    async def answer(self, request_id: int, payload: bytes) -> None:
-        op = "request"
+    def flush(self) -> None:
+        if self.outbox and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(b"".join(self.outbox))
+        self.outbox.clear()
+
+    def answer_now(self, request: WorkerRequest) -> WorkerOutcome | None:
+        """The answer to a tool call that could run to its end at once, else None."""
+        if request.op != "call":
+            return None
+        live = self.store.episodes.get(request.episode_id)
+        if live is None:
+            return None
+        outcome = self.store.call_now(live, request.name, request.arguments)
+        return None if outcome is None else WorkerOutcome(outcome=outcome, text=outcome.result_text)
+
+    async def answer(self, request_id: int, request: WorkerRequest) -> None:
         try:
-            request = decode(WorkerRequest, payload)
-            op = request.op
             answer, status = await self.run(request), OK
         except _FAILURES as e:
             kind = next(cls.__name__ for cls in _FAILURES if isinstance(e, cls))
             answer, status = WorkerFailure(error=kind, message=str(e)), FAILED  # type: ignore[arg-type]
         except Exception as e:  # noqa: BLE001 - whatever else environment code made of this request
-            message = f"{self.store.env_id}: {op} failed: {type(e).__name__}: {e}"
+            message = f"{self.store.env_id}: {request.op} failed: {type(e).__name__}: {e}"
             answer, status = WorkerFailure(error="EnvCodeError", message=message), FAILED
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(frame(request_id, answer, status))
+        self.outbox.append(frame(request_id, answer, status))
+        self.flush()
 
     async def run(self, request: WorkerRequest) -> Any:
         """What ``request`` asks for, as a model or plain data."""
@@ -139,7 +169,8 @@ def run_worker(sock: socket.socket) -> None:
         await loop.connect_accepted_socket(lambda: WorkerLink(store, closed), sock=sock)
         await closed
 
-    asyncio.run(serve())
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        runner.run(serve())
 
 
 def main(argv: list[str] | None = None) -> int:

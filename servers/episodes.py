@@ -3,9 +3,10 @@
 A tool call first runs right on the event loop with a small budget (``inline_budget_s``): almost
 every call of a synthesized environment takes microseconds, and handing each one to another thread
 costs more than the call (two thread wake-ups across CPUs). A call that outruns the budget is
-preempted, what it changed undone (``Episode.call``), and it runs again on a worker thread
+preempted, what it changed undone (``Episode.call``), and it runs again on a call thread
 (``servers.calls``) where it can take its full limit without stalling anyone; its tool goes to the
-worker directly from then on. Constructors and checks always run on the worker; an episode of a
+call thread directly for a while (``THREADED_RETRY_S``, longer each time it is still slow), then is
+tried inline again: one call slowed down by a busy machine does not cost a tool its speed for good. Constructors and checks always run on the worker; an episode of a
 scenario whose state is already built shares that state and is created right here.
 
 Calls on one episode are serialised by its lock; environment state is not thread-safe. A call still
@@ -39,6 +40,10 @@ log = logging.getLogger("envscaler.server")
 
 # Grace period past the limit (the guard in the call stops it then) before the server stops waiting.
 ABANDON_GRACE_S = 0.5
+# A tool that outran the inline budget runs on a call thread for this long, then is tried inline again;
+# the period doubles each time it is still too slow, up to the maximum.
+THREADED_RETRY_S = 5.0
+THREADED_RETRY_MAX_S = 300.0
 
 
 def checks_limit_s(checklist: list[CheckItem] | None, check_timeout_s: float) -> float:
@@ -292,9 +297,14 @@ class EpisodeRegistry:
                 outcome = ToolOutcome.failure(name, arguments, "env", f"This episode is lost ({live.lost}). It must be reset or ended.")
             else:
                 outcome = await self._run_call(live, name, arguments)
-            if self.records:
-                live.keep(outcome, self.max_trajectory_chars)
-            live.last_used = time.monotonic()
+            self._called(live, name, outcome)
+        return outcome
+
+    def _called(self, live: LiveEpisode, name: str, outcome: ToolOutcome) -> None:
+        """Record and log a finished call."""
+        if self.records:
+            live.keep(outcome, self.max_trajectory_chars)
+        live.last_used = time.monotonic()
         if outcome.error:
             level = logging.INFO if outcome.error_kind in ("agent", "tool") else logging.WARNING
             log.log(
@@ -302,7 +312,6 @@ class EpisodeRegistry:
                 "tool error",
                 extra={"env": self.env_id, "episode": live.episode_id, "tool": name, "kind": outcome.error_kind, "error": outcome.error},
             )
-        return outcome
 
     async def validate(self, live: LiveEpisode, checklist: list[CheckItem] | None) -> ValidationResult:
         """Run the checklist (the scenario's unless one is given) off the event loop.
@@ -325,8 +334,10 @@ class EpisodeStore(EpisodeRegistry):
         self.runtime = runtime
         self.runner = CallRunner(f"env-{runtime.env_id}", max_threads=worker_threads)
         self.inline_budget_s = inline_budget_s
-        # Tools that once outran the inline budget: they go to the worker thread directly.
-        self.threaded_tools: set[str] = set()
+        # Tools that outran the inline budget: they go to a call thread directly until then (time.monotonic()).
+        self._threaded_until: dict[str, float] = {}
+        # How long each such tool stays there before it is tried inline again: doubled while it stays slow.
+        self._threaded_for: dict[str, float] = {}
         self.stuck_calls = 0
 
     def tool_list(self) -> list[ToolSchema]:
@@ -338,8 +349,13 @@ class EpisodeStore(EpisodeRegistry):
 
     async def stats(self) -> CallStats:
         problem = f"no call capacity: all {self.runner.max_threads} call threads are stuck" if self.runner.exhausted else None
-        return CallStats(call_threads=self.runner.threads, stuck_calls=self.stuck_calls, threaded_tools=sorted(self.threaded_tools),
+        return CallStats(call_threads=self.runner.threads, stuck_calls=self.stuck_calls, threaded_tools=self.threaded_tools(),
                          capacity_problem=problem)
+
+    def threaded_tools(self) -> list[str]:
+        """The tools that run on a call thread for now, having outrun the inline budget."""
+        now = time.monotonic()
+        return sorted(name for name, until in self._threaded_until.items() if until > now)
 
     async def state(self, live: LiveEpisode) -> dict[str, Any]:
         assert live.episode is not None
@@ -369,22 +385,46 @@ class EpisodeStore(EpisodeRegistry):
             self.stuck_calls += 1
             return ToolOutcome.failure(name, arguments, "timeout", f"Tool {name!r} ran longer than {self.runtime.call_timeout_s:g} s and was abandoned")
 
+    def call_now(self, live: LiveEpisode, name: str, arguments: Any) -> ToolOutcome | None:
+        """The call run to its end right here, without waiting, when it can be: the episode is free and
+        the call ends within the inline budget. Else None, and the caller awaits :meth:`call_tool`."""
+        if live.lock.locked() or live.stuck or live.lost is not None:
+            return None
+        outcome = self._call_inline(live, name, arguments)
+        if outcome is not None:
+            self._called(live, name, outcome)
+        return outcome
+
     def _call_inline(self, live: LiveEpisode, name: str, arguments: Any) -> ToolOutcome | None:
         """The call run here on the event loop within the budget, or None: run it on the worker."""
         episode = live.episode
         assert episode is not None
-        if not self.inline_budget_s or name in self.threaded_tools or not episode.preemptible or not can_preempt():
+        if not self.inline_budget_s or not episode.preemptible or not can_preempt():
+            return None
+        until = self._threaded_until.get(name)
+        if until is not None and until > time.monotonic():
             return None
         try:
-            return episode.call(name, arguments, inline_budget_s=self.inline_budget_s)
+            outcome = episode.call(name, arguments, inline_budget_s=self.inline_budget_s)
         except Preempted:
             if episode.preemptible:  # it outran the budget (rather than: its state cannot be shared)
-                self.threaded_tools.add(name)
-                log.info(
-                    "tool moved to the worker thread",
-                    extra={"env": self.env_id, "episode": live.episode_id, "tool": name, "budget_s": self.inline_budget_s},
-                )
+                self._thread_for_now(live, name)
             return None
+        if until is not None:  # fast again: a busy machine, a first call that warmed a cache
+            del self._threaded_until[name]
+            self._threaded_for.pop(name, None)
+        return outcome
+
+    def _thread_for_now(self, live: LiveEpisode, name: str) -> None:
+        """Send ``name`` to a call thread for a while. One slow call (the machine was busy) must not cost
+        the tool its inline speed for good, so it is tried inline again later, later each time it stays slow."""
+        period = min(self._threaded_for.get(name, THREADED_RETRY_S / 2) * 2, THREADED_RETRY_MAX_S)
+        self._threaded_for[name] = period
+        self._threaded_until[name] = time.monotonic() + period
+        log.info(
+            "tool moved to a call thread",
+            extra={"env": self.env_id, "episode": live.episode_id, "tool": name, "budget_s": self.inline_budget_s, "for_s": period},
+        )
 
     async def _run_checks(self, live: LiveEpisode, checklist: list[CheckItem] | None) -> ValidationResult:
         episode = live.episode

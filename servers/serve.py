@@ -18,7 +18,6 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -27,6 +26,7 @@ from envscaler import EnvScalerError, load_bundle, logs
 from envscaler.guard import keep_alarm_handler, protect_time_limits
 from envscaler.sandbox import clean_environment, sandboxed
 from servers.app import EnvServerApp, ServerConfig
+from servers.event_loop import loop_factory
 from servers.http_server import HttpServer
 
 log = logging.getLogger("envscaler.server")
@@ -147,7 +147,7 @@ def serve(
             if listener is not None:
                 await listener.stop()
 
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
         runner.run(serve_all())
     sys.stdout.flush()
 
@@ -198,14 +198,6 @@ def _openenv_listener() -> type:
     except ImportError as e:
         raise EnvScalerError(f"--openenv-port needs openenv-core ({e}); install it with: pip install 'envscaler-farm[openenv]'") from None
     return OpenEnvListener
-
-
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
-    try:
-        import uvloop
-    except ImportError:  # uvloop is optional (no Windows build): asyncio's own loop works too
-        return asyncio.new_event_loop
-    return uvloop.new_event_loop
 
 
 def _serve_sandboxed(settings_fd: int) -> None:

@@ -113,6 +113,8 @@ class _Worker:
         ours.sendall(frame(0, settings))
         self.link: _Link | None = None
         self.gone = False
+        # Frames to send at the end of this event-loop iteration: under load, one write carries many.
+        self.outbox: list[bytes] = []
 
     def read_hello(self, timeout_s: float) -> bytes:
         """The first frame, read before the event loop runs (the server needs the tools to start)."""
@@ -137,6 +139,17 @@ class _Worker:
         if self.link is not None and self.link.transport is not None:
             self.link.transport.abort()
         self.sock.close()
+
+    def send(self, data: bytes) -> None:
+        """Queue a frame; all frames queued in one loop iteration go out in one write."""
+        if not self.outbox:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self.outbox.append(data)
+
+    def _flush(self) -> None:
+        data, self.outbox = b"".join(self.outbox), []
+        if not self.gone and self.link is not None and self.link.transport is not None:
+            self.link.transport.write(data)
 
 
 class WorkerEpisodeStore(EpisodeRegistry):
@@ -231,8 +244,7 @@ class WorkerEpisodeStore(EpisodeRegistry):
         worker = await self._ready()
         request_id = self._next_id
         self._next_id = request_id + 1 if request_id < 0xFFFF_FFFF else HELLO_ID + 1
-        assert worker.link is not None and worker.link.transport is not None
-        worker.link.transport.write(frame(request_id, request))
+        worker.send(frame(request_id, request))
         status, payload = await self._wait(worker, request_id, limit_s, GRACE_S, what)
         if status == FAILED:
             try:

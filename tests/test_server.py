@@ -33,6 +33,7 @@ from envscaler.wire import (
     ServerInfo,
     Trajectory,
 )
+from servers import episodes
 from servers.serve import READY_FD_VARIABLE
 from tests.support.bundles import (
     counter_bundle,
@@ -210,6 +211,28 @@ async def test_a_slow_call_is_undone_on_the_event_loop_and_run_once_on_a_worker(
     assert [c["name"] for c in calls] == ["slow_add", "add"] and calls[0]["latency_s"] >= 0.1
     assert [d["path"] for d in calls[0]["diff"]] == [["items", "a", "count"], ["log"]]
     assert "slow_add" in info["threaded_tools"] and info["limits"]["inline_budget_s"] == 0.02
+
+
+async def test_a_tool_sent_to_a_call_thread_is_tried_inline_again_later(counter_dir, monkeypatch):
+    # One slow call (a busy machine) must not cost a tool its inline speed for good.
+    monkeypatch.setattr(episodes, "THREADED_RETRY_S", 0.2)
+    bundle = load_bundle(counter_dir)
+    store = episodes.EpisodeStore(bundle, EnvRuntime(bundle.spec), worker_threads=2, inline_budget_s=0.02,
+                                  max_episodes=10, idle_ttl_s=60)
+    live = await store.create("counter_001", None)
+    slow = await store.call_tool(live, "slow_add", {"item_id": "a", "seconds": 0.05})
+    assert slow.error is None and store.threaded_tools() == ["slow_add"]
+    assert store.call_now(live, "slow_add", {"item_id": "a", "seconds": 0}) is None  # on a thread for now
+    await anyio.sleep(0.25)
+    # Tried inline again and still slow: back on a thread, for twice as long.
+    await store.call_tool(live, "slow_add", {"item_id": "a", "seconds": 0.05})
+    await anyio.sleep(0.25)
+    assert store.threaded_tools() == ["slow_add"]
+    await anyio.sleep(0.25)
+    fast = store.call_now(live, "slow_add", {"item_id": "a", "seconds": 0})
+    assert fast is not None and fast.error is None and store.threaded_tools() == []
+    state = await store.state(live)
+    assert state["items"]["a"]["count"] == 3 and state["log"] == ["add a 1"] * 3  # each call ran once
 
 
 async def test_a_call_that_swallows_every_interruption_does_not_take_the_server_down(counter_dir):

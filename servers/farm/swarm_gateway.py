@@ -23,7 +23,8 @@ from servers.farm.gateway import MAX_BODY, Gateway
 from servers.farm.routing import ReplicaRouter, dns_discovery
 from servers.http_server import HttpServer
 from servers.launch import no_new_privileges
-from servers.serve import _loop_factory, bind
+from servers.event_loop import loop_factory
+from servers.serve import bind
 
 GATEWAY_PORT = 8080
 
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.routes}: {describe_validation_error(e)}", file=sys.stderr)
         return 2
     logs.configure(args.log_level)
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
         runner.run(serve_gateway(routes, args.port))
     return 0
 
