@@ -163,6 +163,11 @@ class ServerInfo(BaseModel):
     threaded_tools: list[str]
     expired_episodes: int
     memory: MemoryStatus | None = None
+    # With the environment's code in a worker process (None without): how often the worker was
+    # replaced, and how many of its episodes were rebuilt in the new one, or could not be (lost).
+    worker_restarts: int | None = None
+    episodes_rebuilt: int | None = None
+    episodes_lost: int | None = None
 
 
 class Health(BaseModel):

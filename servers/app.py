@@ -326,6 +326,9 @@ class EnvServerApp:
             threaded_tools=stats.threaded_tools,
             expired_episodes=self.store.expired,
             memory=memory_status(),
+            worker_restarts=stats.worker_restarts,
+            episodes_rebuilt=stats.episodes_rebuilt,
+            episodes_lost=stats.episodes_lost,
         )
 
     def _scenarios(self) -> ScenarioListing:

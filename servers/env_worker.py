@@ -20,18 +20,19 @@ import socket
 import sys
 from typing import Any
 
-from envscaler import EnvCodeError, EnvRuntime, logs
+from envscaler import EnvCodeError, EnvRuntime, ToolOutcome, logs
 from envscaler.errors import ChecklistError
 from envscaler.guard import keep_alarm_handler, protect_time_limits
 from envscaler.sandbox import die_with_parent
-from servers.episodes import EpisodeStore
+from servers.episodes import EpisodeStore, LiveEpisode
 from servers.event_loop import loop_factory
-from servers.errors import CallAbandoned, OutOfMemory, UnknownEpisode, UnknownScenario
+from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, UnknownEpisode, UnknownScenario
 from servers.worker_wire import (
     FAILED,
     HELLO_ID,
     OK,
     FrameReader,
+    InlineMark,
     WorkerFailure,
     WorkerHello,
     WorkerOutcome,
@@ -39,12 +40,13 @@ from servers.worker_wire import (
     WorkerSettings,
     decode,
     frame,
+    outcome_digest,
     recv_frame,
 )
 
 log = logging.getLogger("envscaler.worker")
 
-_FAILURES = (EnvCodeError, UnknownScenario, UnknownEpisode, OutOfMemory, ChecklistError, CallAbandoned)
+_FAILURES = (EnvCodeError, UnknownScenario, UnknownEpisode, OutOfMemory, ChecklistError, CallAbandoned, EpisodeLost)
 
 
 class WorkerLink(asyncio.Protocol):
@@ -55,7 +57,7 @@ class WorkerLink(asyncio.Protocol):
     end of one read go out in one write: under load, one system call carries many answers.
     """
 
-    def __init__(self, store: EpisodeStore, closed: asyncio.Future[None]) -> None:
+    def __init__(self, store: MarkedEpisodeStore, closed: asyncio.Future[None]) -> None:
         self.store = store
         self.closed = closed
         self.transport: asyncio.Transport | None = None
@@ -98,7 +100,7 @@ class WorkerLink(asyncio.Protocol):
         if live is None:
             return None
         outcome = self.store.call_now(live, request.name, request.arguments)
-        return None if outcome is None else WorkerOutcome(outcome=outcome, text=outcome.result_text)
+        return None if outcome is None else _answer(outcome, stuck=False)
 
     async def answer(self, request_id: int, request: WorkerRequest) -> None:
         try:
@@ -116,14 +118,14 @@ class WorkerLink(asyncio.Protocol):
         """What ``request`` asks for, as a model or plain data."""
         store = self.store
         if request.op == "call":
-            outcome = await store.call_tool(store.get(request.episode_id), request.name, request.arguments)
-            return WorkerOutcome(outcome=outcome, text=outcome.result_text)
+            live = store.get(request.episode_id)
+            outcome = await store.call_tool(live, request.name, request.arguments)
+            return _answer(outcome, stuck=live.stuck)
         if request.op == "create":  # of a new episode, or again of one this worker holds (a reset)
-            live = store.episodes.get(request.episode_id)
-            if live is None:
-                await store.create(request.scenario_id, request.init_config, request.episode_id)
-            else:
-                await store.reset(live, request.scenario_id, request.init_config)
+            await self.build(request)
+            return {}
+        if request.op == "replay":
+            await self.replay(request)
             return {}
         if request.op == "validate":
             return await store.validate(store.get(request.episode_id), request.checklist)
@@ -134,6 +136,49 @@ class WorkerLink(asyncio.Protocol):
                 store.end(request.episode_id)
             return {}
         return await store.stats()  # stats
+
+
+    async def build(self, request: WorkerRequest) -> LiveEpisode:
+        """The episode built from the request's scenario (or init_config), new or in place of the one held."""
+        store = self.store
+        live = store.episodes.get(request.episode_id)
+        if live is None:
+            return await store.create(request.scenario_id, request.init_config, request.episode_id)
+        await store.reset(live, request.scenario_id, request.init_config)
+        return live
+
+    async def replay(self, request: WorkerRequest) -> None:
+        """Build the episode, then run its calls again; EpisodeLost when one comes out differently."""
+        live = await self.build(request)
+        for number, call in enumerate(request.calls, 1):
+            outcome = await self.store.call_tool(live, call.name, call.arguments)
+            if outcome_digest(outcome) != call.digest or live.stuck:
+                self.store.end(live.episode_id)
+                what = f"an error: {outcome.error}" if outcome.error else "a different change of state"
+                raise EpisodeLost(f"replaying call {number} of {len(request.calls)} ({call.name}) gave {what} "
+                                  "(the environment does not answer the same calls the same way)")
+
+
+class MarkedEpisodeStore(EpisodeStore):
+    """The engine, marking the episode whose call runs inline on the event loop (the server reads the
+    mark when this process freezes or dies, to know which request to blame)."""
+
+    def __init__(self, *args: Any, mark: InlineMark | None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.mark = mark
+
+    def _call_inline(self, live: LiveEpisode, name: str, arguments: Any) -> ToolOutcome | None:
+        if self.mark is None:
+            return super()._call_inline(live, name, arguments)
+        self.mark.set(live.episode_id)
+        try:
+            return super()._call_inline(live, name, arguments)
+        finally:
+            self.mark.clear()
+
+
+def _answer(outcome: ToolOutcome, *, stuck: bool) -> WorkerOutcome:
+    return WorkerOutcome(outcome=outcome, text=outcome.result_text, digest=outcome_digest(outcome), stuck=stuck)
 
 
 def _read_settings(sock: socket.socket) -> WorkerSettings:
@@ -156,8 +201,10 @@ def run_worker(sock: socket.socket) -> None:
     except Exception as e:  # noqa: BLE001 - loading is environment code: report it to the server, then stop
         sock.sendall(frame(HELLO_ID, WorkerFailure(error="EnvCodeError", message=f"{bundle.env_id}: {e}"), FAILED))
         raise SystemExit(1) from None
-    store = EpisodeStore(bundle, runtime, max_episodes=2**31, idle_ttl_s=float("inf"), worker_threads=settings.worker_threads,
-                         inline_budget_s=settings.inline_budget_s, memory_reserve_mb=settings.memory_reserve_mb, records=False)
+    mark = InlineMark(settings.mark_fd) if settings.mark_fd is not None else None
+    store = MarkedEpisodeStore(bundle, runtime, max_episodes=2**31, idle_ttl_s=float("inf"), worker_threads=settings.worker_threads,
+                               inline_budget_s=settings.inline_budget_s, memory_reserve_mb=settings.memory_reserve_mb, records=False,
+                               mark=mark)
     keep_alarm_handler()
     hello = WorkerHello(tools=runtime.tool_list(), annotations=runtime.annotations)
     sock.sendall(frame(HELLO_ID, hello))

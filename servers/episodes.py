@@ -59,6 +59,10 @@ class CallStats(BaseModel):
     threaded_tools: list[str]
     # Why no new call could run now (``/healthz`` answers 503 with it), or None.
     capacity_problem: str | None = None
+    # With a worker process (servers.worker_store): its replacements, and the episodes rebuilt or lost.
+    worker_restarts: int | None = None
+    episodes_rebuilt: int | None = None
+    episodes_lost: int | None = None
 
 
 class LiveEpisode:

@@ -9,7 +9,7 @@ Part of the tree drawn in ``envscaler.errors``; the exit code applies when one r
     ├── UnknownScenario         -   the environment has no scenario with this id (HTTP 404)
     ├── OutOfMemory             -   no memory is left for another episode (HTTP 507)
     ├── CallAbandoned           -   a call on a worker thread outlived its deadline and was left behind
-    ├── EpisodeLost             -   the episode's state went with its worker process (HTTP 410)
+    ├── EpisodeLost             -   the episode's state went with its worker process and could not be rebuilt (HTTP 410)
     ├── OpenEnvSessionError     -   an OpenEnv reset or step that cannot be done (sent back to the session)
     └── FarmError               2   the farm cannot do what was asked: bad input, no engine, unreadable farm files
 
@@ -51,7 +51,8 @@ class CallAbandoned(EnvScalerError):
 
 
 class EpisodeLost(EnvScalerError):
-    """The episode's state is gone: the worker process that held it was killed or died."""
+    """The episode's state is gone: the worker process that held it was killed or died, and replaying
+    the episode's calls in a new one could not bring it back."""
 
 
 class FarmError(EnvScalerError):

@@ -13,8 +13,11 @@ escape (``servers.asgi.json_bytes``) and read back by :func:`decode`.
 from __future__ import annotations
 
 import json
+import mmap
+import os
 import socket
 import struct
+import zlib
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -33,13 +36,15 @@ MAX_FRAME_BYTES = 256 * 1024 * 1024
 HELLO_ID = 0
 """The request id of the worker's first frame (:class:`WorkerHello`), sent unasked once it is ready."""
 
-Operation = Literal["create", "call", "validate", "state", "end", "stats"]
+Operation = Literal["create", "call", "replay", "validate", "state", "end", "stats"]
 
 
 class WorkerSettings(BaseModel):
     """What the worker is told when it starts (its first frame in), never through argv or environment."""
 
     bundle: Bundle
+    # The memory file of its :class:`InlineMark`, inherited at this descriptor.
+    mark_fd: int | None = None
     call_timeout_s: float
     check_timeout_s: float
     max_result_chars: int
@@ -55,8 +60,20 @@ class WorkerHello(BaseModel):
     annotations: dict[str, ToolAnnotations]
 
 
+class ReplayCall(BaseModel):
+    """One call of an episode as a replay runs it again: what was called, and the digest it gave."""
+
+    name: str
+    arguments: Any = None
+    digest: int
+
+
 class WorkerRequest(BaseModel):
-    """One thing the server asks of the worker, about one episode (``stats``: about the worker)."""
+    """One thing the server asks of the worker, about one episode (``stats``: about the worker).
+
+    ``replay`` builds the episode as ``create`` does, then runs ``calls`` again in order; each must
+    come out with the digest it had (:func:`outcome_digest`), else the episode cannot be rebuilt.
+    """
 
     op: Operation
     episode_id: str = ""
@@ -65,20 +82,66 @@ class WorkerRequest(BaseModel):
     name: str = ""
     arguments: Any = None
     checklist: list[CheckItem] | None = None
+    calls: list[ReplayCall] = []
 
 
 class WorkerOutcome(BaseModel):
-    """The answer to ``call``: the outcome, with the text the agent is shown (not part of its record)."""
+    """The answer to ``call``: the outcome, with the text the agent is shown (not part of its record).
+
+    ``digest`` is what a replay of the call must reproduce. ``stuck`` says the call outlived its limit
+    and its thread could not be stopped: the worker must be replaced to get rid of it.
+    """
 
     outcome: ToolOutcome
     text: str | None = None
+    digest: int = 0
+    stuck: bool = False
 
 
 class WorkerFailure(BaseModel):
     """Any failed request: which of the server's errors it is, and its message."""
 
-    error: Literal["EnvCodeError", "UnknownScenario", "UnknownEpisode", "OutOfMemory", "ChecklistError", "CallAbandoned"]
+    error: Literal["EnvCodeError", "UnknownScenario", "UnknownEpisode", "OutOfMemory", "ChecklistError", "CallAbandoned", "EpisodeLost"]
     message: str
+
+
+class InlineMark:
+    """A page of memory the server shares with its worker: which episode's code the worker's event loop
+    runs right now, if any. The worker writes it around every call it runs inline; when the worker
+    freezes or dies, the server reads it to know which request brought it down.
+    """
+
+    SIZE = 256
+    _LENGTH = struct.Struct("<I")
+
+    def __init__(self, fd: int | None = None) -> None:
+        if fd is None:
+            fd = os.memfd_create("envscaler-inline-mark", 0)
+            os.ftruncate(fd, self.SIZE)
+        self.fd = fd
+        self._memory = mmap.mmap(fd, self.SIZE)
+
+    def set(self, subject: str) -> None:
+        data = subject.encode()[: self.SIZE - self._LENGTH.size]
+        self._memory[self._LENGTH.size : self._LENGTH.size + len(data)] = data
+        self._LENGTH.pack_into(self._memory, 0, len(data))
+
+    def clear(self) -> None:
+        self._LENGTH.pack_into(self._memory, 0, 0)
+
+    def read(self) -> str | None:
+        (length,) = self._LENGTH.unpack_from(self._memory, 0)
+        if not 0 < length <= self.SIZE - self._LENGTH.size:
+            return None
+        return self._memory[self._LENGTH.size : self._LENGTH.size + length].decode(errors="replace")
+
+
+def outcome_digest(outcome: ToolOutcome) -> int:
+    """What a replay of a call must reproduce: whether (and how) it failed, and what it changed in the state.
+
+    Not what it answered: a call that reads the clock changes nothing a rebuild must restore.
+    """
+    return zlib.crc32(json_bytes([outcome.error_kind, outcome.diff]))
 
 
 def frame(request_id: int, message: Any, status: int = OK) -> bytes:

@@ -1,9 +1,11 @@
 """``envscaler serve --worker-process``: environment code in a worker process that the server kills.
 
 Real servers and real workers (sandboxed where bwrap works). A tool that holds the GIL in a C loop
-(the cooperative time limit cannot stop it) or that ends its process costs only the worker: the
-call gets an error within its limit plus the grace, the episodes the worker held are reported lost
-(their validation answers 410, never a score), and a new episode is served by a new worker.
+(the cooperative time limit cannot stop it), that ends its process, or whose thread cannot be
+stopped costs only its own call: the call gets an error within its limit plus the grace and is
+undone, and every episode the worker held is rebuilt in the new worker from its calls, a call that
+was only caught up in the fall included. An episode whose calls do not replay the same way is
+reported lost (its validation answers 410, never a score).
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from servers.worker_store import GRACE_S
+from servers.worker_process import GRACE_S
 from tests.support.bundles import COUNTER_CODE, counter_scenario, counter_spec, write_bundle
 from tests.support.server import serve
 
@@ -33,6 +36,12 @@ WORKER_TOOLS = '''
         """End the process at once, with no exception to catch."""
         import os
         os._exit(3)
+
+    def roll(self, item_id: str) -> dict:
+        """Set an item's count to a random number (a replay cannot give it again)."""
+        import random
+        self.items[item_id]["count"] = random.randrange(10**9)
+        return {"success": True, "data": self.items[item_id]}
 
     def where(self) -> dict:
         """Which process runs this code: its pid and start time (pids repeat in a PID namespace)."""
@@ -71,53 +80,97 @@ def worker_pid(http: httpx.Client, episode_id: str) -> str:
     return result["content"][0]["text"]
 
 
-def test_a_worker_that_holds_the_gil_is_killed_and_its_episodes_are_reported_lost_not_scored(bundle):
+def count_of(http: httpx.Client, episode_id: str) -> int:
+    result = call(http, episode_id, "get_item", {"item_id": "a"})
+    assert not result["isError"], result
+    return json.loads(result["content"][0]["text"])["data"]["count"]
+
+
+def test_a_tool_that_holds_the_gil_costs_only_its_own_call(bundle):
     with serve(bundle, "--worker-process", "--call-timeout", str(CALL_TIMEOUT_S)) as server, server.client() as http:
-        bystander = new_episode(http)
-        assert not call(http, bystander, "add", {"item_id": "a"})["isError"]
-        attacker = new_episode(http)
-        started = time.monotonic()
-        result = call(http, attacker, "c_loop")
-        took = time.monotonic() - started
-        assert result["isError"] and "did not answer tool 'c_loop'" in result["content"][0]["text"], result
+        bystander, attacker = new_episode(http), new_episode(http)
+        for episode in (bystander, attacker):
+            assert not call(http, episode, "add", {"item_id": "a"})["isError"]
+        with ThreadPoolExecutor(2) as pool:
+            # A call on a thread when the worker freezes: it is only caught up in the fall.
+            caught_up = pool.submit(call, http, bystander, "slow_add", {"item_id": "a", "seconds": 0.3})
+            time.sleep(0.1)
+            started = time.monotonic()
+            result = call(http, attacker, "c_loop")
+            took = time.monotonic() - started
+            assert not caught_up.result()["isError"], caught_up.result()
+        text = result["content"][0]["text"]
+        assert result["isError"] and "did not answer tool 'c_loop'" in text and "the call was undone" in text, result
         assert took < CALL_TIMEOUT_S + 0.5 + GRACE_S + 1.0, took
         # A health probe alone finds the server able to serve again: it starts the new worker.
         health = httpx.get(f"{server.url}/healthz")
         assert health.status_code == 200 and health.json()["status"] == "ok", health.text
+
+        # Nothing else was lost: both episodes were rebuilt in the new worker from their calls, the
+        # call that was caught up ran once, and the attacker goes on from before its bad call.
+        assert count_of(http, bystander) == 2 and count_of(http, attacker) == 1
+        for episode in (bystander, attacker):
+            assert http.post(f"/episodes/{episode}/validate").status_code == 200
+            assert http.get(f"/episodes/{episode}/state").json()["state"]["items"]["a"]["count"] in (1, 2)
+        assert [c["name"] for c in http.get(f"/episodes/{bystander}/trajectory").json()["calls"]] == ["add", "slow_add", "get_item"]
         trajectory = http.get(f"/episodes/{attacker}/trajectory").json()
-        assert trajectory["timeouts"] == 1 and trajectory["calls"][-1]["error_kind"] == "timeout"
+        assert trajectory["timeouts"] == 1 and [c["error_kind"] for c in trajectory["calls"]] == [None, "timeout", None]
+        info = http.get("/info").json()
+        assert info["worker_restarts"] == 1 and info["episodes_rebuilt"] == 2 and info["episodes_lost"] == 0, info
 
-        # The bystander's state went with the worker: it says so, and is never scored.
-        lost = call(http, bystander, "get_item", {"item_id": "a"})
-        assert lost["isError"] and "This episode is lost" in lost["content"][0]["text"], lost
-        validation = http.post(f"/episodes/{bystander}/validate")
+
+def test_an_episode_whose_calls_do_not_replay_the_same_is_reported_lost_never_scored(bundle):
+    with serve(bundle, "--worker-process", "--call-timeout", str(CALL_TIMEOUT_S)) as server, server.client() as http:
+        random_one, steady = new_episode(http), new_episode(http)
+        assert not call(http, random_one, "roll", {"item_id": "a"})["isError"]
+        assert not call(http, steady, "add", {"item_id": "a"})["isError"]
+        assert call(http, new_episode(http), "die")["isError"]
+
+        lost = call(http, random_one, "get_item", {"item_id": "a"})
+        text = lost["content"][0]["text"]
+        assert lost["isError"] and "This episode is lost" in text and "replaying call 1 of 1 (roll)" in text, lost
+        validation = http.post(f"/episodes/{random_one}/validate")
         assert validation.status_code == 410 and "lost" in validation.json()["error"], validation.text
-        assert http.get(f"/episodes/{bystander}/state").status_code == 410
-        # Its record is kept: the call before the loss is in its trajectory.
-        assert [c["name"] for c in http.get(f"/episodes/{bystander}/trajectory").json()["calls"]] == ["add", "get_item"]
-
-        # A reset builds it again in the new worker; new episodes are served too.
-        assert http.post(f"/episodes/{bystander}/reset").status_code == 200
-        assert not call(http, bystander, "add", {"item_id": "a"})["isError"]
-        assert http.post(f"/episodes/{bystander}/validate").status_code == 200
-        fresh = new_episode(http)
-        assert not call(http, fresh, "get_item", {"item_id": "a"})["isError"]
-        assert httpx.get(f"{server.url}/healthz").json()["status"] == "ok"
+        assert http.get(f"/episodes/{random_one}/state").status_code == 410
+        # Its record is kept, and a reset builds it again.
+        assert [c["name"] for c in http.get(f"/episodes/{random_one}/trajectory").json()["calls"]] == ["roll", "get_item"]
+        assert http.post(f"/episodes/{random_one}/reset").status_code == 200
+        assert count_of(http, random_one) == 0
+        assert count_of(http, steady) == 1
+        assert http.get("/info").json()["episodes_lost"] == 1
 
 
 @pytest.mark.parametrize("flags", [(), ("--no-sandbox",)], ids=["sandboxed", "unsandboxed"])
-def test_a_worker_that_exits_costs_only_itself_and_the_server_keeps_serving(bundle, flags):
+def test_a_worker_that_exits_costs_only_its_call_and_the_server_keeps_serving(bundle, flags):
     with serve(bundle, "--worker-process", "--call-timeout", str(CALL_TIMEOUT_S), *flags) as server, server.client() as http:
-        first = new_episode(http)
+        first, bystander = new_episode(http), new_episode(http)
+        assert not call(http, bystander, "add", {"item_id": "a"})["isError"]
         before = worker_pid(http, first)
         started = time.monotonic()
         result = call(http, first, "die")
         assert time.monotonic() - started < 2.0
-        assert result["isError"] and "environment worker exited" in result["content"][0]["text"], result
+        text = result["content"][0]["text"]
+        assert result["isError"] and "environment worker exited" in text and "the call was undone" in text, result
         assert http.get(f"/episodes/{first}/trajectory").json()["env_errors"] == 1
-        second = new_episode(http)
-        assert worker_pid(http, second) != before
+        assert worker_pid(http, first) != before
+        assert count_of(http, bystander) == 1
         assert server.process.poll() is None
+
+
+def test_a_call_whose_thread_cannot_be_stopped_is_undone_with_its_worker(bundle):
+    with serve(bundle, "--worker-process", "--call-timeout", str(CALL_TIMEOUT_S)) as server, server.client() as http:
+        episode = new_episode(http)
+        assert not call(http, episode, "add", {"item_id": "a"})["isError"]
+        before = worker_pid(http, episode)
+        started = time.monotonic()
+        # A sleep on a call thread: the limit's exception only lands when the sleep ends.
+        result = call(http, episode, "nap", {"seconds": 1000})
+        assert time.monotonic() - started < CALL_TIMEOUT_S + 0.5 + GRACE_S, result
+        text = result["content"][0]["text"]
+        assert result["isError"] and "abandoned" in text and "the call was undone" in text, result
+        assert worker_pid(http, episode) != before
+        assert count_of(http, episode) == 1
+        assert http.get("/info").json()["stuck_calls"] == 0
 
 
 def test_the_worker_holds_no_token_and_normal_episodes_score_as_without_it(bundle):

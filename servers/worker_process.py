@@ -1,0 +1,324 @@
+"""A child process that runs untrusted code for the server, asked over a socket pair, killed when it must.
+
+The server keeps what has to outlive untrusted code (the HTTP and MCP surface, the token, the
+episode ids, the trajectories) and asks a :class:`WorkerProcess` for the rest: the environment's code
+(``servers.env_worker``) or the checks (``servers.check_worker``). The process is started in its own
+process group (what it forks dies with it), in the bubblewrap sandbox where asked, with a clean
+environment; its settings arrive as its first frame, never through argv or the environment, and the
+server is made undumpable so that the child cannot read the token from the server's memory.
+
+Every request has a deadline: its own limit plus ``GRACE_S``. A child that misses one is frozen (SIGALRM
+ignored and a loop, the GIL held by a C loop, a catastrophic regex), and one whose socket closes has
+died (``SystemExit`` at the top, a crash). Either way its process group is killed, what waits on it
+fails with :class:`WorkerGone`, the owner is told (``on_lost``), and the next request starts a new
+child. The request to blame is the one the child was running on its event loop (it says which in a
+shared page of memory, :class:`servers.worker_wire.InlineMark`), or the only one it had; the others
+were only caught up in its fall.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+from pydantic import BaseModel
+
+from envscaler import EnvCodeError
+from envscaler.errors import ChecklistError
+from envscaler.sandbox import clean_environment, make_undumpable, sandboxed
+from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, UnknownEpisode, UnknownScenario
+from servers.worker_wire import FAILED, HELLO_ID, FrameReader, FrameTooLarge, InlineMark, WorkerFailure, decode, frame, recv_frame
+
+log = logging.getLogger("envscaler.server")
+
+GRACE_S = 2.0
+"""How long past a request's own limit the child may take to answer before it counts as frozen."""
+START_TIMEOUT_S = 60.0
+_TICK_S = 0.1
+_ERRORS: dict[str, type[Exception]] = {
+    "EnvCodeError": EnvCodeError, "UnknownScenario": UnknownScenario, "UnknownEpisode": UnknownEpisode,
+    "OutOfMemory": OutOfMemory, "ChecklistError": ChecklistError, "CallAbandoned": CallAbandoned, "EpisodeLost": EpisodeLost,
+}
+
+
+class WorkerGone(Exception):
+    """The child was killed or died before it answered.
+
+    ``hung``: it missed a deadline. ``blamed``: this request is what brought it down (it missed its
+    deadline, or it was the only request in the child), rather than one caught up in another's fall.
+    """
+
+    def __init__(self, reason: str, *, hung: bool, blamed: bool) -> None:
+        super().__init__(reason)
+        self.hung = hung
+        self.blamed = blamed
+
+
+class _Link(asyncio.Protocol):
+    """This side of the socket pair: frames in, answers handed to the owner."""
+
+    def __init__(self, owner: WorkerProcess, child: _Child) -> None:
+        self.owner = owner
+        self.child = child
+        self.transport: asyncio.Transport | None = None
+        self.frames = FrameReader()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self.frames.feed(data)
+        except FrameTooLarge as e:
+            self.owner.lose(self.child, f"the {self.owner.role} sent {e}")
+            return
+        for request_id, status, payload in frames:
+            self.owner.answered(request_id, status, payload)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        code = self.child.process.poll()
+        self.owner.lose(self.child, f"the {self.owner.role} exited ({'exit code ' + str(code) if code is not None else 'closed its socket'})")
+
+
+class _Child:
+    """One child process, its socket, and (once the event loop has it) the link over it."""
+
+    def __init__(self, module: str, settings: BaseModel, sandbox: bool, inherited: tuple[int, ...]) -> None:
+        ours, theirs = socket.socketpair()
+        self.sock = ours
+        command = [sys.executable, "-m", module, str(theirs.fileno())]
+        # Its own process group: what it forks dies with it. Whatever it reads comes over the socket: no path is readable.
+        with contextlib.ExitStack() as stack:
+            fds: tuple[int, ...] = ()
+            if sandbox:
+                command, fds = stack.enter_context(sandboxed(command, readable=[]))
+            self.process = subprocess.Popen(command, pass_fds=[theirs.fileno(), *inherited, *fds], env=clean_environment(),
+                                            start_new_session=True)
+        theirs.close()
+        ours.sendall(frame(0, settings))
+        self.link: _Link | None = None
+        self.gone = False
+        # Frames to send at the end of this event-loop iteration: under load, one write carries many.
+        self.outbox: list[bytes] = []
+
+    def read_hello(self, timeout_s: float, role: str) -> bytes:
+        """The first frame, read before the event loop runs (the server needs the tools to start)."""
+        self.sock.settimeout(timeout_s)
+        try:
+            _, status, payload = recv_frame(self.sock)
+        except (EOFError, OSError, FrameTooLarge):
+            self.kill()
+            raise EnvCodeError(f"the {role} did not start (exit code {self.process.poll()})") from None
+        self.sock.setblocking(False)
+        if status == FAILED:
+            self.kill()
+            raise EnvCodeError(decode(WorkerFailure, payload).message)
+        return payload
+
+    def send(self, data: bytes) -> None:
+        """Queue a frame; all frames queued in one loop iteration go out in one write."""
+        if not self.outbox:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self.outbox.append(data)
+
+    def _flush(self) -> None:
+        data, self.outbox = b"".join(self.outbox), []
+        if not self.gone and self.link is not None and self.link.transport is not None:
+            self.link.transport.write(data)
+
+    def kill(self) -> None:
+        self.gone = True
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+        if self.link is not None and self.link.transport is not None:
+            self.link.transport.abort()
+        self.sock.close()
+
+
+class WorkerProcess:
+    """One child at a time running ``python -m module FD``, asked requests with deadlines (see the module's doc).
+
+    ``role`` names it in errors ("environment worker"). ``on_lost(reason)`` is called each time a
+    child is killed or dies. ``mark``, shared with each child (its ``mark_fd`` setting), names the
+    subject of the request the child runs on its event loop: a request is asked about a subject (an
+    episode id), and when the child freezes or dies, the first request about the marked subject is
+    the one to blame. The first child starts here, before any event loop: :attr:`hello` is its
+    first frame. Later ones start on the loop, when a request finds the last one gone.
+    """
+
+    def __init__(self, module: str, settings: BaseModel, *, role: str, sandbox: bool, on_lost: Callable[[str], None],
+                 mark: InlineMark | None = None) -> None:
+        self.module = module
+        self.settings = settings
+        self.role = role
+        self.sandbox = sandbox
+        self.on_lost = on_lost
+        self.mark = mark
+        self.restarts = 0
+        make_undumpable()
+        self._child = self._spawn()
+        self.hello = self._child.read_hello(START_TIMEOUT_S, role)
+        self._starting: asyncio.Future[_Child] | None = None
+        # request id -> what waits for it, in the order sent
+        self._pending: dict[int, _Pending] = {}
+        self._next_id = HELLO_ID + 1
+        self._ticking = False
+        self._telling: set[asyncio.Task[None]] = set()
+
+    def _spawn(self) -> _Child:
+        if self.mark is not None:
+            self.mark.clear()
+        return _Child(self.module, self.settings, self.sandbox, () if self.mark is None else (self.mark.fd,))
+
+    @property
+    def pid(self) -> int:
+        """The current child's process id (bubblewrap's, when sandboxed)."""
+        return self._child.process.pid
+
+    @property
+    def alive(self) -> bool:
+        """Whether the current child is up (a request may still have to start a new one)."""
+        return not self._child.gone
+
+    async def ask(self, request: BaseModel, limit_s: float, what: str, subject: str = "") -> bytes:
+        """The child's answer to ``request`` (about ``subject``): raises the error it reports, or WorkerGone."""
+        child = await self._ready()
+        request_id = self._next_id
+        self._next_id = request_id + 1 if request_id < 0xFFFF_FFFF else HELLO_ID + 1
+        child.send(frame(request_id, request))
+        status, payload = await self._wait(request_id, limit_s + GRACE_S, limit_s, what, subject)
+        if status == FAILED:
+            try:
+                failure = decode(WorkerFailure, payload)
+            except (ValueError, RecursionError):
+                raise EnvCodeError(f"the {self.role} answered {what} with a malformed error") from None
+            raise _ERRORS[failure.error](failure.message)
+        return payload
+
+    def tell(self, request: BaseModel) -> None:
+        """Send ``request`` and forget it: its answer, or the child's loss, changes nothing here."""
+        task = asyncio.get_running_loop().create_task(self._tell(request))
+        self._telling.add(task)
+        task.add_done_callback(self._telling.discard)
+
+    async def _tell(self, request: BaseModel) -> None:
+        try:
+            await self.ask(request, 0.0, "a notice")
+        except (WorkerGone, EnvCodeError):
+            pass
+
+    def restart(self, reason: str) -> None:
+        """Replace the child though it answers (it runs code that cannot be stopped otherwise); what
+        waits on it was only caught up in this."""
+        self.lose(self._child, reason, blamed_id=-1)
+
+    def close(self) -> None:
+        """Stop the child (the server is shutting down)."""
+        if not self._child.gone:
+            self._child.kill()
+
+    # -- the child's life ------------------------------------------------------------------------
+
+    async def _ready(self) -> _Child:
+        child = self._child
+        if child.link is not None and not child.gone:
+            return child
+        starting = self._starting
+        if starting is None or (starting.done() and (starting.cancelled() or starting.exception() is not None or starting.result().gone)):
+            self._starting = starting = asyncio.ensure_future(self._attach())
+        return await asyncio.shield(starting)
+
+    async def _attach(self) -> _Child:
+        loop = asyncio.get_running_loop()
+        fresh = self._child.gone
+        if fresh:
+            self._child = self._spawn()  # on the loop's thread: PDEATHSIG follows the thread that forks
+            self.restarts += 1
+        child = self._child
+        _, child.link = await loop.connect_accepted_socket(lambda: _Link(self, child), sock=child.sock)
+        if fresh:
+            status, payload = await self._wait(HELLO_ID, START_TIMEOUT_S, START_TIMEOUT_S, "its start", "")
+            if status == FAILED:
+                raise EnvCodeError(decode(WorkerFailure, payload).message)
+            log.warning(f"{self.role} restarted", extra={"restarts": self.restarts})
+        return child
+
+    def lose(self, child: _Child, reason: str, hung: bool = False, blamed_id: int | None = None) -> None:
+        """Kill ``child``, fail what waits on it, tell the owner; the next request starts a new one.
+
+        The request ``blamed_id`` brought it down (None: the one :meth:`_culprit` finds, if any).
+        """
+        if child.gone or child is not self._child:
+            return
+        if blamed_id is None:
+            blamed_id = self._culprit()
+        child.kill()
+        self.on_lost(reason)
+        for request_id, pending in list(self._pending.items()):
+            if not pending.future.done():
+                blamed = request_id == blamed_id
+                pending.future.set_exception(WorkerGone(reason, hung=hung and blamed, blamed=blamed))
+
+    def _culprit(self) -> int | None:
+        """The request the child was running on its event loop (its mark), or the only one it had; else None."""
+        waiting = [(request_id, pending.subject) for request_id, pending in self._pending.items() if not pending.future.done()]
+        running = self.mark.read() if self.mark is not None else None
+        if running:
+            for request_id, subject in waiting:
+                if subject == running:
+                    return request_id
+        return waiting[0][0] if len(waiting) == 1 else None
+
+    def answered(self, request_id: int, status: int, payload: bytes) -> None:
+        pending = self._pending.get(request_id)
+        if pending is not None and not pending.future.done():
+            pending.future.set_result((status, payload))
+
+    def _supervise(self) -> None:
+        now = time.monotonic()
+        overdue = [pending for pending in self._pending.values() if pending.deadline <= now and not pending.future.done()]
+        if overdue:
+            culprit = self._culprit()
+            late = self._pending[culprit] if culprit is not None else min(overdue, key=lambda pending: pending.deadline)
+            self.lose(self._child, f"the {self.role} did not answer {late.what} within {late.limit_s:g} s and was restarted",
+                      hung=True, blamed_id=culprit if culprit is not None else -1)
+        if self._pending:
+            asyncio.get_running_loop().call_later(_TICK_S, self._supervise)
+        else:
+            self._ticking = False
+
+    async def _wait(self, request_id: int, wait_s: float, limit_s: float, what: str, subject: str) -> tuple[int, bytes]:
+        loop = asyncio.get_running_loop()
+        pending = _Pending(loop.create_future(), time.monotonic() + wait_s, limit_s, what, subject)
+        self._pending[request_id] = pending
+        if not self._ticking:
+            self._ticking = True
+            loop.call_later(_TICK_S, self._supervise)
+        try:
+            return await pending.future
+        finally:
+            self._pending.pop(request_id, None)
+
+
+class _Pending:
+    """A request the child has not answered yet."""
+
+    __slots__ = ("future", "deadline", "limit_s", "what", "subject")
+
+    def __init__(self, future: asyncio.Future[tuple[int, bytes]], deadline: float, limit_s: float, what: str, subject: str) -> None:
+        self.future = future
+        self.deadline = deadline
+        self.limit_s = limit_s
+        self.what = what
+        self.subject = subject
