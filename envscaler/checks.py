@@ -15,6 +15,7 @@ from typing import Any
 from envscaler.errors import ChecklistError
 from envscaler.guard import GuardSignal, TimeLimitExceeded, call_with_limit
 from envscaler.models import CheckItem, CheckResult
+from envscaler.overlay import Overlay
 
 _CHECK_FILE = "<check>"
 _COMPILED: dict[str, Any] = {}
@@ -85,6 +86,26 @@ def run_checks(checklist: list[CheckItem] | None, views: Views, limit_s: float) 
     if not checklist:
         raise ChecklistError("the scenario has no checklist, so it cannot be scored")
     return [run_check(item, views, limit_s) for item in checklist]
+
+
+def check_states(checklist: list[CheckItem] | None, final: Any, initial: Any, limit_s: float) -> list[CheckResult]:
+    """Every check's verdict on ``final`` with ``initial_state`` as a global, each on views of its own.
+
+    The states are plain JSON-shaped data (or an episode's attributes): no check can change them, or
+    see what another check changed. Raises ChecklistError when there is nothing to score with.
+    """
+
+    def make_views() -> tuple[Any, Any, Callable[[], None]]:
+        # Separate overlays: a check that changes one state must not see that in the other.
+        final_overlay, initial_overlay = Overlay(None), Overlay(None)
+
+        def release() -> None:
+            final_overlay.release()
+            initial_overlay.release()
+
+        return final_overlay.view(final), initial_overlay.view(initial), release
+
+    return run_checks(checklist, make_views, limit_s)
 
 
 def score(results: list[CheckResult]) -> float:

@@ -25,11 +25,10 @@ import logging
 import time
 import traceback
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any
 
 from envscaler.annotations import tool_annotations
-from envscaler.checks import run_checks, score
+from envscaler.checks import check_states, score
 from envscaler.env_globals import EnvGlobals, describe_change
 from envscaler.errors import EnvCodeError, SchemaError
 from envscaler.guard import GuardSignal, Preempted, TimeLimitExceeded, call_preemptibly, call_with_limit
@@ -45,7 +44,7 @@ from envscaler.models import (
 )
 from envscaler.overlay import MISSING, NotNative, Overlay, SharedState, plain, value_changes
 from envscaler.schema import schema_problems, validate
-from envscaler.state import diff, public_attributes, snapshot, state_hash, to_json_text
+from envscaler.state import changes_since, diff, public_attributes, snapshot, state_hash, to_json_text
 from envscaler.tools import derive_tools, public_methods
 
 log = logging.getLogger("envscaler.runtime")
@@ -467,6 +466,22 @@ class Episode:
         self._overlay = None
         self._private_text = self._public_text()
 
+    def initial_hash(self) -> str | None:
+        """The hash of the scenario's initial state this episode started from (None: a private instance)."""
+        if self._overlay is None:
+            return None
+        shared = self._overlay.shared
+        return state_hash({k: v for k, v in shared.attributes.items() if not k.startswith("_")}, shared.digests)
+
+    def changes(self) -> list[StateChange] | None:
+        """What the episode changed in its scenario's initial state (``state.changes_since``), at a cost
+        that follows what it changed; None for a private instance (send its whole state)."""
+        if self._overlay is None:
+            return None
+        initial = {k: v for k, v in self._overlay.shared.attributes.items() if not k.startswith("_")}
+        final = {k: v for k, v in self._logical_attributes().items() if not k.startswith("_")}
+        return changes_since(initial, final)
+
     # -- checks --------------------------------------------------------------------------------------
 
     def validate(self, checklist: list[CheckItem] | None) -> ValidationResult:
@@ -482,17 +497,7 @@ class Episode:
             final = {k: v for k, v in self._logical_attributes().items() if not k.startswith("_")}
             initial = {k: v for k, v in self._overlay.shared.attributes.items() if not k.startswith("_")}
 
-        def make_views() -> tuple[Any, Any, Callable[[], None]]:
-            # Separate overlays: a check that changes one state must not see that in the other.
-            final_overlay, initial_overlay = Overlay(None), Overlay(None)
-
-            def release() -> None:
-                final_overlay.release()
-                initial_overlay.release()
-
-            return final_overlay.view(final), initial_overlay.view(initial), release
-
-        results = run_checks(checklist, make_views, self.runtime.check_timeout_s)
+        results = check_states(checklist, final, initial, self.runtime.check_timeout_s)
         return ValidationResult(
             score=score(results),
             checks=results,

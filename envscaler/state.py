@@ -1,4 +1,4 @@
-"""An environment's state as JSON-ready data: snapshot, diff and hash.
+"""An environment's state as JSON-ready data: snapshot, diff, hash, and patches from an initial state.
 
 State is the instance's public attributes. Values JSON cannot hold are converted (sets to sorted
 lists, datetimes to ISO strings, objects to their public attributes) and each conversion is
@@ -193,3 +193,81 @@ def diff(before: Any, after: Any, path: list[str | int] | None = None) -> list[S
             changes.extend(diff(old, new, [*path, index]))
         return changes
     return [StateChange(path=path, before=before, after=after)]
+
+
+def changes_since(initial: dict[str, Any], current: dict[str, Any]) -> list[StateChange]:
+    """What turns ``initial`` into ``current``: a value set (``add``/``replace`` with ``after``) or removed per path.
+
+    Made for an episode's state over its scenario's shared one (``envscaler.overlay``): subtrees the
+    episode never copied are the same objects in both and are skipped by identity, so the cost follows
+    what the episode copied, not the size of the state. Containers are read from their raw storage
+    (an overlay's reads would make copies). A list whose length changed is sent whole.
+    """
+    changes: list[StateChange] = []
+    _walk([], initial, current, changes)
+    return changes
+
+
+def _walk(path: list[str | int], old: Any, new: Any, changes: list[StateChange]) -> None:
+    if new is old:
+        return
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key, value in dict.items(new):
+            before = dict.get(old, key, _ABSENT)
+            if before is _ABSENT:
+                changes.append(StateChange(path=[*path, key], after=_plain(value), op="add"))
+            else:
+                _walk([*path, key], before, value, changes)
+        if len(new) != len(old) or any(not dict.__contains__(new, key) for key in dict.__iter__(old)):
+            changes.extend(StateChange(path=[*path, key], op="remove") for key in dict.__iter__(old) if not dict.__contains__(new, key))
+        return
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        for index, (before, value) in enumerate(zip(list.__iter__(old), list.__iter__(new))):
+            _walk([*path, index], before, value, changes)
+        return
+    if type(old) is type(new) and not isinstance(new, (dict, list)) and old == new:
+        return
+    changes.append(StateChange(path=path, after=_plain(new)))
+
+
+def _plain(value: Any) -> Any:
+    """A plain deep copy of a JSON-shaped value, read from raw storage."""
+    if isinstance(value, dict):
+        return {key: _plain(child) for key, child in dict.items(value)}
+    if isinstance(value, list):
+        return [_plain(child) for child in list.__iter__(value)]
+    return value
+
+
+def apply_changes(initial: dict[str, Any], changes: list[StateChange]) -> dict[str, Any]:
+    """The state ``changes`` (from :func:`changes_since`) make of ``initial``, which is left as it is.
+
+    Only the containers on a changed path are copied; everything else is shared with ``initial``.
+    Raises ValueError when a path does not fit the state (the patch was made from another one).
+    """
+    root = dict(initial)
+    copied: set[int] = {id(root)}
+    for change in changes:
+        if not change.path:
+            raise ValueError("a change without a path")
+        parent: Any = root
+        for depth, key in enumerate(change.path[:-1]):
+            try:
+                child = parent[key]
+            except (KeyError, IndexError, TypeError):
+                raise ValueError(f"no value at {change.path[: depth + 1]}") from None
+            if id(child) not in copied:
+                if not isinstance(child, (dict, list)):
+                    raise ValueError(f"{change.path[: depth + 1]} holds no container")
+                child = parent[key] = type(child)(child)
+                copied.add(id(child))
+            parent = child
+        last = change.path[-1]
+        try:
+            if change.op == "remove":
+                del parent[last]
+            else:
+                parent[last] = change.after
+        except (KeyError, IndexError, TypeError):
+            raise ValueError(f"the change at {change.path} does not fit the state") from None
+    return root

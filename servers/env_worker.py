@@ -1,32 +1,33 @@
 """The environment worker: ``python -m servers.env_worker FD``, started by a server (``servers.worker_store``).
 
 Everything the environment's code does happens in this process: loading the class, constructors,
-tool calls, checks, and turning what they return into JSON. It runs the same engine as a server
-without a worker (``servers.episodes``: calls inline on the event loop within a budget, slow ones
-on call threads, each under its limit), but keeps no trajectory, holds no token and listens on no
-socket: it answers the server's requests on the inherited socket FD (``servers.worker_wire``).
+tool calls, and turning what they return into JSON. It runs the same engine as a server without a
+worker (``servers.episodes``: calls inline on the event loop within a budget, slow ones on call
+threads, each under its limit), but keeps no trajectory, holds no token, listens on no socket and
+runs no checks (``servers.check_worker`` does, on what this process says an episode changed): it
+answers the server's requests on the inherited socket FD (``servers.worker_wire``).
 
-The server kills this process (its whole process group) when an answer is overdue, and starts a
-new one; the episodes held here are then reported lost. So whatever the code does here (ignore
-SIGALRM, hold the GIL in a C loop, exit, crash, fork) costs at most the episodes of this worker.
+The server kills this process (its whole process group) when an answer is overdue, or when a call
+outlived its limit on a thread that cannot be stopped, and starts a new one, where it rebuilds the
+episodes held here from their calls. So whatever the code does here (ignore SIGALRM, hold the GIL in
+a C loop, exit, crash, fork) costs at most the call that did it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import socket
 import sys
 from typing import Any
 
-from envscaler import EnvCodeError, EnvRuntime, ToolOutcome, logs
+from envscaler import EnvCodeError, EnvRuntime, ToolOutcome
 from envscaler.errors import ChecklistError
 from envscaler.guard import keep_alarm_handler, protect_time_limits
-from envscaler.sandbox import die_with_parent
 from servers.episodes import EpisodeStore, LiveEpisode
 from servers.event_loop import loop_factory
 from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, UnknownEpisode, UnknownScenario
+from servers.worker_process import child_main
 from servers.worker_wire import (
     FAILED,
     HELLO_ID,
@@ -38,6 +39,7 @@ from servers.worker_wire import (
     WorkerOutcome,
     WorkerRequest,
     WorkerSettings,
+    EpisodeFinal,
     decode,
     frame,
     outcome_digest,
@@ -127,8 +129,12 @@ class WorkerLink(asyncio.Protocol):
         if request.op == "replay":
             await self.replay(request)
             return {}
-        if request.op == "validate":
-            return await store.validate(store.get(request.episode_id), request.checklist)
+        if request.op == "final":
+            return await self.final(store.get(request.episode_id))
+        if request.op == "initial":
+            live = store.get(request.episode_id)
+            assert live.episode is not None
+            return live.episode.initial_state()
         if request.op == "state":
             return await store.state(store.get(request.episode_id))
         if request.op == "end":
@@ -137,6 +143,21 @@ class WorkerLink(asyncio.Protocol):
             return {}
         return await store.stats()  # stats
 
+
+    async def final(self, live: LiveEpisode) -> EpisodeFinal:
+        """The episode's state as its checks will see it (under the call limit: a private state's
+        conversion to JSON may run environment code, a ``__repr__``)."""
+        episode = live.episode
+        assert episode is not None
+
+        def read() -> EpisodeFinal:
+            changes = episode.changes()
+            if changes is None:
+                return EpisodeFinal(state_hash=episode.state_hash(), final=episode.state(), initial=episode.initial_state())
+            return EpisodeFinal(state_hash=episode.state_hash(), initial_hash=episode.initial_hash(), changes=changes)
+
+        async with live.lock:
+            return await self.store.runner.run(read, self.store.runtime.call_timeout_s)
 
     async def build(self, request: WorkerRequest) -> LiveEpisode:
         """The episode built from the request's scenario (or init_config), new or in place of the one held."""
@@ -222,15 +243,7 @@ def run_worker(sock: socket.socket) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: ``python -m servers.env_worker FD`` (FD: the server's end of a socket pair)."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1 or not args[0].isdigit():
-        print("usage: python -m servers.env_worker FD  (started by an environment server, not by hand)", file=sys.stderr)
-        return 2
-    die_with_parent(signal.SIGKILL)  # even stuck in a C loop that would not notice its socket close
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server stops us; a terminal's Ctrl-C goes to it
-    logs.configure("warning")
-    run_worker(socket.socket(fileno=int(args[0])))
-    return 0
+    return child_main("servers.env_worker", run_worker, argv)
 
 
 if __name__ == "__main__":

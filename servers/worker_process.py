@@ -31,9 +31,9 @@ from collections.abc import Callable
 
 from pydantic import BaseModel
 
-from envscaler import EnvCodeError
+from envscaler import EnvCodeError, logs
 from envscaler.errors import ChecklistError
-from envscaler.sandbox import clean_environment, make_undumpable, sandboxed
+from envscaler.sandbox import clean_environment, die_with_parent, make_undumpable, sandboxed
 from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, UnknownEpisode, UnknownScenario
 from servers.worker_wire import FAILED, HELLO_ID, FrameReader, FrameTooLarge, InlineMark, WorkerFailure, decode, frame, recv_frame
 
@@ -154,11 +154,12 @@ class WorkerProcess:
     subject of the request the child runs on its event loop: a request is asked about a subject (an
     episode id), and when the child freezes or dies, the first request about the marked subject is
     the one to blame. The first child starts here, before any event loop: :attr:`hello` is its
-    first frame. Later ones start on the loop, when a request finds the last one gone.
+    first frame (with ``lazy``, there is no first child and no hello: the first request starts one).
+    Later ones start on the loop, when a request finds the last one gone.
     """
 
     def __init__(self, module: str, settings: BaseModel, *, role: str, sandbox: bool, on_lost: Callable[[str], None],
-                 mark: InlineMark | None = None) -> None:
+                 mark: InlineMark | None = None, lazy: bool = False) -> None:
         self.module = module
         self.settings = settings
         self.role = role
@@ -167,8 +168,11 @@ class WorkerProcess:
         self.mark = mark
         self.restarts = 0
         make_undumpable()
-        self._child = self._spawn()
-        self.hello = self._child.read_hello(START_TIMEOUT_S, role)
+        self._child: _Child | None = None
+        self.hello = b""
+        if not lazy:
+            self._child = self._spawn()
+            self.hello = self._child.read_hello(START_TIMEOUT_S, role)
         self._starting: asyncio.Future[_Child] | None = None
         # request id -> what waits for it, in the order sent
         self._pending: dict[int, _Pending] = {}
@@ -182,14 +186,9 @@ class WorkerProcess:
         return _Child(self.module, self.settings, self.sandbox, () if self.mark is None else (self.mark.fd,))
 
     @property
-    def pid(self) -> int:
-        """The current child's process id (bubblewrap's, when sandboxed)."""
-        return self._child.process.pid
-
-    @property
     def alive(self) -> bool:
-        """Whether the current child is up (a request may still have to start a new one)."""
-        return not self._child.gone
+        """Whether a child is up (a request may still have to start a new one)."""
+        return self._child is not None and not self._child.gone
 
     async def ask(self, request: BaseModel, limit_s: float, what: str, subject: str = "") -> bytes:
         """The child's answer to ``request`` (about ``subject``): raises the error it reports, or WorkerGone."""
@@ -221,18 +220,19 @@ class WorkerProcess:
     def restart(self, reason: str) -> None:
         """Replace the child though it answers (it runs code that cannot be stopped otherwise); what
         waits on it was only caught up in this."""
-        self.lose(self._child, reason, blamed_id=-1)
+        if self._child is not None:
+            self.lose(self._child, reason, blamed_id=-1)
 
     def close(self) -> None:
         """Stop the child (the server is shutting down)."""
-        if not self._child.gone:
+        if self._child is not None and not self._child.gone:
             self._child.kill()
 
     # -- the child's life ------------------------------------------------------------------------
 
     async def _ready(self) -> _Child:
         child = self._child
-        if child.link is not None and not child.gone:
+        if child is not None and child.link is not None and not child.gone:
             return child
         starting = self._starting
         if starting is None or (starting.done() and (starting.cancelled() or starting.exception() is not None or starting.result().gone)):
@@ -241,17 +241,19 @@ class WorkerProcess:
 
     async def _attach(self) -> _Child:
         loop = asyncio.get_running_loop()
-        fresh = self._child.gone
+        fresh = self._child is None or self._child.gone
         if fresh:
+            if self._child is not None:
+                self.restarts += 1
             self._child = self._spawn()  # on the loop's thread: PDEATHSIG follows the thread that forks
-            self.restarts += 1
         child = self._child
         _, child.link = await loop.connect_accepted_socket(lambda: _Link(self, child), sock=child.sock)
         if fresh:
             status, payload = await self._wait(HELLO_ID, START_TIMEOUT_S, START_TIMEOUT_S, "its start", "")
             if status == FAILED:
                 raise EnvCodeError(decode(WorkerFailure, payload).message)
-            log.warning(f"{self.role} restarted", extra={"restarts": self.restarts})
+            if self.restarts:
+                log.warning(f"{self.role} restarted", extra={"restarts": self.restarts})
         return child
 
     def lose(self, child: _Child, reason: str, hung: bool = False, blamed_id: int | None = None) -> None:
@@ -291,8 +293,9 @@ class WorkerProcess:
         if overdue:
             culprit = self._culprit()
             late = self._pending[culprit] if culprit is not None else min(overdue, key=lambda pending: pending.deadline)
-            self.lose(self._child, f"the {self.role} did not answer {late.what} within {late.limit_s:g} s and was restarted",
-                      hung=True, blamed_id=culprit if culprit is not None else -1)
+            if self._child is not None:
+                self.lose(self._child, f"the {self.role} did not answer {late.what} within {late.limit_s:g} s and was restarted",
+                          hung=True, blamed_id=culprit if culprit is not None else -1)
         if self._pending:
             asyncio.get_running_loop().call_later(_TICK_S, self._supervise)
         else:
@@ -309,6 +312,19 @@ class WorkerProcess:
             return await pending.future
         finally:
             self._pending.pop(request_id, None)
+
+
+def child_main(module: str, serve: Callable[[socket.socket], None], argv: list[str] | None = None) -> int:
+    """A child's entry point, ``python -m module FD``: ``serve`` the server's end of the socket pair at FD."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or not args[0].isdigit():
+        print(f"usage: python -m {module} FD  (started by an environment server, not by hand)", file=sys.stderr)
+        return 2
+    die_with_parent(signal.SIGKILL)  # even stuck in a C loop that would not notice its socket close
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server stops us; a terminal's Ctrl-C goes to it
+    logs.configure("warning")
+    serve(socket.socket(fileno=int(args[0])))
+    return 0
 
 
 class _Pending:

@@ -3,7 +3,10 @@
 The server keeps what has to outlive the environment's code: the HTTP and MCP surface, the token, the
 episode ids and their trajectories. The environment's code (loading, constructors, tool calls, and
 the JSON of what they return) runs in a worker process (``servers.env_worker``) that a
-:class:`servers.worker_process.WorkerProcess` starts, watches and replaces.
+:class:`servers.worker_process.WorkerProcess` starts, watches and replaces. The checks run in a
+second one (``servers.check_worker``) that environment code never reaches, on what the environment
+worker says the episode changed since its scenario's initial state: a call cannot patch the checker
+and so decide its own reward.
 
 When a worker is killed (it froze past a deadline, or a call outlived its limit on a thread that
 could not be stopped) or dies, nothing else is lost: each episode it held is rebuilt in the new
@@ -17,16 +20,31 @@ environment is not deterministic), or a call of it ran past its limit (what it d
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any
 
 from envscaler import Bundle, EnvCodeError, Episode, Scenario, ToolOutcome, ValidationResult
+from envscaler.checks import score
+from envscaler.errors import ChecklistError
 from envscaler.models import CheckItem, ToolAnnotations, ToolSchema
 from servers.episodes import ABANDON_GRACE_S, CallStats, EpisodeRegistry, LiveEpisode, checks_limit_s
 from servers.errors import CallAbandoned, EpisodeLost, UnknownEpisode
 from servers.worker_process import WorkerGone, WorkerProcess
-from servers.worker_wire import InlineMark, ReplayCall, WorkerHello, WorkerOutcome, WorkerRequest, WorkerSettings, decode
+from servers.worker_wire import (
+    CheckerSettings,
+    CheckRequest,
+    CheckResults,
+    EpisodeFinal,
+    InlineMark,
+    ReplayCall,
+    WorkerHello,
+    WorkerOutcome,
+    WorkerRequest,
+    WorkerSettings,
+    decode,
+)
 
 log = logging.getLogger("envscaler.server")
 
@@ -52,6 +70,10 @@ class WorkerEpisodeStore(EpisodeRegistry):
         mark = InlineMark()
         self.settings = settings = settings.model_copy(update={"mark_fd": mark.fd})
         self.worker = WorkerProcess("servers.env_worker", settings, role=ROLE, sandbox=sandbox, on_lost=self._worker_lost, mark=mark)
+        check_mark = InlineMark()
+        self.checker = WorkerProcess("servers.check_worker", CheckerSettings(check_timeout_s=settings.check_timeout_s, mark_fd=check_mark.fd),
+                                     role="check worker", sandbox=sandbox, on_lost=self._checker_lost, mark=check_mark, lazy=True)
+        self._checking = asyncio.Lock()
         hello = decode(WorkerHello, self.worker.hello)
         self._tools, self._annotations = hello.tools, hello.annotations
         self._histories: dict[str, _History] = {}
@@ -73,6 +95,9 @@ class WorkerEpisodeStore(EpisodeRegistry):
             self._stale[episode_id] = reason
         log.error("environment worker lost; its episodes are rebuilt as they are used",
                   extra={"env": self.env_id, "reason": reason, "episodes": len(held)})
+
+    def _checker_lost(self, reason: str) -> None:
+        log.error("check worker lost", extra={"env": self.env_id, "reason": reason})
 
     async def _ensure_built(self, live: LiveEpisode) -> None:
         """Rebuild ``live`` in the current worker if its state went with a lost one (``live.lock`` is held);
@@ -206,18 +231,64 @@ class WorkerEpisodeStore(EpisodeRegistry):
         return reply.outcome
 
     async def _run_checks(self, live: LiveEpisode, checklist: list[CheckItem] | None) -> ValidationResult:
-        limit = checks_limit_s(live.checklist(checklist), self.settings.check_timeout_s)
+        items = live.checklist(checklist)
+        if not items:
+            raise ChecklistError("the scenario has no checklist, so it cannot be scored")
         await self._ensure_built(live)
         if live.lost is not None:
             raise EpisodeLost(f"episode {live.episode_id} is lost ({live.lost}); reset it to run its scenario again")
+        final = await self._final(live)
+        request = CheckRequest(episode_id=live.episode_id, checklist=items, initial_key=final.initial_hash, changes=final.changes,
+                               final=final.final, initial=final.initial)
+        results = await self._check(request)
+        if results.missing_initial:
+            request.initial = await self._initial(live)
+            results = await self._check(request)
+        return ValidationResult(score=score(results.checks), checks=results.checks, state_hash=final.state_hash,
+                                check_errors=sum(r.error is not None for r in results.checks))
+
+    async def _final(self, live: LiveEpisode) -> EpisodeFinal:
+        """The episode's final state, as the environment worker tells it to the checks."""
+        request = WorkerRequest(op="final", episode_id=live.episode_id)
+        what = f"the final state of episode {live.episode_id}"
+        for attempt in (1, 2):
+            try:
+                return decode(EpisodeFinal, await self.worker.ask(request, self.settings.call_timeout_s, what, live.episode_id))
+            except WorkerGone as e:
+                if attempt == 2 or e.blamed:
+                    raise EnvCodeError(f"{self.env_id}: {e}") from None
+                await self._ensure_built(live)
+                if live.lost is not None:
+                    raise EpisodeLost(f"episode {live.episode_id} is lost ({live.lost}); reset it to run its scenario again") from None
+            except (ValueError, RecursionError):
+                raise EnvCodeError(f"{self.env_id}: the environment worker answered {what} with a malformed state") from None
+        raise AssertionError("unreachable")
+
+    async def _initial(self, live: LiveEpisode) -> dict[str, Any]:
+        what = f"the initial state of episode {live.episode_id}"
         try:
-            payload = await self.worker.ask(WorkerRequest(op="validate", episode_id=live.episode_id, checklist=checklist), limit, "the checks",
-                                            live.episode_id)
-            return decode(ValidationResult, payload)
-        except WorkerGone:
-            raise CallAbandoned() from None
+            initial = json.loads(await self.worker.ask(WorkerRequest(op="initial", episode_id=live.episode_id),
+                                                       self.settings.call_timeout_s, what, live.episode_id))
+        except WorkerGone as e:
+            raise EnvCodeError(f"{self.env_id}: {e}") from None
         except (ValueError, RecursionError):
-            raise EnvCodeError(f"{self.env_id}: the environment worker answered the checks with a malformed result") from None
+            raise EnvCodeError(f"{self.env_id}: the environment worker answered {what} with malformed JSON") from None
+        if not isinstance(initial, dict):
+            raise EnvCodeError(f"{self.env_id}: the environment worker answered {what} with no object")
+        return initial
+
+    async def _check(self, request: CheckRequest) -> CheckResults:
+        """The check worker's verdicts, one request at a time (a request's deadline runs from when it is sent)."""
+        limit = checks_limit_s(request.checklist, self.settings.check_timeout_s)
+        async with self._checking:
+            try:
+                payload = await self.checker.ask(request, limit, f"the checks of episode {request.episode_id}", request.episode_id)
+            except WorkerGone:
+                raise CallAbandoned() from None
+        try:
+            return decode(CheckResults, payload)
+        except (ValueError, RecursionError):
+            raise EnvCodeError(f"{self.env_id}: the check worker answered with a malformed result") from None
 
     def _release(self, live: LiveEpisode) -> None:
         self._histories.pop(live.episode_id, None)
@@ -226,5 +297,6 @@ class WorkerEpisodeStore(EpisodeRegistry):
             self.worker.tell(WorkerRequest(op="end", episode_id=live.episode_id))
 
     def close(self) -> None:
-        """Stop the worker (the server is shutting down)."""
+        """Stop the workers (the server is shutting down)."""
         self.worker.close()
+        self.checker.close()

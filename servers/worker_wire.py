@@ -22,7 +22,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from envscaler.models import Bundle, CheckItem, ToolAnnotations, ToolOutcome, ToolSchema
+from envscaler.models import Bundle, CheckItem, CheckResult, StateChange, ToolAnnotations, ToolOutcome, ToolSchema
 from servers.asgi import json_bytes
 
 M = TypeVar("M", bound=BaseModel)
@@ -36,7 +36,7 @@ MAX_FRAME_BYTES = 256 * 1024 * 1024
 HELLO_ID = 0
 """The request id of the worker's first frame (:class:`WorkerHello`), sent unasked once it is ready."""
 
-Operation = Literal["create", "call", "replay", "validate", "state", "end", "stats"]
+Operation = Literal["create", "call", "replay", "final", "initial", "state", "end", "stats"]
 
 
 class WorkerSettings(BaseModel):
@@ -83,6 +83,47 @@ class WorkerRequest(BaseModel):
     arguments: Any = None
     checklist: list[CheckItem] | None = None
     calls: list[ReplayCall] = []
+
+
+class EpisodeFinal(BaseModel):
+    """The answer to ``final``: the state's hash, and the state as the checks will see it.
+
+    An episode on its scenario's shared state sends what it changed (``changes``) and the hash of the
+    initial state it changed (the check worker keeps initial states by it); a private one sends both
+    states whole.
+    """
+
+    state_hash: str
+    initial_hash: str | None = None
+    changes: list[StateChange] | None = None
+    final: dict[str, Any] | None = None
+    initial: dict[str, Any] | None = None
+
+
+class CheckerSettings(BaseModel):
+    """What the check worker is told when it starts."""
+
+    check_timeout_s: float
+    mark_fd: int | None = None
+
+
+class CheckRequest(BaseModel):
+    """One episode's checks, for the check worker: the final state is ``final``, or ``changes`` made to
+    the initial state ``initial_key`` (sent in ``initial`` when the check worker does not hold it)."""
+
+    episode_id: str
+    checklist: list[CheckItem]
+    initial_key: str | None = None
+    initial: dict[str, Any] | None = None
+    changes: list[StateChange] | None = None
+    final: dict[str, Any] | None = None
+
+
+class CheckResults(BaseModel):
+    """The check worker's answer: each check's verdict, or that it needs the initial state sent."""
+
+    checks: list[CheckResult] = []
+    missing_initial: bool = False
 
 
 class WorkerOutcome(BaseModel):

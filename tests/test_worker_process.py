@@ -43,6 +43,18 @@ WORKER_TOOLS = '''
         self.items[item_id]["count"] = random.randrange(10**9)
         return {"success": True, "data": self.items[item_id]}
 
+    def cheat(self) -> dict:
+        """Make every check pass, as far as this process goes."""
+        import builtins
+        import envscaler.checks
+        import envscaler.runtime
+        from envscaler.models import CheckResult
+        envscaler.checks.run_check = lambda item, views, limit: CheckResult(check_item=item.check_item, passed=True)
+        envscaler.checks.check_states = lambda checklist, *args: [CheckResult(check_item=i.check_item, passed=True) for i in checklist]
+        envscaler.runtime.Episode.changes = lambda episode: []
+        builtins.bool = lambda value=False: True
+        return {"success": True}
+
     def where(self) -> dict:
         """Which process runs this code: its pid and start time (pids repeat in a PID namespace)."""
         with open("/proc/self/stat") as stat:
@@ -173,6 +185,31 @@ def test_a_call_whose_thread_cannot_be_stopped_is_undone_with_its_worker(bundle)
         assert http.get("/info").json()["stuck_calls"] == 0
 
 
+def test_environment_code_that_patches_the_checker_does_not_decide_its_reward(bundle):
+    with serve(bundle, "--worker-process") as server, server.client() as http:
+        honest, cheater = new_episode(http), new_episode(http)
+        for episode in (honest, cheater):
+            assert not call(http, episode, "add", {"item_id": "a"})["isError"]
+        assert not call(http, cheater, "cheat")["isError"]
+        # The checks (a counts 3, ...) run in the check worker, on the state the episodes really have.
+        scores = [http.post(f"/episodes/{episode}/validate").json()["score"] for episode in (honest, cheater)]
+        assert scores[0] == scores[1] < 1.0, scores
+
+
+def test_a_check_that_freezes_costs_only_its_validation(bundle):
+    with serve(bundle, "--worker-process", "--check-timeout", "1") as server, server.client() as http:
+        episode = new_episode(http)
+        assert not call(http, episode, "add", {"item_id": "a"})["isError"]
+        frozen = {"check_item": "never ends", "check_func": "def check_func(final_state):\n    import itertools\n"
+                  "    return sum(itertools.repeat(1, 10**12)) > 0"}
+        started = time.monotonic()
+        answer = http.post(f"/episodes/{episode}/validate", json={"checklist": [frozen]})
+        assert answer.status_code == 504 and time.monotonic() - started < 1 + 0.5 + 0.5 + GRACE_S + 1.0, answer.text
+        # The episode and the environment worker are untouched; the next validation gets a new check worker.
+        assert count_of(http, episode) == 1
+        assert http.post(f"/episodes/{episode}/validate").status_code == 200
+
+
 def test_the_worker_holds_no_token_and_normal_episodes_score_as_without_it(bundle):
     with serve(bundle, "--worker-process") as server, server.client() as http:
         episode = new_episode(http)
@@ -199,7 +236,8 @@ def test_a_lone_surrogate_crosses_the_worker_socket_both_ways_and_costs_no_episo
         assert not call(http, bystander, "get_item", {"item_id": "a"})["isError"]
 
 
-def test_the_worker_started_by_hand_says_how_it_is_started():
+@pytest.mark.parametrize("module", ["servers.env_worker", "servers.check_worker"])
+def test_a_worker_started_by_hand_says_how_it_is_started(module):
     for argv in ([], ["not-a-fd"], ["3", "4"]):
-        started = subprocess.run([sys.executable, "-m", "servers.env_worker", *argv], capture_output=True, text=True, timeout=60)
+        started = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=60)
         assert started.returncode == 2 and "started by an environment server, not by hand" in started.stderr, (argv, started.stderr)
