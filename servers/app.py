@@ -84,9 +84,9 @@ class ServerConfig(BaseModel):
     openenv: OpenEnvConfig | None = None
     # Set when this server is one replica of many: episode ids then name it (servers.episode_ids).
     replica_id: str | None = Field(default=None, pattern=REPLICA_ID_PATTERN)
-    # Environment code in a worker process that is killed and restarted when it freezes (servers.worker_store),
-    # inside the bubblewrap sandbox when ``worker_sandbox``.
-    worker_process: bool = False
+    # Environment code in a worker process that is killed and replaced when it freezes (servers.worker_store),
+    # inside the bubblewrap sandbox when ``worker_sandbox``; else in this process (``serve --in-process``).
+    worker_process: bool = True
     worker_sandbox: bool = False
 
 
@@ -325,7 +325,7 @@ class EnvServerApp:
             call_threads=stats.call_threads,
             threaded_tools=stats.threaded_tools,
             expired_episodes=self.store.expired,
-            memory=memory_status(),
+            memory=stats.memory or memory_status(),
             worker_restarts=stats.worker_restarts,
             episodes_rebuilt=stats.episodes_rebuilt,
             episodes_lost=stats.episodes_lost,

@@ -49,10 +49,12 @@ def _serve(args: argparse.Namespace) -> int:
         raise EnvScalerError(f"serve: {problems}") from None
     logs.configure(args.log_level)
     problem = sandbox_problem() if args.sandbox else "--no-sandbox"
-    if problem is None and config.worker_process:
-        # This process holds only the surface; each worker it starts is sandboxed.
-        serve(args.env_dir, args.host, args.port, config.model_copy(update={"worker_sandbox": True}), announce_token=generated,
-              heartbeat=args.stop_when_stale)
+    if config.worker_process:
+        # This process runs no environment code: the workers it starts are what the sandbox holds.
+        if problem is not None:
+            warn_unprotected(problem)
+        serve(args.env_dir, args.host, args.port, config.model_copy(update={"worker_sandbox": problem is None}),
+              announce_token=generated, heartbeat=args.stop_when_stale)
         return 0
     if problem is None:
         serve_in_sandbox(args.env_dir, args.host, args.port, config, announce_token=generated, heartbeat=args.stop_when_stale,
@@ -97,7 +99,7 @@ def _config(args: argparse.Namespace, token: str) -> ServerConfig:
             max_steps=args.openenv_max_steps,
         ),
         replica_id=new_replica_id() if args.replica_id == "auto" else args.replica_id,
-        worker_process=args.worker_process,
+        worker_process=not args.in_process,
     )
 
 
@@ -160,10 +162,12 @@ def register_serve(commands: Any) -> None:
     parser.add_argument("--replica-id", metavar="ID",
                         help="this server is one replica of many: prefix episode ids with ID ('auto': a fresh random one) "
                              "so that a gateway can route each episode to the replica holding it")
-    parser.add_argument("--worker-process", action="store_true",
-                        help="run the environment's code in a worker process (sandboxed where bwrap works) apart from the "
-                        "HTTP surface, the token and the trajectories; a worker that freezes or dies is killed and restarted, "
-                        "and the episodes it held are reported lost (410), never scored")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run the environment's code in this server's own process: one socket hop less per call, but "
+                        "a call that freezes it (a C loop) or ends it takes the server and every episode with it, and "
+                        "the code shares a process with the token. By default it runs in a worker process (sandboxed "
+                        "where bwrap works) that the server kills and replaces when it must, rebuilding its episodes "
+                        "there from their calls, and the checks run in another one that environment code never reaches")
     parser.add_argument("--stop-when-stale", metavar="FILE",
                         help="stop once FILE has not been touched for 15 s (a farm's heartbeat: no server outlives its daemon)")
     parser.add_argument("--no-sandbox", dest="sandbox", action="store_false",

@@ -26,6 +26,7 @@ from envscaler.errors import ChecklistError
 from envscaler.guard import keep_alarm_handler, protect_time_limits
 from servers.episodes import EpisodeStore, LiveEpisode
 from servers.event_loop import loop_factory
+from servers.memory import memory_status
 from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, UnknownEpisode, UnknownScenario
 from servers.worker_process import child_main
 from servers.worker_wire import (
@@ -141,7 +142,8 @@ class WorkerLink(asyncio.Protocol):
             if request.episode_id in store.episodes:
                 store.end(request.episode_id)
             return {}
-        return await store.stats()  # stats
+        stats = await store.stats()  # stats: with the memory the episodes live in
+        return stats.model_copy(update={"memory": memory_status()})
 
 
     async def final(self, live: LiveEpisode) -> EpisodeFinal:

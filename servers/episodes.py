@@ -29,7 +29,7 @@ from pydantic import BaseModel
 from envscaler import Bundle, EnvCodeError, EnvRuntime, Episode, Scenario, ToolOutcome, ValidationResult
 from envscaler.guard import Preempted, can_preempt
 from envscaler.models import CheckItem, ToolAnnotations, ToolSchema
-from envscaler.wire import Trajectory
+from envscaler.wire import MemoryStatus, Trajectory
 from servers.asgi import json_bytes
 from servers.calls import CallRunner
 from servers.episode_ids import new_episode_id
@@ -59,6 +59,8 @@ class CallStats(BaseModel):
     threaded_tools: list[str]
     # Why no new call could run now (``/healthz`` answers 503 with it), or None.
     capacity_problem: str | None = None
+    # Memory where the episodes live, when that is not the server's own process (a worker's).
+    memory: MemoryStatus | None = None
     # With a worker process (servers.worker_store): its replacements, and the episodes rebuilt or lost.
     worker_restarts: int | None = None
     episodes_rebuilt: int | None = None

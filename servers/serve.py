@@ -24,7 +24,7 @@ from pydantic import BaseModel
 
 from envscaler import EnvScalerError, load_bundle, logs
 from envscaler.guard import keep_alarm_handler, protect_time_limits
-from envscaler.sandbox import clean_environment, sandboxed
+from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment, sandboxed
 from servers.app import EnvServerApp, ServerConfig
 from servers.event_loop import loop_factory
 from servers.http_server import HttpServer
@@ -60,8 +60,6 @@ class SandboxedServe(BaseModel):
     openenv_listen_fd: int | None = None
 
 
-# A farm's processes carry its id in this variable: ``farm down`` finds them by it.
-FARM_ID_VARIABLE = "ENVSCALER_FARM_ID"
 _SANDBOX_PASSES = (READY_FD_VARIABLE, FARM_ID_VARIABLE, "MALLOC_ARENA_MAX")
 
 

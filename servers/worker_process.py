@@ -2,10 +2,11 @@
 
 The server keeps what has to outlive untrusted code (the HTTP and MCP surface, the token, the
 episode ids, the trajectories) and asks a :class:`WorkerProcess` for the rest: the environment's code
-(``servers.env_worker``) or the checks (``servers.check_worker``). The process is started in its own
-process group (what it forks dies with it), in the bubblewrap sandbox where asked, with a clean
-environment; its settings arrive as its first frame, never through argv or the environment, and the
-server is made undumpable so that the child cannot read the token from the server's memory.
+(``servers.env_worker``) or the checks (``servers.check_worker``). The process is started in the
+server's process group (a farm that kills the server's group kills it and what it forked), in the
+bubblewrap sandbox where asked, with a clean environment; its settings arrive as its first frame,
+never through argv or the environment, and the server is made undumpable so that the child cannot
+read the token from the server's memory.
 
 Every request has a deadline: its own limit plus ``GRACE_S``. A child that misses one is frozen (SIGALRM
 ignored and a loop, the GIL held by a C loop, a catastrophic regex), and one whose socket closes has
@@ -95,13 +96,13 @@ class _Child:
         ours, theirs = socket.socketpair()
         self.sock = ours
         command = [sys.executable, "-m", module, str(theirs.fileno())]
-        # Its own process group: what it forks dies with it. Whatever it reads comes over the socket: no path is readable.
+        # In the server's process group: whatever kills the server's group (a farm restarting or stopping
+        # it) takes the child and what it forked. Whatever it reads comes over the socket: no path is readable.
         with contextlib.ExitStack() as stack:
             fds: tuple[int, ...] = ()
             if sandbox:
                 command, fds = stack.enter_context(sandboxed(command, readable=[]))
-            self.process = subprocess.Popen(command, pass_fds=[theirs.fileno(), *inherited, *fds], env=clean_environment(),
-                                            start_new_session=True)
+            self.process = subprocess.Popen(command, pass_fds=[theirs.fileno(), *inherited, *fds], env=clean_environment())
         theirs.close()
         ours.sendall(frame(0, settings))
         self.link: _Link | None = None
@@ -135,9 +136,10 @@ class _Child:
             self.link.transport.write(data)
 
     def kill(self) -> None:
+        # In the sandbox the process is bubblewrap: its PID namespace, and all in it, dies with it.
         self.gone = True
         try:
-            os.killpg(self.process.pid, signal.SIGKILL)
+            os.kill(self.process.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         self.process.wait()
@@ -321,7 +323,8 @@ def child_main(module: str, serve: Callable[[socket.socket], None], argv: list[s
         print(f"usage: python -m {module} FD  (started by an environment server, not by hand)", file=sys.stderr)
         return 2
     die_with_parent(signal.SIGKILL)  # even stuck in a C loop that would not notice its socket close
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server stops us; a terminal's Ctrl-C goes to it
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)  # sent to the server's group: the server stops us once it has stopped
     logs.configure("warning")
     serve(socket.socket(fileno=int(args[0])))
     return 0

@@ -15,7 +15,7 @@ import pytest
 from envscaler import default_catalog, load_bundle
 from servers.farm.teardown import farm_processes
 from tests.support.cli import envscaler
-from tests.support.farm import bundled_farm, read_state
+from tests.support.farm import bundled_farm, farm_members, read_state
 from tests.support.gateway import replay_through_gateway
 
 ENVS = ["library_circulation", "online_retail", "it_helpdesk"]
@@ -93,12 +93,12 @@ def test_down_leaves_nothing_also_after_kill_9_of_the_daemon(tmp_path):
     up = envscaler("farm", "up", str(default_catalog() / "library_circulation"), "--backend", "process", "--catalog", str(catalog))
     assert up.returncode == 0, up.stderr
     state = read_state(catalog)
-    processes = set(farm_processes(state["farm_id"]))
-    assert {state["daemon_pid"], state["envs"]["library_circulation"]["pid"]} <= processes
-    # The server in its sandbox (bubblewrap, its init, the server) or the zygote it was forked from and
-    # the server, and haproxy in front of the gateway (a master and a worker).
-    server = 3 if state["sandbox"] else 2
-    assert len(processes) == 1 + server + (2 if state["gateway_proxy"].startswith("haproxy") else 0)
+    # The daemon, the zygote the server was forked from, the server and its environment worker (in the
+    # sandbox, with bubblewrap's two), haproxy in front of the gateway (a master and a worker): nothing else.
+    members = farm_members(state)
+    assert members["daemon"] == [state["daemon_pid"]] and members["server"] == [state["envs"]["library_circulation"]["pid"]]
+    assert len(members["zygote"]) == 1 and len(members["under a server"]) == (3 if state["sandbox"] else 1), members
+    assert len(members["haproxy"]) == (2 if state["gateway_proxy"].startswith("haproxy") else 0) and not members["stray"], members
     os.kill(state["daemon_pid"], signal.SIGKILL)
     down = envscaler("farm", "down", "--catalog", str(catalog))
     assert down.returncode == 0

@@ -13,7 +13,7 @@ import pytest
 
 from servers.farm.teardown import farm_processes
 from tests.support.cli import envscaler
-from tests.support.farm import catalog_copies, gateway_only_catalog, read_state
+from tests.support.farm import catalog_copies, farm_members, gateway_only_catalog, read_state
 
 ENVS = 100
 # Each server is probed every 2 s; three misses in a row make it hung.
@@ -99,10 +99,12 @@ def test_a_hung_server_is_restarted_and_reported(big_farm):
 def test_down_leaves_nothing_behind(big_farm):
     state = read_state(big_farm)
     groups = [r["pid"] for r in state["envs"].values()]
-    # The daemon, the servers in their sandboxes (bubblewrap, its init, the server) or the servers and the
-    # zygote they were forked from, and haproxy's master and worker in front.
-    servers = 3 * ENVS if state["sandbox"] else ENVS + 1
-    assert len(farm_processes(state["farm_id"])) == 1 + servers + (2 if state["gateway_proxy"].startswith("haproxy") else 0)
+    # The daemon, the zygote the servers were forked from, the servers and their workers, haproxy's
+    # master and worker in front: nothing else.
+    members = farm_members(state)
+    assert len(members["daemon"]) == 1 and len(members["zygote"]) == 1 and sorted(members["server"]) == sorted(groups)
+    assert len(members["under a server"]) >= ENVS and not members["stray"], members["stray"]
+    assert len(members["haproxy"]) == (2 if state["gateway_proxy"].startswith("haproxy") else 0)
     down = envscaler("farm", "down", "--catalog", str(big_farm), timeout=120)
     assert down.returncode == 0, down.stderr
     assert farm_processes(state["farm_id"]) == []

@@ -50,7 +50,8 @@ def test_hostile_tools_fail_and_are_reported_while_other_environments_keep_answe
     assert "without a sandbox" not in up.stderr
     try:
         attacks = common_attacks(catalog, victim)
-        attacks["write", json.dumps({"path": str(hostile / "env.json")})] = "Read-only file system"
+        # Its own bundle is not even visible to the environment worker: it came over the worker's socket.
+        attacks["write", json.dumps({"path": str(hostile / "env.json")})] = "No such file"
         attack(catalog, "hostile", "counter", attacks)
         with httpx.Client(timeout=60) as http:
             endpoint = json.loads(catalog.read_text())["envs"]["hostile"]

@@ -235,9 +235,11 @@ async def test_a_tool_sent_to_a_call_thread_is_tried_inline_again_later(counter_
     assert state["items"]["a"]["count"] == 3 and state["log"] == ["add a 1"] * 3  # each call ran once
 
 
-async def test_a_call_that_swallows_every_interruption_does_not_take_the_server_down(counter_dir):
-    # Its own server: the endless loop keeps one worker thread busy for the rest of the process.
-    with serve(counter_dir, "--call-timeout", "0.5") as server:
+@pytest.mark.parametrize("mode", ["in-process", "worker"])
+async def test_a_call_that_swallows_every_interruption_does_not_take_the_server_down(counter_dir, mode):
+    # Its own server: in-process, the endless loop keeps one call thread busy for the rest of the
+    # process; with a worker, the worker is replaced and the episode goes on from before the call.
+    with serve(counter_dir, "--call-timeout", "0.5", *(["--in-process"] if mode == "in-process" else [])) as server:
         stuck = create(server, scenario_id="counter_001")
         other = create(server, scenario_id="counter_001")
         started = time.monotonic()
@@ -252,7 +254,14 @@ async def test_a_call_that_swallows_every_interruption_does_not_take_the_server_
             assert not (await client.call_tool("add", {"item_id": "a"})).is_error
         with server.client() as control:
             assert control.get("/healthz").status_code == 200
-            assert control.get("/info").json()["stuck_calls"] == 1
+            info = control.get("/info").json()
+        if mode == "in-process":
+            assert info["stuck_calls"] == 1
+        else:
+            assert info["stuck_calls"] == 0 and info["worker_restarts"] == 1
+            http, client = await mcp_session(stuck["mcp_url"])
+            async with http, client:
+                assert not (await client.call_tool("add", {"item_id": "a"})).is_error
 
 
 async def test_errors_come_back_as_tool_results(counter_server):
@@ -529,7 +538,8 @@ def test_a_server_tells_its_supervisor_it_listens_through_the_ready_pipe(tmp_pat
 
 
 def test_a_server_whose_call_threads_are_all_stuck_says_so_on_healthz(counter_dir):
-    with serve(counter_dir, "--workers", "2", "--call-timeout", "0.5") as server, server.client() as http:
+    # In-process (a worker process would be replaced at the first stuck thread: tests/test_worker_process.py).
+    with serve(counter_dir, "--in-process", "--workers", "2", "--call-timeout", "0.5") as server, server.client() as http:
         assert http.get("/healthz").json()["status"] == "ok"
         calls = []
         for _ in range(2):

@@ -1,4 +1,4 @@
-"""``envscaler serve --worker-process``: environment code in a worker process that the server kills.
+"""``envscaler serve``: environment code in a worker process that the server kills.
 
 Real servers and real workers (sandboxed where bwrap works). A tool that holds the GIL in a C loop
 (the cooperative time limit cannot stop it), that ends its process, or whose thread cannot be
@@ -99,7 +99,7 @@ def count_of(http: httpx.Client, episode_id: str) -> int:
 
 
 def test_a_tool_that_holds_the_gil_costs_only_its_own_call(bundle):
-    with serve(bundle, "--worker-process", "--call-timeout", str(CALL_TIMEOUT_S)) as server, server.client() as http:
+    with serve(bundle, "--call-timeout", str(CALL_TIMEOUT_S)) as server, server.client() as http:
         bystander, attacker = new_episode(http), new_episode(http)
         for episode in (bystander, attacker):
             assert not call(http, episode, "add", {"item_id": "a"})["isError"]
@@ -132,7 +132,7 @@ def test_a_tool_that_holds_the_gil_costs_only_its_own_call(bundle):
 
 
 def test_an_episode_whose_calls_do_not_replay_the_same_is_reported_lost_never_scored(bundle):
-    with serve(bundle, "--worker-process", "--call-timeout", str(CALL_TIMEOUT_S)) as server, server.client() as http:
+    with serve(bundle, "--call-timeout", str(CALL_TIMEOUT_S)) as server, server.client() as http:
         random_one, steady = new_episode(http), new_episode(http)
         assert not call(http, random_one, "roll", {"item_id": "a"})["isError"]
         assert not call(http, steady, "add", {"item_id": "a"})["isError"]
@@ -154,7 +154,7 @@ def test_an_episode_whose_calls_do_not_replay_the_same_is_reported_lost_never_sc
 
 @pytest.mark.parametrize("flags", [(), ("--no-sandbox",)], ids=["sandboxed", "unsandboxed"])
 def test_a_worker_that_exits_costs_only_its_call_and_the_server_keeps_serving(bundle, flags):
-    with serve(bundle, "--worker-process", "--call-timeout", str(CALL_TIMEOUT_S), *flags) as server, server.client() as http:
+    with serve(bundle, "--call-timeout", str(CALL_TIMEOUT_S), *flags) as server, server.client() as http:
         first, bystander = new_episode(http), new_episode(http)
         assert not call(http, bystander, "add", {"item_id": "a"})["isError"]
         before = worker_pid(http, first)
@@ -170,7 +170,7 @@ def test_a_worker_that_exits_costs_only_its_call_and_the_server_keeps_serving(bu
 
 
 def test_a_call_whose_thread_cannot_be_stopped_is_undone_with_its_worker(bundle):
-    with serve(bundle, "--worker-process", "--call-timeout", str(CALL_TIMEOUT_S)) as server, server.client() as http:
+    with serve(bundle, "--call-timeout", str(CALL_TIMEOUT_S)) as server, server.client() as http:
         episode = new_episode(http)
         assert not call(http, episode, "add", {"item_id": "a"})["isError"]
         before = worker_pid(http, episode)
@@ -186,7 +186,7 @@ def test_a_call_whose_thread_cannot_be_stopped_is_undone_with_its_worker(bundle)
 
 
 def test_environment_code_that_patches_the_checker_does_not_decide_its_reward(bundle):
-    with serve(bundle, "--worker-process") as server, server.client() as http:
+    with serve(bundle) as server, server.client() as http:
         honest, cheater = new_episode(http), new_episode(http)
         for episode in (honest, cheater):
             assert not call(http, episode, "add", {"item_id": "a"})["isError"]
@@ -197,7 +197,7 @@ def test_environment_code_that_patches_the_checker_does_not_decide_its_reward(bu
 
 
 def test_a_check_that_freezes_costs_only_its_validation(bundle):
-    with serve(bundle, "--worker-process", "--check-timeout", "1") as server, server.client() as http:
+    with serve(bundle, "--check-timeout", "1") as server, server.client() as http:
         episode = new_episode(http)
         assert not call(http, episode, "add", {"item_id": "a"})["isError"]
         frozen = {"check_item": "never ends", "check_func": "def check_func(final_state):\n    import itertools\n"
@@ -211,7 +211,7 @@ def test_a_check_that_freezes_costs_only_its_validation(bundle):
 
 
 def test_the_worker_holds_no_token_and_normal_episodes_score_as_without_it(bundle):
-    with serve(bundle, "--worker-process") as server, server.client() as http:
+    with serve(bundle) as server, server.client() as http:
         episode = new_episode(http)
         for step in counter_scenario()["reference_solution"]:
             assert not call(http, episode, step["name"], step["arguments"])["isError"]
@@ -223,7 +223,7 @@ def test_the_worker_holds_no_token_and_normal_episodes_score_as_without_it(bundl
 
 
 def test_a_lone_surrogate_crosses_the_worker_socket_both_ways_and_costs_no_episode(bundle):
-    with serve(bundle, "--worker-process") as server, server.client() as http:
+    with serve(bundle) as server, server.client() as http:
         bystander = new_episode(http)
         episode = new_episode(http)
         renamed = call(http, episode, "rename", {"item_id": "a", "name": "q\udfffz"})

@@ -17,27 +17,33 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
 from envscaler import default_catalog, load_bundle
-from envscaler.sandbox import clean_environment
+from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment
 from servers.farm.models import EnvPlan
-from servers.farm.process import FARM_ID_VARIABLE
 from servers.farm.teardown import farm_processes, pid_alive
 from servers.farm.zygote import ZygoteSpawner
 from tests.support.bundles import counter_scenario, counter_spec, write_bundle
 from tests.support.cli import envscaler
+from tests.support.farm import farm_members, parent_of
 
 pytestmark = pytest.mark.anyio
 
 FARM_ID = "zygote-test"
 
-# Environment code that runs in the server when its bundle loads: it writes what the server sees of
-# its own process to the file its environment names, and leaves a child (``sleep``) in its group.
-REPORTING_CODE = '''
+def reporting_code(report: Path) -> str:
+    """Environment code that runs when its bundle loads (in the server's environment worker): it writes
+    what it sees of its process to ``report``, and leaves a child (``sleep``) in its process group."""
+    return f'''
 import json, os, subprocess
 
 _sleeper = subprocess.Popen(["sleep", "300"])
-with open(os.environ["REPORT_TO"], "w") as report:
-    json.dump({"environ": dict(os.environ), "sleeper": _sleeper.pid}, report)
+with open({str(report)!r}, "w") as report:
+    json.dump({{"environ": dict(os.environ), "sleeper": _sleeper.pid}}, report)
 ''' + counter_spec()["env_class_code"]
+
+
+def reporting_bundle(root: Path, report: Path) -> Path:
+    spec = counter_spec(env_id="reporter", env_class_code=reporting_code(report))
+    return write_bundle(root, spec, [counter_scenario(env_id="reporter")])
 
 
 def free_port() -> int:
@@ -61,22 +67,11 @@ def wait_until(predicate, timeout_s: float = 10.0) -> None:
         time.sleep(0.05)
 
 
-def parent_of(pid: int) -> int:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(r"^PPid:\s+(\d+)", status, re.MULTILINE).group(1))
-
-
 @pytest.fixture
 async def spawner():
     spawner = ZygoteSpawner(clean_environment({FARM_ID_VARIABLE: FARM_ID, "MALLOC_ARENA_MAX": "2"}))
     yield spawner
     await spawner.aclose()
-
-
-@pytest.fixture
-def reporting_bundle(tmp_path):
-    spec = counter_spec(env_id="reporter", env_class_code=REPORTING_CODE)
-    return write_bundle(tmp_path / "bundles", spec, [counter_scenario(env_id="reporter")])
 
 
 async def test_a_forked_server_listens_answers_and_a_replay_scores_one(spawner, tmp_path):
@@ -119,29 +114,33 @@ async def test_a_killed_server_reports_minus_nine_and_a_broken_one_its_exit(spaw
     assert "missing" in (tmp_path / "b.log").read_text()
 
 
-async def test_killing_the_servers_group_kills_what_it_forked(spawner, reporting_bundle, tmp_path):
+async def test_killing_the_servers_group_kills_what_it_forked(spawner, tmp_path):
     report = tmp_path / "report.json"
-    server = await spawner.spawn(plan(reporting_bundle, "reporter", "t"), environment("t", REPORT_TO=str(report)), tmp_path / "s.log", 256)
+    bundle = reporting_bundle(tmp_path / "bundles", report)
+    server = await spawner.spawn(plan(bundle, "reporter", "t"), environment("t"), tmp_path / "s.log", 256)
     assert await server.wait_ready()
-    sleeper = json.loads(report.read_text())["sleeper"]
+    sleeper = json.loads(report.read_text())["sleeper"]  # forked by environment code in the server's worker
     assert pid_alive(sleeper) and os.getpgid(sleeper) == server.pid
     server.send_signal(signal.SIGKILL)
     assert await server.wait_exit() == -signal.SIGKILL
     wait_until(lambda: not pid_alive(sleeper))
 
 
-async def test_each_server_sees_only_its_own_environment(spawner, reporting_bundle, tmp_path):
+async def test_environment_code_sees_nothing_of_its_servers_environment(spawner, tmp_path):
     reports, servers = [], []
     for name in ("one", "two"):
         report = tmp_path / f"{name}.json"
-        variables = environment(f"token-{name}", REPORT_TO=str(report), ONLY_IN=name)
-        server = await spawner.spawn(plan(reporting_bundle, "reporter", f"token-{name}"), variables, tmp_path / f"{name}.log", 256)
+        bundle = reporting_bundle(tmp_path / name, report)
+        env = plan(bundle, "reporter", f"token-{name}")
+        server = await spawner.spawn(env, environment(f"token-{name}", ONLY_IN=name), tmp_path / f"{name}.log", 256)
         assert await server.wait_ready()
         reports.append(json.loads(report.read_text())["environ"])
         servers.append(server)
-    for name, seen in zip(("one", "two"), reports):
-        given = environment(f"token-{name}", REPORT_TO=str(tmp_path / f"{name}.json"), ONLY_IN=name)
-        assert {k: v for k, v in seen.items() if k != "ENVSCALER_READY_FD"} == given
+        # The server got its own environment: its token opens its control routes.
+        assert httpx.get(f"http://127.0.0.1:{env.port}/info", headers={"Authorization": f"Bearer token-{name}"}).status_code == 200
+    for seen in reports:
+        assert "ENVSCALER_TOKEN" not in seen and "ONLY_IN" not in seen and seen[FARM_ID_VARIABLE] == FARM_ID, seen
+        assert not any("token-" in value for value in seen.values())
     # /proc/PID/environ is the zygote's (what ``farm down`` finds a farm's processes by): no token there.
     for server in servers:
         shown = Path(f"/proc/{server.pid}/environ").read_bytes().split(b"\0")
@@ -150,7 +149,7 @@ async def test_each_server_sees_only_its_own_environment(spawner, reporting_bund
         assert server.pid in farm_processes(FARM_ID)
     # The tokens never passed through the zygote, so no later server can find them in memory it inherits.
     zygote = parent_of(servers[0].pid)
-    assert _memory_contains(zygote, [str(reporting_bundle).encode()])  # what the zygote was sent: the scan finds it
+    assert _memory_contains(zygote, [str(tmp_path / "one").encode()])  # what the zygote was sent: the scan finds it
     assert not _memory_contains(zygote, [b"token-one", b"token-two"])
     for server in servers:
         server.send_signal(signal.SIGTERM)
@@ -185,10 +184,10 @@ def test_a_process_farm_can_be_forced_to_start_each_server_as_its_own_interprete
         state = json.loads((tmp_path / "farm.json.farm" / "state.json").read_text())
         server = state["envs"]["library_circulation"]["pid"]
         assert parent_of(server) == state["daemon_pid"]  # no zygote between them
-        # The daemon and its server (in the sandbox: bubblewrap, its init, the server), and haproxy's
-        # master and worker when it is in front of the gateway.
-        server = 3 if state["sandbox"] else 1
-        assert len(farm_processes(state["farm_id"])) == 1 + server + (2 if state["gateway_proxy"].startswith("haproxy") else 0)
+        # The daemon, its server and the server's environment worker (in the sandbox with bubblewrap's
+        # two; the check worker starts at the first validation), haproxy in front: no zygote.
+        members = farm_members(state)
+        assert not members["zygote"] and len(members["under a server"]) == (3 if state["sandbox"] else 1) and not members["stray"], members
         assert httpx.get(json.loads(catalog.read_text())["envs"]["library_circulation"]["url"] + "/healthz").status_code == 200
     finally:
         assert envscaler("farm", "down", "--catalog", str(catalog)).returncode == 0

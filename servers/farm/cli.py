@@ -20,13 +20,13 @@ from envscaler.arguments import with_examples
 from envscaler.bundle import default_catalog, find_bundles, load_bundle
 from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from envscaler.loader import precheck_class
-from envscaler.sandbox import UNPROTECTED, sandbox_problem
+from envscaler.sandbox import FARM_ID_VARIABLE, UNPROTECTED, sandbox_problem
 from envscaler.wire import DEFAULT_FARM_CATALOG
 from servers.errors import FarmError
 from servers.farm.images import docker_answers
 from servers.farm.models import Backend, FarmPaths, FarmPlan, FarmState, Limits, read_json, write_json
 from servers.farm.plan import plan_farm
-from servers.farm.process import FARM_ID_VARIABLE, describe_exit
+from servers.farm.process import describe_exit
 from servers.farm.teardown import pid_alive, tear_down
 
 DEFAULT_CATALOG = DEFAULT_FARM_CATALOG
@@ -246,8 +246,9 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
                     help="each server is asked for /healthz once per this many seconds, the farm's probes spread over it; "
                          "one that misses 3 in a row is hung and is restarted (default: 10, or environments/50 when more)")
     up.add_argument("--no-sandbox", dest="sandbox", action="store_false",
-                    help="process backend: run environment code without the bubblewrap sandbox (by default each server "
-                    "runs in one where bwrap works: no network, a read-only view of only Python and its bundle, no new processes)")
+                    help="process backend: run environment code without the bubblewrap sandbox (by default each server's "
+                    "environment and check workers run in one where bwrap works: no network, nothing of your files but "
+                    "Python, no new processes)")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for every server to be healthy (default: 120)")
     swarm = up.add_argument_group("swarm backend")
     swarm.add_argument("--registry", metavar="HOST:PORT", help="registry the farm's images are pushed to and every node pulls from (required)")

@@ -31,8 +31,7 @@ from urllib.parse import urlsplit
 
 import anyio
 
-from envscaler.sandbox import clean_environment, die_with_parent
-from servers.farm.process import FARM_ID_VARIABLE
+from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment, die_with_parent
 
 log = logging.getLogger("envscaler.farm")
 

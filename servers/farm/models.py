@@ -78,7 +78,7 @@ class FarmPlan(BaseModel):
     probes: Probes = Field(default_factory=Probes)
     # Browser origins the gateway answers with CORS headers ('*' for any).
     allowed_origins: list[str] = Field(default_factory=list)
-    # Process backend: each server in a bubblewrap sandbox (envscaler.sandbox). Containers isolate the others.
+    # Process backend: each server's environment code in a bubblewrap sandbox (envscaler.sandbox). Containers isolate the others.
     sandbox: bool = False
     envs: list[EnvPlan]
 
@@ -108,7 +108,7 @@ class FarmState(BaseModel):
     gateway: str | None = None
     # What serves the gateway's hot path: "haproxy 2.6.12" in front of the Python gateway, or "python".
     gateway_proxy: str | None = None
-    # Process backend: whether each server runs in a bubblewrap sandbox (FarmPlan.sandbox).
+    # Process backend: whether each server's environment code runs in a bubblewrap sandbox (FarmPlan.sandbox).
     sandbox: bool = False
     ready: bool = False
     error: str | None = None

@@ -1,9 +1,10 @@
 """The process backend: one local server process per environment, restarted when it dies.
 
 Every server gets a clean environment (no host secrets), an address-space limit, no core dumps, its
-own process group, and death with the daemon (PR_SET_PDEATHSIG). With the plan's ``sandbox`` (the
-default where bubblewrap works) each also runs in its own sandbox (``envscaler.sandbox``): no network,
-only Python and its bundle visible, read-only, no new processes. CPU limits need the docker backend.
+own process group, and death with the daemon (PR_SET_PDEATHSIG). A server runs its environment's
+code in worker processes (``servers.worker_store``); with the plan's ``sandbox`` (the default where
+bubblewrap works) they run in the sandbox (``envscaler.sandbox``): no network, nothing of the host's
+files but Python, no new processes. CPU limits need the docker backend.
 
 Supervision costs nothing per environment while the farm is quiet: a server says it listens over its
 ready pipe, its exit wakes the daemon through a pidfd, and only a bounded number of servers start at
@@ -26,10 +27,10 @@ from typing import Protocol
 
 import anyio
 
-from envscaler.sandbox import adopt_orphans, clean_environment, die_with_parent, limit_resources
+from envscaler.sandbox import FARM_ID_VARIABLE, adopt_orphans, clean_environment, die_with_parent, limit_resources
 from servers.farm.board import Board
 from servers.farm.models import EnvPlan, FarmPaths, FarmPlan
-from servers.serve import FARM_ID_VARIABLE, READY_FD_VARIABLE
+from servers.serve import READY_FD_VARIABLE
 
 log = logging.getLogger("envscaler.farm")
 
@@ -215,8 +216,7 @@ async def reap_group(pgid: int, timeout_s: float = 5.0) -> None:
 
 
 class PopenSpawner:
-    """Starts each server as a fresh interpreter (fork + exec): simple, the fallback of the zygote, and
-    the only way to start servers in the sandbox (each is its own bubblewrap)."""
+    """Starts each server as a fresh interpreter (fork + exec): simple, and the fallback of the zygote."""
 
     # An interpreter's start-up is CPU-bound (imports): more than one per core makes every one slower.
     starts_per_core = 1
@@ -253,14 +253,13 @@ class PopenSpawner:
 
 
 def default_spawner(plan: FarmPlan) -> Spawner:
-    """The spawner the process backend uses unless it is given one: in the sandbox, an interpreter (and
-    a bubblewrap) per server; else servers forked from the plan's zygote where fork works, unless
-    ``ENVSCALER_SPAWNER=popen``; otherwise an interpreter per server."""
-    if plan.sandbox:
-        return PopenSpawner(sandbox=True)
+    """The spawner the process backend uses unless it is given one: servers forked from the plan's
+    zygote where fork works, unless ``ENVSCALER_SPAWNER=popen``; otherwise an interpreter per server.
+    A server runs no environment code (its workers do, in the sandbox when the plan says so), so a
+    sandboxed farm forks its servers too."""
     from servers.farm.zygote import zygote_spawner
 
-    return zygote_spawner(plan) or PopenSpawner()
+    return zygote_spawner(plan) or PopenSpawner(sandbox=plan.sandbox)
 
 
 class ProcessBackend:

@@ -12,8 +12,8 @@ import shutil
 import signal
 import time
 
+from envscaler.sandbox import FARM_ID_VARIABLE
 from servers.farm.models import FarmPaths, FarmPlan, FarmState, read_json
-from servers.farm.process import FARM_ID_VARIABLE
 
 _DAEMON_STOP_S = 15.0
 

@@ -41,7 +41,7 @@ from pathlib import Path
 import anyio
 from pydantic import BaseModel
 
-from envscaler.sandbox import clean_environment, die_with_parent, limit_resources
+from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment, die_with_parent, limit_resources
 from servers.farm.models import EnvPlan, FarmPlan
 from servers.farm.process import read_ready_line
 
@@ -91,13 +91,11 @@ class ExitReport(BaseModel):
 def zygote_spawner(plan: FarmPlan) -> ZygoteSpawner | None:
     """The plan's zygote (OpenEnv preloaded when its servers serve it); None where fork is not
     available or ``ENVSCALER_SPAWNER=popen`` asks for an interpreter per server."""
-    from servers.farm.process import FARM_ID_VARIABLE
-
     if not fork_available() or os.environ.get(SPAWNER_VARIABLE, "zygote") == "popen":
         return None
     openenv = any(env.openenv_port is not None for env in plan.envs)
     environment = clean_environment({FARM_ID_VARIABLE: plan.farm_id, "MALLOC_ARENA_MAX": "2"})
-    return ZygoteSpawner(environment, preload=PRELOAD + ((OPENENV_PRELOAD,) if openenv else ()))
+    return ZygoteSpawner(environment, preload=PRELOAD + ((OPENENV_PRELOAD,) if openenv else ()), sandbox=plan.sandbox)
 
 
 def fork_available() -> bool:
@@ -198,9 +196,11 @@ class ZygoteSpawner:
     # were healthy in 49-51 s with 1 start per core and 31-33 s with 3-4.
     starts_per_core = 4
 
-    def __init__(self, environment: dict[str, str], *, preload: tuple[str, ...] = PRELOAD) -> None:
+    def __init__(self, environment: dict[str, str], *, preload: tuple[str, ...] = PRELOAD, sandbox: bool = False) -> None:
         self.environment = environment
         self.preload = preload
+        # Whether each server's environment and check workers run in the sandbox (the servers run no environment code).
+        self.sandbox = sandbox
         self._zygote: _Zygote | None = None
         self._send_lock = anyio.Lock()
 
@@ -210,7 +210,7 @@ class ZygoteSpawner:
         its own process group, and death when the zygote (and so the farm) goes away."""
         from servers.farm.process import ADDRESS_SPACE_FACTOR, server_command
 
-        request = SpawnRequest(argv=server_command(env, sandbox=False)[3:], address_space_mb=memory_mb * ADDRESS_SPACE_FACTOR)
+        request = SpawnRequest(argv=server_command(env, sandbox=self.sandbox)[3:], address_space_mb=memory_mb * ADDRESS_SPACE_FACTOR)
         for attempt in range(2):
             server = await self._spawn_once(request, environment, log_path)
             if server is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -68,3 +69,42 @@ def gateway_only_catalog(catalog: Path, out: Path) -> Path:
         endpoint["url"] = f"{data['gateway']}/envs/{env_id}"
     out.write_text(json.dumps(data))
     return out
+
+
+def parent_of(pid: int) -> int:
+    """The parent process id of ``pid``."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"^PPid:\s+(\d+)", status, re.MULTILINE).group(1))
+
+
+def farm_members(state: dict[str, Any]) -> dict[str, list[int]]:
+    """Every running process of the farm (found by its farm id, as ``farm down`` finds them), by what it is:
+    the daemon, the zygote, haproxy, the servers, the processes under a server (its environment and check
+    workers, in the sandbox with bubblewrap's), and anything else (``stray``: a leak)."""
+    from servers.farm.teardown import farm_processes
+
+    servers = {record["pid"] for record in state["envs"].values()}
+    members: dict[str, list[int]] = {"daemon": [], "zygote": [], "haproxy": [], "server": [], "under a server": [], "stray": []}
+    for pid in farm_processes(state["farm_id"]):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+            ancestors, parent = [], parent_of(pid)
+            while parent > 1:
+                ancestors.append(parent)
+                parent = parent_of(parent)
+        except (OSError, AttributeError):
+            continue  # gone meanwhile
+        if pid == state["daemon_pid"]:
+            kind = "daemon"
+        elif pid in servers:
+            kind = "server"
+        elif servers & set(ancestors):
+            kind = "under a server"
+        elif b"servers.farm.zygote" in command:
+            kind = "zygote"
+        elif b"haproxy" in command:
+            kind = "haproxy"
+        else:
+            kind = "stray"
+        members[kind].append(pid)
+    return members
