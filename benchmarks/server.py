@@ -1,27 +1,27 @@
-"""One environment served two ways, measured with the same raw HTTP client in one run.
+"""One environment served several ways, measured with the same raw HTTP client in one run.
 
 - ours: ``envscaler serve`` (episodes, guards, trajectories, validator), tools at
-  ``/episodes/{id}/mcp``, in its bubblewrap sandbox (``envscaler.sandbox``) and without it
-  (``--no-sandbox``), where bwrap works; and with its environment code in a worker process
-  (``--worker-process``, the worker sandboxed where bwrap works);
+  ``/episodes/{id}/mcp``; by default with the environment's code in a worker process (sandboxed where
+  bwrap works) and the checks in a check worker, and with ``--in-process`` as it ran before: in the
+  server's own process, in its bubblewrap sandbox (``envscaler.sandbox``) and without it;
 - baseline: what a user would otherwise write, a plain ``mcp`` ``MCPServer`` with the same tools
   (bound methods of one shared instance: no episodes, no reset, no guards) at ``/mcp`` with the SDK's
   default settings (``server.run("streamable-http")``), under the same uvicorn (httptools + uvloop).
 
-Both get the same modern (2026-07-28) ``tools/call`` requests from the harness's keep-alive HTTP/1.1
+All get the same modern (2026-07-28) ``tools/call`` requests from the harness's keep-alive HTTP/1.1
 client (``agent_client.http``), so client overhead is small and equal; the baseline is also measured
-inside initialize-handshake sessions (2025-06-18), as older clients use it. Both servers run for the
+inside initialize-handshake sessions (2025-06-18), as older clients use it. All servers run for the
 whole benchmark, and the measurements alternate between them in short rounds, each server alone while
-it is measured: a shared machine whose speed drifts then moves both sides of each comparison alike.
-Ratios are the median of the per-round ratios. Server CPU per call is read from /proc.
+it is measured: a shared machine whose speed drifts then moves every side of each comparison alike.
+Ratios are the median of the per-round ratios. CPU per call and memory count every process of a
+server (its workers included), read from /proc.
 
     python benchmarks/server.py [--env DIR] [--rounds 5] [--seconds 1] [--episodes 10000]
 
-Targets: throughput >= 4x the baseline, sequential p50 <= 1 ms, idle RSS <= 45 MB, 10,000 live
-episodes within +300 MB; in the sandbox, throughput and p50 within 10% of the server without it;
-with the worker process, throughput >= 4x the baseline (its CPU per call counts the server's process
-only, not the worker's).
-Exits 1 when one is missed.
+Targets: throughput >= 4x the baseline and sequential p50 <= 1 ms, with the worker process (the
+default) and in-process; in-process idle RSS <= 45 MB; 10,000 live episodes within +300 MB (default
+server, all its processes); in-process in the sandbox, throughput and p50 within 10% of the server
+without it. Exits 1 when one is missed.
 """
 
 from __future__ import annotations
@@ -38,16 +38,18 @@ import sys
 import time
 from pathlib import Path
 
-from agent_client.http import LeanHttp
-from envscaler import EnvRuntime, default_catalog, load_bundle
-from envscaler.sandbox import innermost_process, sandbox_problem
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from agent_client.http import LeanHttp  # noqa: E402
+from benchmarks.processes import cpu_seconds, pss_mb, rss_mb  # noqa: E402
+from envscaler import EnvRuntime, default_catalog, load_bundle  # noqa: E402
+from envscaler.sandbox import innermost_process, sandbox_problem  # noqa: E402
 
 TOKEN = "bench-token"
 CONCURRENCY = 16
 SEQUENTIAL_CALLS = 400
 LEGACY_VERSION = "2025-06-18"
 META = {"io.modelcontextprotocol/protocolVersion": "2026-07-28", "io.modelcontextprotocol/clientCapabilities": {}}
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 class Target:
@@ -85,15 +87,16 @@ class Target:
         return innermost_process(self.process.pid)
 
     def rss_mb(self) -> float:
-        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        raise RuntimeError("no VmRSS")
+        """The server process's resident memory (in-process: where the episodes live)."""
+        return rss_mb(self.pid)
+
+    def pss_mb(self) -> float:
+        """Proportional memory of all the server's processes (shared pages split between them)."""
+        return pss_mb(self.process.pid)
 
     def cpu_seconds(self) -> float:
-        """User + system CPU time of the server process so far."""
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+        """User + system CPU time of all the server's processes so far."""
+        return cpu_seconds(self.process.pid)
 
     async def call(self, http: LeanHttp, session: str | None, name: str, arguments: dict, number: int) -> None:
         if session:
@@ -192,15 +195,15 @@ async def control(http: LeanHttp, url: str, path: str, body: dict | None, expect
 
 
 async def episode_costs(target: Target, scenario_id: str, episodes: int) -> dict[str, float]:
-    """RSS with ``episodes`` live episodes, and create / validate p50 on our server."""
-    before = target.rss_mb()
+    """Memory (all the server's processes) with ``episodes`` live episodes, and create / validate p50."""
+    before = target.pss_mb()
     creates, ids, validates = [], [], []
     async with LeanHttp() as http:
         for _ in range(episodes):
             started = time.perf_counter()
             ids.append((await control(http, target.url, "/episodes", {"scenario_id": scenario_id}, 201))["episode_id"])
             creates.append((time.perf_counter() - started) * 1e3)
-        loaded = target.rss_mb()
+        loaded = target.pss_mb()
         for episode_id in ids[:300]:
             started = time.perf_counter()
             await control(http, target.url, f"/episodes/{episode_id}/validate", None, 200)
@@ -259,70 +262,66 @@ async def run(args: argparse.Namespace) -> int:
         targets += [base, legacy]
         env = {**os.environ, "ENVSCALER_TOKEN": TOKEN}
         command = [sys.executable, "-m", "servers.launch", args.env, "--port", "0", "--log-level", "warning"]
-        process, ready = start([*command, "--no-sandbox"], env)
+        process, ready = start(command, env)
         ours = Target("ours", process, ready["url"], "")
-        targets.append(ours)
+        process, ready = start([*command, "--in-process", "--no-sandbox"], env)
+        inline = Target("in-process", process, ready["url"], "")
+        targets += [ours, inline]
         boxed: Target | None = None
         if problem is None:
-            process, ready = start(command, env)
-            boxed = Target("ours-sandboxed", process, ready["url"], "")
+            process, ready = start([*command, "--in-process"], env)
+            boxed = Target("in-process-sandboxed", process, ready["url"], "")
             targets.append(boxed)
-        process, ready = start([*command, "--worker-process"], env)
-        worker = Target("ours-worker", process, ready["url"], "")
-        targets.append(worker)
+        ours_servers = [ours, inline, *([boxed] if boxed else [])]
         idle = {t.name: t.rss_mb() for t in targets}
+        idle_pss = {t.name: t.pss_mb() for t in targets}
         async with LeanHttp() as http:
-            for server in (ours, boxed, worker):
-                if server is not None:
-                    server.mcp_path = (await control(http, server.url, "/episodes", {"scenario_id": scenario_id}, 201))["mcp_path"]
-        await measure_rounds([base, legacy, ours, *([boxed] if boxed else []), worker], tool, arguments, args.rounds, args.seconds)
+            for server in ours_servers:
+                server.mcp_path = (await control(http, server.url, "/episodes", {"scenario_id": scenario_id}, 201))["mcp_path"]
+        await measure_rounds([base, legacy, *ours_servers], tool, arguments, args.rounds, args.seconds)
         costs = await episode_costs(ours, scenario_id, args.episodes)
     finally:
         for target in targets:
             target.stop()
 
     def row(label: str, values: list[str]) -> None:
-        print(f"{label:<34}" + "".join(f" {value:>14}" for value in values))
+        print(f"{label:<36}" + "".join(f" {value:>15}" for value in values))
 
     print()
-    measured = [ours, *([boxed] if boxed else []), worker, base, legacy]
-    row("", ["ours", *(["ours"] if boxed else []), "ours", "baseline", "baseline"])
-    row("", ["", *(["sandboxed"] if boxed else []), "worker proc.", "", ""])
-    row("", ["2026-07-28", *(["2026-07-28"] if boxed else []), "2026-07-28", "2026-07-28", LEGACY_VERSION])
+    measured = [*ours_servers, base, legacy]
+    row("", [t.name for t in measured[:-2]] + ["baseline", "baseline"])
+    row("", ["(default)", "--no-sandbox", *(["(sandboxed)"] if boxed else []), "2026-07-28", LEGACY_VERSION])
     row("tool calls/s, 16 concurrent (median)", [f"{statistics.median(t.rates):,.0f}" for t in measured])
-    row("server CPU per call (us)", [f"{1e6 * t.cpu_s / t.calls:.0f}" for t in measured])
+    row("CPU per call, all processes (us)", [f"{1e6 * t.cpu_s / t.calls:.0f}" for t in measured])
     row("sequential p50 (ms)", [f"{percentile(t.latencies, 0.5):.3f}" for t in measured])
     row("sequential p99 (ms)", [f"{percentile(t.latencies, 0.99):.3f}" for t in measured])
-    row("idle RSS (MB)", [f"{idle[t.name]:.1f}" for t in measured[:-1]] + ["(same)"])
-    print(f"{f'RSS with {args.episodes} live episodes (MB)':<34} {costs['rss_loaded_mb']:>10.1f}  (+{costs['rss_delta_mb']:.1f} MB)")
-    print(f"{'episode create p50 (ms)':<34} {costs['create_p50_ms']:>10.3f}")
-    print(f"{'validate p50 (ms)':<34} {costs['validate_p50_ms']:>10.3f}")
+    row("idle RSS, server process (MB)", [f"{idle[t.name]:.1f}" for t in measured[:-1]] + ["(same)"])
+    row("idle PSS, all processes (MB)", [f"{idle_pss[t.name]:.1f}" for t in measured[:-1]] + ["(same)"])
+    print(f"{f'PSS with {args.episodes} live episodes (MB)':<36} {costs['rss_loaded_mb']:>10.1f}  (+{costs['rss_delta_mb']:.1f} MB, default server)")
+    print(f"{'episode create p50 (ms)':<36} {costs['create_p50_ms']:>10.3f}")
+    print(f"{'validate p50 (ms)':<36} {costs['validate_p50_ms']:>10.3f}")
     print("(the baseline has one shared state: no episodes to create, reset or validate)")
 
     p50 = percentile(ours.latencies, 0.5)
-    cpu_ratio = (base.cpu_s / base.calls) / (ours.cpu_s / ours.calls)
-    print(f"\nper-round throughput ratios vs baseline: {', '.join(f'{a / b:.1f}' for a, b in zip(ours.rates, base.rates))}; "
-          f"server CPU per call: baseline {cpu_ratio:.1f}x ours")
+    inline_p50 = percentile(inline.latencies, 0.5)
+    print(f"\nper-round throughput ratios vs baseline: {', '.join(f'{a / b:.1f}' for a, b in zip(ours.rates, base.rates))} (default), "
+          f"{', '.join(f'{a / b:.1f}' for a, b in zip(inline.rates, base.rates))} (in-process)")
+    print(f"worker process (default) vs in-process: throughput {ratio(ours, inline):.2f}x, p50 {p50 - inline_p50:+.3f} ms")
     verdicts = [
         (f"throughput {ratio(ours, base):.1f}x the baseline", ratio(ours, base) >= 4.0, ">= 4x"),
         (f"throughput {ratio(ours, legacy):.1f}x the baseline, handshake era", ratio(ours, legacy) >= 4.0, ">= 4x"),
         (f"sequential p50 {p50:.3f} ms", p50 <= 1.0, "<= 1 ms"),
-        (f"idle RSS {idle['ours']:.1f} MB", idle["ours"] <= 45.0, "<= 45 MB"),
         (f"{args.episodes} episodes +{costs['rss_delta_mb']:.1f} MB", costs["rss_delta_mb"] <= 300.0, "<= +300 MB"),
+        (f"in-process throughput {ratio(inline, base):.1f}x the baseline", ratio(inline, base) >= 4.0, ">= 4x"),
+        (f"in-process sequential p50 {inline_p50:.3f} ms", inline_p50 <= 1.0, "<= 1 ms"),
+        (f"in-process idle RSS {idle['in-process']:.1f} MB", idle["in-process"] <= 45.0, "<= 45 MB"),
     ]
     if boxed is not None:
         boxed_p50 = percentile(boxed.latencies, 0.5)
         verdicts += [
-            (f"sandboxed throughput {ratio(boxed, base):.1f}x the baseline", ratio(boxed, base) >= 4.0, ">= 4x"),
-            (f"sandboxed throughput {ratio(boxed, ours):.2f}x unsandboxed", ratio(boxed, ours) >= 0.9, ">= 0.9x"),
-            (f"sandboxed p50 {boxed_p50:.3f} ms = {boxed_p50 / p50:.2f}x unsandboxed", boxed_p50 <= 1.1 * p50, "<= 1.1x"),
+            (f"in-process sandboxed {ratio(boxed, inline):.2f}x unsandboxed", ratio(boxed, inline) >= 0.9, ">= 0.9x"),
+            (f"in-process sandboxed p50 {boxed_p50 / inline_p50:.2f}x unsandboxed", boxed_p50 <= 1.1 * inline_p50, "<= 1.1x"),
         ]
-    worker_p50 = percentile(worker.latencies, 0.5)
-    verdicts += [
-        (f"worker-process throughput {ratio(worker, base):.1f}x the baseline", ratio(worker, base) >= 4.0, ">= 4x"),
-        (f"worker-process p50 {worker_p50:.3f} ms = {worker_p50 / p50:.2f}x in-process", worker_p50 <= 1.0, "<= 1 ms"),
-    ]
-    print(f"worker process vs in-process: throughput {ratio(worker, ours):.2f}x, p50 +{worker_p50 - p50:.3f} ms")
     for text, ok, target in verdicts:
         print(f"{text:<48} target {target:<10} {'ok' if ok else 'MISSED'}")
     return 0 if all(ok for _, ok, _ in verdicts) else 1

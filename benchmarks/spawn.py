@@ -29,9 +29,9 @@ import anyio
 
 from farm import Memory, describe_memory, memory
 from envscaler import default_catalog
-from envscaler.sandbox import clean_environment
+from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment
 from servers.farm.models import EnvPlan
-from servers.farm.process import FARM_ID_VARIABLE, _child_setup, server_command
+from servers.farm.process import _child_setup, server_command
 from servers.farm.zygote import ZygoteSpawner
 from servers.serve import READY_FD_VARIABLE
 
@@ -54,7 +54,7 @@ def environment(env: EnvPlan) -> dict[str, str]:
 
 
 async def start_zygote(envs: list[EnvPlan], logs: Path) -> tuple[float, list[Memory]]:
-    spawner = ZygoteSpawner(clean_environment({FARM_ID_VARIABLE: FARM_ID, "MALLOC_ARENA_MAX": "2"}))
+    spawner = ZygoteSpawner(clean_environment({FARM_ID_VARIABLE: FARM_ID, "MALLOC_ARENA_MAX": "2"}), ["--no-sandbox"])
     servers = []
     started = time.perf_counter()
 
@@ -88,7 +88,7 @@ def start_popen(envs: list[EnvPlan], logs: Path) -> tuple[float, list[Memory]]:
             read_fd, write_fd = os.pipe()
             with open(logs / f"{env.env_id}.log", "ab") as log:
                 children.append(subprocess.Popen(
-                    server_command(env, sandbox=False), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    server_command(env, ["--no-sandbox"]), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                     env={**environment(env), READY_FD_VARIABLE: str(write_fd)}, pass_fds=(write_fd,), start_new_session=True,
                     preexec_fn=functools.partial(_child_setup, 256),
                 ))

@@ -7,7 +7,7 @@ alternating rounds (a machine whose speed drifts moves both sides alike):
 
 - no-op call (``ping``), state-changing call (``set_city``, a new city each time), episode create
   and validate (the scenario's checks read one user and one order), p50 each;
-- memory per live episode: server RSS growth over ``--episodes`` live episodes that each changed
+- memory per live episode: the growth of the server's memory (its workers' included) over ``--episodes`` live episodes that each changed
   one user, as a share of the scenario's state size.
 
     python benchmarks/state_size.py [--rounds 3] [--calls 300] [--episodes 300]
@@ -33,8 +33,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agent_client.http import LeanHttp  # noqa: E402
-from tests.support.large_state import shop_spec, shop_scenario, state_size, users_for  # noqa: E402
+from benchmarks.processes import pss_mb  # noqa: E402
 from tests.support.bundles import write_bundle  # noqa: E402
+from tests.support.large_state import shop_spec, shop_scenario, state_size, users_for  # noqa: E402
 
 TOKEN = "bench-token"
 MODERN = "2026-07-28"
@@ -67,11 +68,9 @@ class Server:
         self.state_bytes = 0
         self.times: dict[str, list[float]] = {"no-op call": [], "state-changing call": [], "create": [], "validate": []}
 
-    def rss_mb(self) -> float:
-        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        raise RuntimeError("no VmRSS")
+    def memory_mb(self) -> float:
+        """Proportional memory of the server and its workers (where the episodes live)."""
+        return pss_mb(self.process.pid)
 
     async def control(self, http: LeanHttp, method: str, path: str, body: dict | None = None) -> dict:
         response = await http.request(method, self.url + path, body, {"Authorization": f"Bearer {TOKEN}"})
@@ -111,13 +110,13 @@ class Server:
             await self.control(http, "DELETE", f"/episodes/{live['episode_id']}")
 
     async def memory_per_episode(self, http: LeanHttp, episodes: int) -> float:
-        """Bytes of RSS per live episode that changed one user."""
-        before = self.rss_mb()
+        """Bytes of memory per live episode that changed one user."""
+        before = self.memory_mb()
         for _ in range(episodes):
             live = await self.control(http, "POST", "/episodes", {"scenario_id": self.scenario_id})
             await self.call(http, live["mcp_path"], "set_city", {"user_id": "user_1", "city": "Oslo"})
             await self.call(http, live["mcp_path"], "get_order", {"user_id": "user_2", "order_id": "#2-0"})
-        return (self.rss_mb() - before) * 1024 * 1024 / episodes
+        return (self.memory_mb() - before) * 1024 * 1024 / episodes
 
     def stop(self) -> None:
         # The whole group: a sandboxed server's bubblewrap ignores SIGTERM sent to it alone.

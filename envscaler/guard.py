@@ -294,6 +294,12 @@ class _Watchdog:
 _WATCHDOG = _Watchdog()
 
 
+def guard_thread_ids() -> set[int]:
+    """The operating system's ids of the threads the guard runs (its watchdog, once started)."""
+    thread = _WATCHDOG._thread
+    return {thread.native_id} if thread is not None and thread.native_id is not None and thread.is_alive() else set()
+
+
 # (module, attribute, what environment code is told it may not do)
 _REFUSED: tuple[tuple[str, str, str], ...] = (
     *((module, name, "change signal handling: it enforces time limits")

@@ -178,6 +178,8 @@ class ToolOutcome(BaseModel):
     error_kind: ErrorKind | None = None
     latency_s: float = 0.0
     diff: list[StateChange] | None = None
+    # True when ``diff`` was not kept: the episode's trajectory had reached its limit.
+    diff_dropped: bool = False
 
     @classmethod
     def failure(cls, name: str, arguments: Any, kind: ErrorKind, message: str, latency_s: float = 0.0) -> ToolOutcome:

@@ -39,6 +39,7 @@ from typing import Any
 
 from envscaler.models import StateChange
 from envscaler.state import diff as json_diff
+from envscaler.state import list_changes
 from envscaler.state import to_json_text
 
 Path = tuple[str | int, ...]
@@ -611,7 +612,7 @@ def _container_changes(container: Any, before: Any) -> list[StateChange]:
             if old is not new:
                 changes.extend(value_changes([*path, index], old, new))
         return changes
-    return value_changes(path, old_items, new_items)
+    return list_changes(path, old_items, new_items, _jsonable) or value_changes(path, old_items, new_items)
 
 
 def value_changes(path: list[str | int], old: Any, new: Any) -> list[StateChange]:

@@ -346,7 +346,8 @@ class Episode:
         return self._overlay is not None
 
     def call(
-        self, name: str, arguments: Any = None, *, limit_s: float | None = None, inline_budget_s: float | None = None
+        self, name: str, arguments: Any = None, *, limit_s: float | None = None, inline_budget_s: float | None = None,
+        check_shared: bool = True,
     ) -> ToolOutcome:
         """Run one tool under its time limit (``limit_s``, default the runtime's). Errors come back in the outcome.
 
@@ -356,6 +357,10 @@ class Episode:
         stopped, everything it changed is undone, and Preempted is raised: the caller runs it again
         where it may take its whole limit. An episode that is not ``preemptible`` raises Preempted
         before running anything.
+
+        Without ``check_shared`` the call is not checked for changes to what every episode shares
+        (module globals, class attributes): for a call that ran while others ran on threads, which may
+        have made the change; theirs is checked when they end.
         """
         arguments = {} if arguments is None else arguments
         runtime = self.runtime
@@ -384,7 +389,7 @@ class Episode:
             raise
         except BaseException as e:  # noqa: BLE001 - environment code is untrusted; report, keep the episode
             outcome = ToolOutcome.failure(name, arguments, "env", f"Environment error in {name!r}: {runtime.describe_exception(e)}")
-        changed = runtime.env_globals.restore_changed()
+        changed = runtime.env_globals.restore_changed() if check_shared else []
         if changed:
             outcome = ToolOutcome.failure(name, arguments, "env", f"Environment error in {name!r}: the call {describe_change(changed)}")
         outcome.latency_s = time.perf_counter() - started

@@ -29,7 +29,9 @@ from typing import Any
 # Variables a child needs to run Python and nothing else: no tokens, keys or proxies leak in.
 # A farm's processes carry its id in this variable: ``farm down`` finds every one by it, descendants included.
 FARM_ID_VARIABLE = "ENVSCALER_FARM_ID"
-_KEPT_ENV = ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "TMPDIR", "HOME", FARM_ID_VARIABLE)
+# MALLOC_ARENA_MAX: without it each thread may reserve a 64 MB arena, and a process under an
+# address-space limit runs out of it with a few dozen threads.
+_KEPT_ENV = ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "TMPDIR", "HOME", "MALLOC_ARENA_MAX", FARM_ID_VARIABLE)
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_SET_DUMPABLE = 4

@@ -187,12 +187,28 @@ def diff(before: Any, after: Any, path: list[str | int] | None = None) -> list[S
             else:
                 changes.extend(diff(before[key], after[key], [*path, key]))
         return sorted(changes, key=lambda c: [str(p) for p in c.path])
-    if isinstance(before, list) and isinstance(after, list) and len(before) == len(after):
-        changes = []
-        for index, (old, new) in enumerate(zip(before, after)):
-            changes.extend(diff(old, new, [*path, index]))
-        return changes
+    if isinstance(before, list) and isinstance(after, list):
+        if len(before) == len(after):
+            changes = []
+            for index, (old, new) in enumerate(zip(before, after)):
+                changes.extend(diff(old, new, [*path, index]))
+            return changes
+        grown_or_cut = list_changes(path, before, after, lambda value: value)
+        if grown_or_cut:
+            return grown_or_cut
     return [StateChange(path=path, before=before, after=after)]
+
+
+def list_changes(path: list[str | int], before: list[Any], after: list[Any], copy: Any) -> list[StateChange]:
+    """A list grown or cut at its end, as one ``add`` or ``remove`` per item there (values through ``copy``);
+    empty when the lists differ elsewhere too. Appending to a long list then costs a change of one item,
+    not two copies of the list."""
+    common = min(len(before), len(after))
+    if after[:common] != before[:common]:  # compares item by item in C, identical items at once
+        return []
+    if len(after) > len(before):
+        return [StateChange(path=[*path, index], after=copy(after[index]), op="add") for index in range(common, len(after))]
+    return [StateChange(path=[*path, index], before=copy(before[index]), op="remove") for index in range(len(before) - 1, common - 1, -1)]
 
 
 def changes_since(initial: dict[str, Any], current: dict[str, Any]) -> list[StateChange]:
@@ -266,6 +282,8 @@ def apply_changes(initial: dict[str, Any], changes: list[StateChange]) -> dict[s
         try:
             if change.op == "remove":
                 del parent[last]
+            elif change.op == "add" and isinstance(parent, list) and last == len(parent):
+                parent.append(change.after)
             else:
                 parent[last] = change.after
         except (KeyError, IndexError, TypeError):

@@ -170,7 +170,7 @@ class EnvServerApp:
             return
         if path == "/healthz":
             # Alive is not enough: a server whose every call thread is stuck cannot serve (503 makes a farm restart it).
-            problem = (await self.store.stats()).capacity_problem
+            problem = self.store.health_problem()
             health = Health(status=problem or "ok", env_id=self.bundle.env_id, episodes=len(self.store.episodes), replica=self.config.replica_id)
             await send_json(send, 503 if problem else 200, json_bytes(health))
             return

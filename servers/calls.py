@@ -18,7 +18,9 @@ at once. The thread cannot be killed; it stays retired until the call returns, i
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +30,8 @@ from envscaler.guard import block_alarm_in_this_thread
 from servers.errors import CallAbandoned
 
 T = TypeVar("T")
+
+log = logging.getLogger("envscaler.server")
 
 
 class _Job(Generic[T]):
@@ -50,6 +54,17 @@ class _Worker:
         self.retired = False
 
 
+SWITCH_INTERVAL_S = 0.0005
+"""How often a thread that runs Python code gives the others their turn, in a process that runs
+environment code (Python's own: 5 ms). A call that computes for long on a call thread would otherwise
+add up to 5 ms to every call of every other episode (the event loop waits for its turn)."""
+
+
+def share_the_interpreter() -> None:
+    """Set :data:`SWITCH_INTERVAL_S` for this process (before environment code loads: it is refused that)."""
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+
+
 class CallRunner:
     """Runs blocking callables for the one event loop that awaits them (bound on first use)."""
 
@@ -59,9 +74,12 @@ class CallRunner:
         self.max_threads = max_threads
         self.tick_s = tick_s
         self.abandoned = 0
+        # Why the last call thread could not be started, until one is.
+        self.start_error: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: queue.SimpleQueue[_Job[Any]] = queue.SimpleQueue()
         self._workers: list[_Worker] = []
+        self._ending: list[threading.Thread] = []
         self._active: _Worker | None = None
         self._pending: set[_Job[Any]] = set()
         self._batch: list[_Job[Any]] = []
@@ -72,11 +90,22 @@ class CallRunner:
         """Worker threads alive now, retired ones included."""
         return len(self._workers)
 
+    def thread_ids(self) -> set[int]:
+        """The operating system's ids of this runner's threads, those still ending included."""
+        self._ending = [thread for thread in self._ending if thread.is_alive()]
+        threads = [worker.thread for worker in self._workers if worker.thread is not None] + self._ending
+        return {thread.native_id for thread in threads if thread.native_id is not None}
+
+    @property
+    def busy(self) -> bool:
+        """Whether calls are queued or running on the runner's threads."""
+        return bool(self._pending)
+
     @property
     def exhausted(self) -> bool:
         """Whether every thread is held by a call that outran its hand-over: a new call waits until one
         returns, if ever (each is abandoned at its deadline meanwhile)."""
-        return self._active is None and len(self._workers) >= self.max_threads
+        return self._active is None and (len(self._workers) >= self.max_threads or self.start_error is not None)
 
     async def run(self, fn: Callable[[], T], limit_s: float) -> T:
         """``fn()`` on a worker thread. Raises what it raises, or CallAbandoned after ``limit_s``."""
@@ -107,9 +136,18 @@ class CallRunner:
             return
         worker = _Worker()
         worker.thread = threading.Thread(target=self._work, args=(worker,), name=f"{self.name}-calls", daemon=True)
+        try:
+            worker.thread.start()
+        except RuntimeError as e:  # "can't start new thread": no memory or pids left for one
+            if self.start_error is None:
+                log.error("cannot start a call thread; queued calls wait, and are abandoned on time",
+                          extra={"runner": self.name, "threads": len(self._workers), "error": str(e)})
+            self.start_error = str(e)
+            self._active = None
+            return
+        self.start_error = None
         self._workers.append(worker)
         self._active = worker
-        worker.thread.start()
 
     def _hand_over(self) -> None:
         # The first put wakes the worker, which then waits for the GIL until this loop iteration
@@ -145,6 +183,8 @@ class CallRunner:
 
     def _exited(self, worker: _Worker) -> None:
         self._workers.remove(worker)
+        if worker.thread is not None:
+            self._ending.append(worker.thread)  # its thread ends a moment after it says so
         if self._active is worker:
             self._active = None
             if self._pending:

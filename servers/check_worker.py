@@ -28,7 +28,7 @@ from servers.worker_wire import (
     CheckerSettings,
     CheckRequest,
     CheckResults,
-    InlineMark,
+    RunningMarks,
     WorkerFailure,
     decode,
     frame,
@@ -44,7 +44,7 @@ class Checker:
 
     def __init__(self, settings: CheckerSettings) -> None:
         self.settings = settings
-        self.mark = InlineMark(settings.mark_fd) if settings.mark_fd is not None else None
+        self.mark = RunningMarks(settings.mark_fd) if settings.mark_fd is not None else None
         self.initials: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
     def check(self, request: CheckRequest) -> CheckResults:
@@ -69,12 +69,12 @@ class Checker:
         if final is None:
             raise ChecklistError("the request holds no final state")
         if self.mark is not None:
-            self.mark.set(request.episode_id)
+            self.mark.set(0, request.episode_id)
         try:
             return CheckResults(checks=check_states(request.checklist, final, initial, self.settings.check_timeout_s))
         finally:
             if self.mark is not None:
-                self.mark.clear()
+                self.mark.clear(0)
 
 
 def run_checker(sock: socket.socket) -> None:

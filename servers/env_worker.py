@@ -17,24 +17,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import sys
-from typing import Any
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from envscaler import EnvCodeError, EnvRuntime, ToolOutcome
 from envscaler.errors import ChecklistError
-from envscaler.guard import keep_alarm_handler, protect_time_limits
+from envscaler.guard import guard_thread_ids, keep_alarm_handler, protect_time_limits
+from servers.calls import share_the_interpreter
 from servers.episodes import EpisodeStore, LiveEpisode
 from servers.event_loop import loop_factory
 from servers.memory import memory_status
 from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, UnknownEpisode, UnknownScenario
 from servers.worker_process import child_main
 from servers.worker_wire import (
+    EXIT_FOREIGN_THREAD,
     FAILED,
     HELLO_ID,
     OK,
     FrameReader,
-    InlineMark,
+    RunningMarks,
     WorkerFailure,
     WorkerHello,
     WorkerOutcome,
@@ -48,6 +53,11 @@ from servers.worker_wire import (
 )
 
 log = logging.getLogger("envscaler.worker")
+
+T = TypeVar("T")
+
+THREAD_CHECK_S = 0.5
+"""How often the worker looks for threads that environment code left running."""
 
 _FAILURES = (EnvCodeError, UnknownScenario, UnknownEpisode, OutOfMemory, ChecklistError, CallAbandoned, EpisodeLost)
 
@@ -66,6 +76,10 @@ class WorkerLink(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.frames = FrameReader()
         self.outbox: list[bytes] = []
+        # Threads seen at the last check that are not this process's own.
+        self.foreign: set[int] = set()
+        # Set when this process must end as soon as its current answer is out.
+        self.exit_status: int | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -116,6 +130,8 @@ class WorkerLink(asyncio.Protocol):
             answer, status = WorkerFailure(error="EnvCodeError", message=message), FAILED
         self.outbox.append(frame(request_id, answer, status))
         self.flush()
+        if self.exit_status is not None:
+            os._exit(self.exit_status)
 
     async def run(self, request: WorkerRequest) -> Any:
         """What ``request`` asks for, as a model or plain data."""
@@ -171,33 +187,82 @@ class WorkerLink(asyncio.Protocol):
         return live
 
     async def replay(self, request: WorkerRequest) -> None:
-        """Build the episode, then run its calls again; EpisodeLost when one comes out differently."""
+        """Build the episode, then run its calls again; EpisodeLost when one comes out differently, or
+        leaves a thread running (then this process ends itself once it has answered)."""
         live = await self.build(request)
         for number, call in enumerate(request.calls, 1):
             outcome = await self.store.call_tool(live, call.name, call.arguments)
-            if outcome_digest(outcome) != call.digest or live.stuck:
-                self.store.end(live.episode_id)
+            what = None
+            if foreign_threads(self.store):
+                self.exit_status = EXIT_FOREIGN_THREAD
+                what = "a thread that runs on after the call"
+            elif outcome_digest(outcome) != call.digest or live.stuck:
                 what = f"an error: {outcome.error}" if outcome.error else "a different change of state"
+            if what is not None:
+                self.store.end(live.episode_id)
                 raise EpisodeLost(f"replaying call {number} of {len(request.calls)} ({call.name}) gave {what} "
                                   "(the environment does not answer the same calls the same way)")
 
+    def watch_threads(self) -> None:
+        """End this process when a thread environment code started (past the guard) runs on after its
+        call: it would share the CPU with every episode here. Seen twice in a row, to let a call thread
+        that is ending end. The server rebuilds the episodes elsewhere; the one whose call starts the
+        thread again cannot be rebuilt (:meth:`replay`)."""
+        seen = foreign_threads(self.store)
+        if seen & self.foreign:
+            log.error("a thread started by environment code runs on after its call; ending this worker",
+                      extra={"env": self.store.env_id, "threads": len(seen)})
+            os._exit(EXIT_FOREIGN_THREAD)
+        self.foreign = seen
+        asyncio.get_running_loop().call_later(THREAD_CHECK_S, self.watch_threads)
+
 
 class MarkedEpisodeStore(EpisodeStore):
-    """The engine, marking the episode whose call runs inline on the event loop (the server reads the
-    mark when this process freezes or dies, to know which request to blame)."""
+    """The engine, marking whose code each thread runs (the server reads the marks when this process
+    freezes or dies, to know which request to blame): slot 0 for the event loop's thread, one slot
+    for each call thread."""
 
-    def __init__(self, *args: Any, mark: InlineMark | None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, marks: RunningMarks | None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.mark = mark
+        self.marks = marks
+        self._slots: dict[int, int] = {threading.get_ident(): 0}
+
+    def _marked(self, episode_id: str, work: Callable[[], T]) -> T:
+        slot = self._slot()
+        if self.marks is None or slot is None:
+            return work()
+        self.marks.set(slot, episode_id)
+        try:
+            result = work()
+        except Exception:
+            self.marks.clear(slot)
+            raise
+        # Not cleared for what else escapes (SystemExit from a __repr__ that runs after the call): it ends
+        # this process, and the mark tells the server whose call did.
+        self.marks.clear(slot)
+        return result
+
+    def _slot(self) -> int | None:
+        thread = threading.get_ident()
+        slot = self._slots.get(thread)
+        if slot is None and len(self._slots) < RunningMarks.SLOTS:
+            slot = self._slots[thread] = len(self._slots)
+        return slot
 
     def _call_inline(self, live: LiveEpisode, name: str, arguments: Any) -> ToolOutcome | None:
-        if self.mark is None:
-            return super()._call_inline(live, name, arguments)
-        self.mark.set(live.episode_id)
-        try:
-            return super()._call_inline(live, name, arguments)
-        finally:
-            self.mark.clear()
+        return self._marked(live.episode_id, lambda: super(MarkedEpisodeStore, self)._call_inline(live, name, arguments))
+
+    def _on_thread(self, episode_id: str, work: Callable[[], T]) -> Callable[[], T]:
+        return lambda: self._marked(episode_id, work)
+
+
+def foreign_threads(store: EpisodeStore) -> set[int]:
+    """Threads of this process that it did not start itself (none where /proc is not there to tell)."""
+    try:
+        running = {int(task) for task in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
+    return running - {threading.main_thread().native_id, *store.runner.thread_ids(), *guard_thread_ids()}
 
 
 def _answer(outcome: ToolOutcome, *, stuck: bool) -> WorkerOutcome:
@@ -217,6 +282,7 @@ def run_worker(sock: socket.socket) -> None:
     """Load the environment named by the server's settings, say hello, answer requests until EOF."""
     settings = _read_settings(sock)
     protect_time_limits()
+    share_the_interpreter()
     bundle = settings.bundle
     try:
         runtime = EnvRuntime(bundle.spec, call_timeout_s=settings.call_timeout_s, check_timeout_s=settings.check_timeout_s,
@@ -224,10 +290,10 @@ def run_worker(sock: socket.socket) -> None:
     except Exception as e:  # noqa: BLE001 - loading is environment code: report it to the server, then stop
         sock.sendall(frame(HELLO_ID, WorkerFailure(error="EnvCodeError", message=f"{bundle.env_id}: {e}"), FAILED))
         raise SystemExit(1) from None
-    mark = InlineMark(settings.mark_fd) if settings.mark_fd is not None else None
+    marks = RunningMarks(settings.mark_fd) if settings.mark_fd is not None else None
     store = MarkedEpisodeStore(bundle, runtime, max_episodes=2**31, idle_ttl_s=float("inf"), worker_threads=settings.worker_threads,
                                inline_budget_s=settings.inline_budget_s, memory_reserve_mb=settings.memory_reserve_mb, records=False,
-                               mark=mark)
+                               marks=marks)
     keep_alarm_handler()
     hello = WorkerHello(tools=runtime.tool_list(), annotations=runtime.annotations)
     sock.sendall(frame(HELLO_ID, hello))
@@ -236,7 +302,8 @@ def run_worker(sock: socket.socket) -> None:
     async def serve() -> None:
         loop = asyncio.get_running_loop()
         closed: asyncio.Future[None] = loop.create_future()
-        await loop.connect_accepted_socket(lambda: WorkerLink(store, closed), sock=sock)
+        _, link = await loop.connect_accepted_socket(lambda: WorkerLink(store, closed), sock=sock)
+        link.watch_threads()
         await closed
 
     with asyncio.Runner(loop_factory=loop_factory()) as runner:

@@ -22,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
@@ -37,6 +38,8 @@ from servers.errors import CallAbandoned, EpisodeLost, LimitReached, OutOfMemory
 from servers.memory import memory_status
 
 log = logging.getLogger("envscaler.server")
+
+T = TypeVar("T")
 
 # Grace period past the limit (the guard in the call stops it then) before the server stops waiting.
 ABANDON_GRACE_S = 0.5
@@ -93,10 +96,15 @@ class LiveEpisode:
         return given if given is not None else (self.scenario.checklist_with_func if self.scenario else None)
 
     def keep(self, outcome: ToolOutcome, limit_chars: int) -> None:
-        """Add ``outcome`` to the trajectory; past ``limit_chars`` in all, its result is kept cut (``truncated``)."""
+        """Add ``outcome`` to the trajectory; past ``limit_chars`` in all, its diff is dropped (``diff_dropped``)
+        and its result kept cut (``truncated``)."""
         text = outcome.result_text if outcome.result_text is not None else ""
-        size = len(text) + len(outcome.error or "") + len(json_bytes(outcome.arguments))
+        diff_size = len(json_bytes(outcome.diff)) if outcome.diff else 0
+        size = len(text) + len(outcome.error or "") + len(json_bytes(outcome.arguments)) + diff_size
         left = limit_chars - self.kept_chars
+        if size > left and diff_size:
+            outcome = outcome.model_copy(update={"diff": None, "diff_dropped": True})
+            size -= diff_size
         if size > left and text:
             cut = text[: max(left - (size - len(text)), 0)]
             outcome = outcome.model_copy(update={"result": cut, "result_text": cut, "truncated": True,
@@ -170,7 +178,7 @@ class EpisodeRegistry:
         self.scenarios = {s.task_id: s for s in bundle.scenarios}
         self.memory_reserve_mb = memory_reserve_mb
         self.max_trajectory_chars = max_trajectory_chars
-        # False in a worker process: the server in front of it keeps the trajectories.
+        # False in a worker process: the server in front of it keeps the trajectories and logs the calls.
         self.records = records
         self.expired = 0
 
@@ -187,6 +195,10 @@ class EpisodeRegistry:
 
     async def stats(self) -> CallStats:
         """How the calls stand: threads, stuck calls, and whether a new call could run now."""
+        raise NotImplementedError
+
+    def health_problem(self) -> str | None:
+        """Why no new call could run now (``/healthz`` answers 503 with it), or None; answered at once."""
         raise NotImplementedError
 
     async def state(self, live: LiveEpisode) -> dict[str, Any]:
@@ -307,10 +319,11 @@ class EpisodeRegistry:
         return outcome
 
     def _called(self, live: LiveEpisode, name: str, outcome: ToolOutcome) -> None:
-        """Record and log a finished call."""
-        if self.records:
-            live.keep(outcome, self.max_trajectory_chars)
+        """Record and log a finished call (a worker process does neither: the server in front of it does)."""
         live.last_used = time.monotonic()
+        if not self.records:
+            return
+        live.keep(outcome, self.max_trajectory_chars)
         if outcome.error:
             level = logging.INFO if outcome.error_kind in ("agent", "tool") else logging.WARNING
             log.log(
@@ -354,9 +367,15 @@ class EpisodeStore(EpisodeRegistry):
         return self.runtime.annotations
 
     async def stats(self) -> CallStats:
-        problem = f"no call capacity: all {self.runner.max_threads} call threads are stuck" if self.runner.exhausted else None
         return CallStats(call_threads=self.runner.threads, stuck_calls=self.stuck_calls, threaded_tools=self.threaded_tools(),
-                         capacity_problem=problem)
+                         capacity_problem=self.health_problem())
+
+    def health_problem(self) -> str | None:
+        if not self.runner.exhausted:
+            return None
+        if self.runner.start_error is not None:
+            return f"no call capacity: no call thread can be started ({self.runner.start_error})"
+        return f"no call capacity: all {self.runner.max_threads} call threads are stuck"
 
     def threaded_tools(self) -> list[str]:
         """The tools that run on a call thread for now, having outrun the inline budget."""
@@ -374,7 +393,7 @@ class EpisodeStore(EpisodeRegistry):
             return self.runtime.new_episode(config, scenario_key=key)  # runs no env code
         limit = self.runtime.call_timeout_s + ABANDON_GRACE_S
         try:
-            return await self.runner.run(lambda: self.runtime.new_episode(config, scenario_key=key), limit)
+            return await self.runner.run(self._on_thread(episode_id, lambda: self.runtime.new_episode(config, scenario_key=key)), limit)
         except CallAbandoned:
             raise EnvCodeError(f"{self.env_id}: constructor ran longer than {self.runtime.call_timeout_s:g} s") from None
 
@@ -385,7 +404,8 @@ class EpisodeStore(EpisodeRegistry):
         if outcome is not None:
             return outcome
         try:
-            return await self.runner.run(lambda: episode.call(name, arguments), self.runtime.call_timeout_s + ABANDON_GRACE_S)
+            return await self.runner.run(self._on_thread(live.episode_id, lambda: episode.call(name, arguments)),
+                                         self.runtime.call_timeout_s + ABANDON_GRACE_S)
         except CallAbandoned:
             live.stuck = True
             self.stuck_calls += 1
@@ -411,7 +431,7 @@ class EpisodeStore(EpisodeRegistry):
         if until is not None and until > time.monotonic():
             return None
         try:
-            outcome = episode.call(name, arguments, inline_budget_s=self.inline_budget_s)
+            outcome = episode.call(name, arguments, inline_budget_s=self.inline_budget_s, check_shared=not self.runner.busy)
         except Preempted:
             if episode.preemptible:  # it outran the budget (rather than: its state cannot be shared)
                 self._thread_for_now(live, name)
@@ -436,4 +456,10 @@ class EpisodeStore(EpisodeRegistry):
         episode = live.episode
         assert episode is not None
         items = live.checklist(checklist)
-        return await self.runner.run(lambda: episode.validate(items), checks_limit_s(items, self.runtime.check_timeout_s))
+        return await self.runner.run(self._on_thread(live.episode_id, lambda: episode.validate(items)),
+                                     checks_limit_s(items, self.runtime.check_timeout_s))
+
+    def _on_thread(self, episode_id: str, work: Callable[[], T]) -> Callable[[], T]:
+        """What a call thread runs of episode ``episode_id``'s ``work``: the work itself (a worker process
+        wraps it to say, while it runs, whose code its thread runs)."""
+        return work

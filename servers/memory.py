@@ -30,6 +30,19 @@ def memory_status() -> MemoryStatus:
     return status
 
 
+def oom_kills() -> int | None:
+    """How many processes of this cgroup the kernel's OOM killer has killed, or None where it is not told."""
+    for path in ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"):  # cgroup v2, v1
+        try:
+            for line in Path(path).read_text().splitlines():
+                name, _, value = line.partition(" ")
+                if name == "oom_kill":
+                    return int(value)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def _cgroup() -> tuple[str, float | None, float | None]:
     for limit_file, usage_file in (
         ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),

@@ -26,6 +26,7 @@ from envscaler import EnvScalerError, load_bundle, logs
 from envscaler.guard import keep_alarm_handler, protect_time_limits
 from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment, sandboxed
 from servers.app import EnvServerApp, ServerConfig
+from servers.calls import share_the_interpreter
 from servers.event_loop import loop_factory
 from servers.http_server import HttpServer
 
@@ -110,6 +111,7 @@ def serve(
     (and ``openenv_listening``) are sockets already listening, used instead of binding ``port``.
     """
     protect_time_limits()
+    share_the_interpreter()  # for environment code run in this process (--in-process)
     bundle = load_bundle(bundle_dir)
     if heartbeat is not None:
         threading.Thread(target=_stop_when_stale, args=(Path(heartbeat),), name="heartbeat", daemon=True).start()

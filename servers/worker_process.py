@@ -12,9 +12,9 @@ Every request has a deadline: its own limit plus ``GRACE_S``. A child that misse
 ignored and a loop, the GIL held by a C loop, a catastrophic regex), and one whose socket closes has
 died (``SystemExit`` at the top, a crash). Either way its process group is killed, what waits on it
 fails with :class:`WorkerGone`, the owner is told (``on_lost``), and the next request starts a new
-child. The request to blame is the one the child was running on its event loop (it says which in a
-shared page of memory, :class:`servers.worker_wire.InlineMark`), or the only one it had; the others
-were only caught up in its fall.
+child. The request to blame is the one the child was running on its event loop, else the only one it
+was running on a thread (it says which in a shared page of memory, :class:`servers.worker_wire.RunningMarks`),
+else the only one it had; the others were only caught up in its fall.
 """
 
 from __future__ import annotations
@@ -36,7 +36,19 @@ from envscaler import EnvCodeError, logs
 from envscaler.errors import ChecklistError
 from envscaler.sandbox import clean_environment, die_with_parent, make_undumpable, sandboxed
 from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, UnknownEpisode, UnknownScenario
-from servers.worker_wire import FAILED, HELLO_ID, FrameReader, FrameTooLarge, InlineMark, WorkerFailure, decode, frame, recv_frame
+from servers.memory import oom_kills
+from servers.worker_wire import (
+    EXIT_REASONS,
+    FAILED,
+    HELLO_ID,
+    FrameReader,
+    FrameTooLarge,
+    RunningMarks,
+    WorkerFailure,
+    decode,
+    frame,
+    recv_frame,
+)
 
 log = logging.getLogger("envscaler.server")
 
@@ -44,6 +56,8 @@ GRACE_S = 2.0
 """How long past a request's own limit the child may take to answer before it counts as frozen."""
 START_TIMEOUT_S = 60.0
 _TICK_S = 0.1
+_EXIT_STATUS_WAIT_S = 0.2
+_NOBODY = -1  # a request id that no request has: "blame nobody"
 _ERRORS: dict[str, type[Exception]] = {
     "EnvCodeError": EnvCodeError, "UnknownScenario": UnknownScenario, "UnknownEpisode": UnknownEpisode,
     "OutOfMemory": OutOfMemory, "ChecklistError": ChecklistError, "CallAbandoned": CallAbandoned, "EpisodeLost": EpisodeLost,
@@ -53,14 +67,16 @@ _ERRORS: dict[str, type[Exception]] = {
 class WorkerGone(Exception):
     """The child was killed or died before it answered.
 
-    ``hung``: it missed a deadline. ``blamed``: this request is what brought it down (it missed its
-    deadline, or it was the only request in the child), rather than one caught up in another's fall.
+    ``hung``: it missed a deadline. ``blamed``: this request is what brought it down, rather than one
+    caught up in another's fall. ``explained``: some request was blamed (this one or another), so a
+    request that was not is innocent for sure.
     """
 
-    def __init__(self, reason: str, *, hung: bool, blamed: bool) -> None:
+    def __init__(self, reason: str, *, hung: bool, blamed: bool, explained: bool) -> None:
         super().__init__(reason)
         self.hung = hung
         self.blamed = blamed
+        self.explained = explained
 
 
 class _Link(asyncio.Protocol):
@@ -85,8 +101,22 @@ class _Link(asyncio.Protocol):
             self.owner.answered(request_id, status, payload)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        code = self.child.process.poll()
-        self.owner.lose(self.child, f"the {self.owner.role} exited ({'exit code ' + str(code) if code is not None else 'closed its socket'})")
+        try:
+            # A dying process closes its socket a moment before its exit status can be collected.
+            code: int | None = self.child.process.wait(_EXIT_STATUS_WAIT_S)
+        except subprocess.TimeoutExpired:
+            code = None
+        if code in EXIT_REASONS:
+            # It ended itself for a reason of its own, not for a request it was answering.
+            self.owner.lose(self.child, f"the {self.owner.role} exited ({EXIT_REASONS[code]})", blamed_id=_NOBODY, explained=True)
+            return
+        if code is None:
+            why = "closed its socket"
+        elif code == -signal.SIGKILL and self.child.oom_kills is not None and (oom_kills() or 0) > self.child.oom_kills:
+            why = "out of memory: the kernel killed it"
+        else:
+            why = f"exit code {code}"
+        self.owner.lose(self.child, f"the {self.owner.role} exited ({why})")
 
 
 class _Child:
@@ -95,6 +125,8 @@ class _Child:
     def __init__(self, module: str, settings: BaseModel, sandbox: bool, inherited: tuple[int, ...]) -> None:
         ours, theirs = socket.socketpair()
         self.sock = ours
+        # The cgroup's OOM kills so far: one more when it is killed means the kernel's OOM killer did it.
+        self.oom_kills = oom_kills()
         command = [sys.executable, "-m", module, str(theirs.fileno())]
         # In the server's process group: whatever kills the server's group (a farm restarting or stopping
         # it) takes the child and what it forked. Whatever it reads comes over the socket: no path is readable.
@@ -107,6 +139,7 @@ class _Child:
         ours.sendall(frame(0, settings))
         self.link: _Link | None = None
         self.gone = False
+        self.serial = 0  # set by its WorkerProcess: which of its children this is
         # Frames to send at the end of this event-loop iteration: under load, one write carries many.
         self.outbox: list[bytes] = []
 
@@ -153,15 +186,14 @@ class WorkerProcess:
 
     ``role`` names it in errors ("environment worker"). ``on_lost(reason)`` is called each time a
     child is killed or dies. ``mark``, shared with each child (its ``mark_fd`` setting), names the
-    subject of the request the child runs on its event loop: a request is asked about a subject (an
-    episode id), and when the child freezes or dies, the first request about the marked subject is
-    the one to blame. The first child starts here, before any event loop: :attr:`hello` is its
+    subjects the child's threads run: a request is asked about a subject (an episode id), and when
+    the child freezes or dies, the first request about the subject to blame is the one to blame. The first child starts here, before any event loop: :attr:`hello` is its
     first frame (with ``lazy``, there is no first child and no hello: the first request starts one).
     Later ones start on the loop, when a request finds the last one gone.
     """
 
     def __init__(self, module: str, settings: BaseModel, *, role: str, sandbox: bool, on_lost: Callable[[str], None],
-                 mark: InlineMark | None = None, lazy: bool = False) -> None:
+                 mark: RunningMarks | None = None, lazy: bool = False) -> None:
         self.module = module
         self.settings = settings
         self.role = role
@@ -170,6 +202,7 @@ class WorkerProcess:
         self.mark = mark
         self.restarts = 0
         make_undumpable()
+        self._serials = 0
         self._child: _Child | None = None
         self.hello = b""
         if not lazy:
@@ -185,15 +218,38 @@ class WorkerProcess:
     def _spawn(self) -> _Child:
         if self.mark is not None:
             self.mark.clear()
-        return _Child(self.module, self.settings, self.sandbox, () if self.mark is None else (self.mark.fd,))
+        child = _Child(self.module, self.settings, self.sandbox, () if self.mark is None else (self.mark.fd,))
+        self._serials += 1
+        child.serial = self._serials
+        return child
 
     @property
     def alive(self) -> bool:
         """Whether a child is up (a request may still have to start a new one)."""
         return self._child is not None and not self._child.gone
 
+    def start_problem(self) -> str | None:
+        """Why the last child could not be started, or None; starts one in the background when none is up
+        (a health probe alone then brings a lost child back)."""
+        starting = self._starting
+        if self.alive or (starting is not None and not starting.done()):
+            return None
+        if starting is not None and not starting.cancelled() and starting.exception() is not None:
+            problem = f"the {self.role} cannot start: {starting.exception()}"
+        else:
+            problem = None
+        if self._child is not None:
+            self._starting = asyncio.ensure_future(self._attach())
+            self._starting.add_done_callback(lambda future: future.cancelled() or future.exception())  # seen by the next probe
+        return problem
+
     async def ask(self, request: BaseModel, limit_s: float, what: str, subject: str = "") -> bytes:
         """The child's answer to ``request`` (about ``subject``): raises the error it reports, or WorkerGone."""
+        payload, _ = await self.ask_child(request, limit_s, what, subject)
+        return payload
+
+    async def ask_child(self, request: BaseModel, limit_s: float, what: str, subject: str = "") -> tuple[bytes, int]:
+        """:meth:`ask`, with the serial number of the child that answered (for :meth:`restart`)."""
         child = await self._ready()
         request_id = self._next_id
         self._next_id = request_id + 1 if request_id < 0xFFFF_FFFF else HELLO_ID + 1
@@ -205,7 +261,7 @@ class WorkerProcess:
             except (ValueError, RecursionError):
                 raise EnvCodeError(f"the {self.role} answered {what} with a malformed error") from None
             raise _ERRORS[failure.error](failure.message)
-        return payload
+        return payload, child.serial
 
     def tell(self, request: BaseModel) -> None:
         """Send ``request`` and forget it: its answer, or the child's loss, changes nothing here."""
@@ -219,11 +275,12 @@ class WorkerProcess:
         except (WorkerGone, EnvCodeError):
             pass
 
-    def restart(self, reason: str) -> None:
-        """Replace the child though it answers (it runs code that cannot be stopped otherwise); what
-        waits on it was only caught up in this."""
-        if self._child is not None:
-            self.lose(self._child, reason, blamed_id=-1)
+    def restart(self, reason: str, serial: int) -> None:
+        """Replace child ``serial`` though it answers (it runs code that cannot be stopped otherwise), if it
+        is still the current one. What waits on it was caught up in this, but a request already past
+        its own limit was running on past it (it answers at once, else): it is not run again."""
+        if self._child is not None and self._child.serial == serial:
+            self.lose(self._child, reason, blamed_id=_NOBODY, late_blamed=True, explained=True)
 
     def close(self) -> None:
         """Stop the child (the server is shutting down)."""
@@ -258,26 +315,41 @@ class WorkerProcess:
                 log.warning(f"{self.role} restarted", extra={"restarts": self.restarts})
         return child
 
-    def lose(self, child: _Child, reason: str, hung: bool = False, blamed_id: int | None = None) -> None:
+    def lose(self, child: _Child, reason: str, hung: bool = False, blamed_id: int | None = None, late_blamed: bool = False,
+             explained: bool = False) -> None:
         """Kill ``child``, fail what waits on it, tell the owner; the next request starts a new one.
 
-        The request ``blamed_id`` brought it down (None: the one :meth:`_culprit` finds, if any).
+        The request ``blamed_id`` brought it down (None: the one :meth:`_culprit` finds, if any); with
+        ``late_blamed``, so did every request already past its own limit. ``explained``: the fall is
+        accounted for though no request is blamed (the owner replaces a child that still answers).
         """
         if child.gone or child is not self._child:
             return
         if blamed_id is None:
             blamed_id = self._culprit()
+        explained = explained or (blamed_id is not None and blamed_id != _NOBODY)
         child.kill()
         self.on_lost(reason)
+        now = time.monotonic()
         for request_id, pending in list(self._pending.items()):
-            if not pending.future.done():
-                blamed = request_id == blamed_id
-                pending.future.set_exception(WorkerGone(reason, hung=hung and blamed, blamed=blamed))
+            if pending.future.done():
+                continue
+            if request_id == blamed_id:
+                pending.future.set_exception(WorkerGone(reason, hung=hung, blamed=True, explained=True))
+            elif late_blamed and now - pending.sent > pending.limit_s:
+                # Caught up, but already past its own limit: it would have timed out anyway; not run again.
+                late = f"{reason}; {pending.what} had run past its own limit of {pending.limit_s:g} s"
+                pending.future.set_exception(WorkerGone(late, hung=True, blamed=True, explained=True))
+            else:
+                pending.future.set_exception(WorkerGone(reason, hung=False, blamed=False, explained=explained))
 
     def _culprit(self) -> int | None:
-        """The request the child was running on its event loop (its mark), or the only one it had; else None."""
+        """The request the child was running on its event loop, else the only one it was running on a
+        thread (its marks), else the only one it had; None when that does not say."""
         waiting = [(request_id, pending.subject) for request_id, pending in self._pending.items() if not pending.future.done()]
-        running = self.mark.read() if self.mark is not None else None
+        marks = self.mark.read() if self.mark is not None else {}
+        on_threads = {subject for slot, subject in marks.items() if slot != 0}
+        running = marks.get(0) or (on_threads.pop() if len(on_threads) == 1 else None)
         if running:
             for request_id, subject in waiting:
                 if subject == running:
@@ -297,7 +369,7 @@ class WorkerProcess:
             late = self._pending[culprit] if culprit is not None else min(overdue, key=lambda pending: pending.deadline)
             if self._child is not None:
                 self.lose(self._child, f"the {self.role} did not answer {late.what} within {late.limit_s:g} s and was restarted",
-                          hung=True, blamed_id=culprit if culprit is not None else -1)
+                          hung=True, blamed_id=culprit if culprit is not None else _NOBODY)
         if self._pending:
             asyncio.get_running_loop().call_later(_TICK_S, self._supervise)
         else:
@@ -305,7 +377,8 @@ class WorkerProcess:
 
     async def _wait(self, request_id: int, wait_s: float, limit_s: float, what: str, subject: str) -> tuple[int, bytes]:
         loop = asyncio.get_running_loop()
-        pending = _Pending(loop.create_future(), time.monotonic() + wait_s, limit_s, what, subject)
+        now = time.monotonic()
+        pending = _Pending(loop.create_future(), now, now + wait_s, limit_s, what, subject)
         self._pending[request_id] = pending
         if not self._ticking:
             self._ticking = True
@@ -333,10 +406,12 @@ def child_main(module: str, serve: Callable[[socket.socket], None], argv: list[s
 class _Pending:
     """A request the child has not answered yet."""
 
-    __slots__ = ("future", "deadline", "limit_s", "what", "subject")
+    __slots__ = ("future", "sent", "deadline", "limit_s", "what", "subject")
 
-    def __init__(self, future: asyncio.Future[tuple[int, bytes]], deadline: float, limit_s: float, what: str, subject: str) -> None:
+    def __init__(self, future: asyncio.Future[tuple[int, bytes]], sent: float, deadline: float, limit_s: float, what: str,
+                 subject: str) -> None:
         self.future = future
+        self.sent = sent
         self.deadline = deadline
         self.limit_s = limit_s
         self.what = what

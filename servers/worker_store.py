@@ -37,7 +37,7 @@ from servers.worker_wire import (
     CheckRequest,
     CheckResults,
     EpisodeFinal,
-    InlineMark,
+    RunningMarks,
     ReplayCall,
     WorkerHello,
     WorkerOutcome,
@@ -49,6 +49,8 @@ from servers.worker_wire import (
 log = logging.getLogger("envscaler.server")
 
 ROLE = "environment worker"
+# How many times a request caught up in other requests' falls is asked again, at most.
+CAUGHT_UP_TRIES = 4
 
 
 class _History:
@@ -67,10 +69,10 @@ class WorkerEpisodeStore(EpisodeRegistry):
 
     def __init__(self, bundle: Bundle, settings: WorkerSettings, *, sandbox: bool, **limits: Any) -> None:
         super().__init__(bundle, **limits)
-        mark = InlineMark()
+        mark = RunningMarks()
         self.settings = settings = settings.model_copy(update={"mark_fd": mark.fd})
         self.worker = WorkerProcess("servers.env_worker", settings, role=ROLE, sandbox=sandbox, on_lost=self._worker_lost, mark=mark)
-        check_mark = InlineMark()
+        check_mark = RunningMarks()
         self.checker = WorkerProcess("servers.check_worker", CheckerSettings(check_timeout_s=settings.check_timeout_s, mark_fd=check_mark.fd),
                                      role="check worker", sandbox=sandbox, on_lost=self._checker_lost, mark=check_mark, lazy=True)
         self._checking = asyncio.Lock()
@@ -102,7 +104,7 @@ class WorkerEpisodeStore(EpisodeRegistry):
     async def _ensure_built(self, live: LiveEpisode) -> None:
         """Rebuild ``live`` in the current worker if its state went with a lost one (``live.lock`` is held);
         marks it lost when that cannot be done."""
-        for attempt in (1, 2):
+        for _ in range(CAUGHT_UP_TRIES):
             reason = self._stale.pop(live.episode_id, None)
             if reason is None or live.lost is not None:
                 return
@@ -116,17 +118,44 @@ class WorkerEpisodeStore(EpisodeRegistry):
             try:
                 await self.worker.ask(request, limit, f"the rebuild of episode {live.episode_id}", live.episode_id)
             except WorkerGone as e:
-                if attempt == 1 and not e.blamed:
-                    self._stale[live.episode_id] = reason  # caught up in another's fall: once more
-                    continue
-                self._mark_lost(live, f"{reason}; rebuilding it brought the new worker down too ({e})")
+                if e.blamed:
+                    self._mark_lost(live, f"{reason}; rebuilding it brought the new worker down too ({e})")
+                    return
+                self._stale[live.episode_id] = reason  # caught up in another's fall: once more
+                continue
             except (EpisodeLost, EnvCodeError, UnknownEpisode) as e:
                 self._mark_lost(live, f"{reason}; it cannot be rebuilt: {e}")
-            else:
-                self.rebuilt += 1
-                log.info("episode rebuilt in a new environment worker",
-                         extra={"env": self.env_id, "episode": live.episode_id, "calls": len(history.calls)})
+                return
+            self.rebuilt += 1
+            log.info("episode rebuilt in a new environment worker",
+                     extra={"env": self.env_id, "episode": live.episode_id, "calls": len(history.calls)})
             return
+        self._mark_lost(live, f"{self._stale.pop(live.episode_id, 'its worker was lost')}; the workers that were to rebuild it "
+                              f"were lost {CAUGHT_UP_TRIES} times in a row")
+
+    async def _ask_about(self, episode_id: str, request: WorkerRequest, limit_s: float, what: str,
+                         live: LiveEpisode | None = None) -> tuple[bytes, int]:
+        """The worker's answer to ``request`` about episode ``episode_id``.
+
+        When the worker goes down for another request's sake, this one is innocent: the episode
+        (``live``, when it is built) is rebuilt in the new worker and asked again, a few times at most;
+        a fall that no request is blamed for gets it one more try only. Raises WorkerGone when this
+        request is to blame or the tries run out, EpisodeLost when the episode cannot be rebuilt.
+        """
+        unexplained = 0
+        for _ in range(CAUGHT_UP_TRIES):
+            try:
+                return await self.worker.ask_child(request, limit_s, what, episode_id)
+            except WorkerGone as e:
+                unexplained += not e.explained
+                if e.blamed or unexplained > 1:
+                    raise
+                gone = e
+            if live is not None:
+                await self._ensure_built(live)
+                if live.lost is not None:
+                    raise EpisodeLost(f"episode {episode_id} is lost ({live.lost}); reset it to run its scenario again")
+        raise gone
 
     def _mark_lost(self, live: LiveEpisode, reason: str) -> None:
         live.lost = reason
@@ -156,8 +185,12 @@ class WorkerEpisodeStore(EpisodeRegistry):
     def annotations(self) -> dict[str, ToolAnnotations]:
         return self._annotations
 
+    def health_problem(self) -> str | None:
+        # Not the worker's answer: a frozen worker is replaced by this server in time, and must not make a
+        # farm restart the server. A stuck call replaces the worker, so its call threads never all stick.
+        return self.worker.start_problem()
+
     async def stats(self) -> CallStats:
-        # Asking starts a new worker when the last one was lost: a health probe alone brings it back.
         try:
             stats = decode(CallStats, await self.worker.ask(WorkerRequest(op="stats"), 0.0, "a health question"))
         except (WorkerGone, EnvCodeError) as e:
@@ -172,8 +205,9 @@ class WorkerEpisodeStore(EpisodeRegistry):
                 raise EpisodeLost(f"episode {live.episode_id} is lost ({live.lost}); reset it to run its scenario again")
             request = WorkerRequest(op="state", episode_id=live.episode_id)
             try:
-                state = json.loads(await self.worker.ask(request, self.settings.call_timeout_s, f"a state read of episode {live.episode_id}",
-                                                         live.episode_id))
+                payload, _ = await self._ask_about(live.episode_id, request, self.settings.call_timeout_s,
+                                                   f"a state read of episode {live.episode_id}", live)
+                state = json.loads(payload)
             except WorkerGone as e:
                 raise EnvCodeError(f"{self.env_id}: {e}") from None
             except (ValueError, RecursionError):
@@ -185,15 +219,10 @@ class WorkerEpisodeStore(EpisodeRegistry):
     async def _construct(self, episode_id: str, scenario: Scenario | None, init_config: dict[str, Any] | None) -> Episode | None:
         request = WorkerRequest(op="create", episode_id=episode_id, scenario_id=scenario.task_id if scenario else None,
                                 init_config=None if scenario else (init_config or {}))
-        for attempt in (1, 2):
-            try:
-                await self.worker.ask(request, self.settings.call_timeout_s + ABANDON_GRACE_S, f"the constructor of episode {episode_id}",
-                                      episode_id)
-            except WorkerGone as e:
-                if attempt == 1 and not e.blamed:
-                    continue  # caught up in another's fall: build it in the new worker
-                raise EnvCodeError(f"{self.env_id}: {e}") from None
-            break
+        try:
+            await self._ask_about(episode_id, request, self.settings.call_timeout_s + ABANDON_GRACE_S, f"the constructor of episode {episode_id}")
+        except WorkerGone as e:
+            raise EnvCodeError(f"{self.env_id}: {e}") from None
         self._histories[episode_id] = _History()
         self._stale.pop(episode_id, None)
         return None
@@ -204,28 +233,22 @@ class WorkerEpisodeStore(EpisodeRegistry):
             return self._lost_outcome(live, name, arguments)
         request = WorkerRequest(op="call", episode_id=live.episode_id, name=name, arguments=arguments)
         what = f"tool {name!r} of episode {live.episode_id}"
-        for attempt in (1, 2):
-            try:
-                payload = await self.worker.ask(request, self.settings.call_timeout_s + ABANDON_GRACE_S, what, live.episode_id)
-                reply = decode(WorkerOutcome, payload)
-            except WorkerGone as e:
-                if attempt == 1 and not e.blamed:
-                    # Caught up in another call's fall: this one never finished; rebuild the episode and run it again.
-                    await self._ensure_built(live)
-                    if live.lost is not None:
-                        return self._lost_outcome(live, name, arguments)
-                    continue
-                message = f"{e}; the call was undone, and the episode goes on from before it"
-                return ToolOutcome.failure(name, arguments, "timeout" if e.hung else "env", message)
-            except (EnvCodeError, UnknownEpisode, ValueError, RecursionError) as e:
-                return ToolOutcome.failure(name, arguments, "env", f"Environment error in {name!r}: {e}")
-            break
+        try:
+            payload, worker = await self._ask_about(live.episode_id, request, self.settings.call_timeout_s + ABANDON_GRACE_S, what, live)
+            reply = decode(WorkerOutcome, payload)
+        except WorkerGone as e:
+            message = f"{e}; the call was undone, and the episode goes on from before it"
+            return ToolOutcome.failure(name, arguments, "timeout" if e.hung else "env", message)
+        except EpisodeLost:
+            return self._lost_outcome(live, name, arguments)
+        except (EnvCodeError, UnknownEpisode, ValueError, RecursionError) as e:
+            return ToolOutcome.failure(name, arguments, "env", f"Environment error in {name!r}: {e}")
         reply.outcome.result_text = reply.text
         if reply.stuck:
             # Its thread runs on and cannot be stopped: only a new worker is rid of it. The episode is
             # rebuilt there without this call.
             reply.outcome.error = f"{reply.outcome.error}; the call was undone, and the episode goes on from before it"
-            self.worker.restart(f"tool {name!r} of episode {live.episode_id} outlived its limit on a thread that could not be stopped")
+            self.worker.restart(f"tool {name!r} of episode {live.episode_id} outlived its limit on a thread that could not be stopped", worker)
         else:
             self._remember(live, name, arguments, reply)
         return reply.outcome
@@ -251,18 +274,13 @@ class WorkerEpisodeStore(EpisodeRegistry):
         """The episode's final state, as the environment worker tells it to the checks."""
         request = WorkerRequest(op="final", episode_id=live.episode_id)
         what = f"the final state of episode {live.episode_id}"
-        for attempt in (1, 2):
-            try:
-                return decode(EpisodeFinal, await self.worker.ask(request, self.settings.call_timeout_s, what, live.episode_id))
-            except WorkerGone as e:
-                if attempt == 2 or e.blamed:
-                    raise EnvCodeError(f"{self.env_id}: {e}") from None
-                await self._ensure_built(live)
-                if live.lost is not None:
-                    raise EpisodeLost(f"episode {live.episode_id} is lost ({live.lost}); reset it to run its scenario again") from None
-            except (ValueError, RecursionError):
-                raise EnvCodeError(f"{self.env_id}: the environment worker answered {what} with a malformed state") from None
-        raise AssertionError("unreachable")
+        try:
+            payload, _ = await self._ask_about(live.episode_id, request, self.settings.call_timeout_s, what, live)
+            return decode(EpisodeFinal, payload)
+        except WorkerGone as e:
+            raise EnvCodeError(f"{self.env_id}: {e}") from None
+        except (ValueError, RecursionError):
+            raise EnvCodeError(f"{self.env_id}: the environment worker answered {what} with a malformed state") from None
 
     async def _initial(self, live: LiveEpisode) -> dict[str, Any]:
         what = f"the initial state of episode {live.episode_id}"

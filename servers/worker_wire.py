@@ -39,11 +39,17 @@ HELLO_ID = 0
 Operation = Literal["create", "call", "replay", "final", "initial", "state", "end", "stats"]
 
 
+EXIT_FOREIGN_THREAD = 70
+"""The worker's exit status when a thread that environment code started runs on after its call."""
+EXIT_REASONS = {EXIT_FOREIGN_THREAD: "a thread started by environment code ran on after its call"}
+"""Why a worker ends itself, by exit status (``servers.worker_process`` names it in the error)."""
+
+
 class WorkerSettings(BaseModel):
     """What the worker is told when it starts (its first frame in), never through argv or environment."""
 
     bundle: Bundle
-    # The memory file of its :class:`InlineMark`, inherited at this descriptor.
+    # The memory file of its :class:`RunningMarks`, inherited at this descriptor.
     mark_fd: int | None = None
     call_timeout_s: float
     check_timeout_s: float
@@ -146,35 +152,44 @@ class WorkerFailure(BaseModel):
     message: str
 
 
-class InlineMark:
-    """A page of memory the server shares with its worker: which episode's code the worker's event loop
-    runs right now, if any. The worker writes it around every call it runs inline; when the worker
-    freezes or dies, the server reads it to know which request brought it down.
+class RunningMarks:
+    """A page of memory the server shares with its worker: which episode's code each of the worker's
+    threads runs right now (slot 0: its event loop's thread). The worker writes a thread's slot around
+    every call that thread runs; when the worker freezes or dies, the server reads the page to know
+    which request brought it down (``servers.worker_process``).
     """
 
-    SIZE = 256
-    _LENGTH = struct.Struct("<I")
+    SLOTS = 64
+    SLOT_BYTES = 64
+    _LENGTH = struct.Struct("<B")
 
     def __init__(self, fd: int | None = None) -> None:
         if fd is None:
-            fd = os.memfd_create("envscaler-inline-mark", 0)
-            os.ftruncate(fd, self.SIZE)
+            fd = os.memfd_create("envscaler-running-marks", 0)
+            os.ftruncate(fd, self.SLOTS * self.SLOT_BYTES)
         self.fd = fd
-        self._memory = mmap.mmap(fd, self.SIZE)
+        self._memory = mmap.mmap(fd, self.SLOTS * self.SLOT_BYTES)
 
-    def set(self, subject: str) -> None:
-        data = subject.encode()[: self.SIZE - self._LENGTH.size]
-        self._memory[self._LENGTH.size : self._LENGTH.size + len(data)] = data
-        self._LENGTH.pack_into(self._memory, 0, len(data))
+    def set(self, slot: int, subject: str) -> None:
+        data = subject.encode()[: self.SLOT_BYTES - self._LENGTH.size]
+        start = slot * self.SLOT_BYTES
+        self._memory[start + self._LENGTH.size : start + self._LENGTH.size + len(data)] = data
+        self._LENGTH.pack_into(self._memory, start, len(data))
 
-    def clear(self) -> None:
-        self._LENGTH.pack_into(self._memory, 0, 0)
+    def clear(self, slot: int | None = None) -> None:
+        """Empty ``slot`` (every slot when None)."""
+        for index in range(self.SLOTS) if slot is None else (slot,):
+            self._LENGTH.pack_into(self._memory, index * self.SLOT_BYTES, 0)
 
-    def read(self) -> str | None:
-        (length,) = self._LENGTH.unpack_from(self._memory, 0)
-        if not 0 < length <= self.SIZE - self._LENGTH.size:
-            return None
-        return self._memory[self._LENGTH.size : self._LENGTH.size + length].decode(errors="replace")
+    def read(self) -> dict[int, str]:
+        """The subject of every slot that names one, by slot."""
+        marks = {}
+        for slot in range(self.SLOTS):
+            start = slot * self.SLOT_BYTES
+            (length,) = self._LENGTH.unpack_from(self._memory, start)
+            if 0 < length <= self.SLOT_BYTES - self._LENGTH.size:
+                marks[slot] = self._memory[start + self._LENGTH.size : start + self._LENGTH.size + length].decode(errors="replace")
+        return marks
 
 
 def outcome_digest(outcome: ToolOutcome) -> int:

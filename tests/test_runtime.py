@@ -235,7 +235,7 @@ def test_a_preempted_call_is_undone_exactly(runtime):
     assert rerun.result["data"]["count"] == 6
     assert [(c.path, c.before, c.after) for c in rerun.diff] == [
         (["items", "a", "count"], 4, 6),
-        (["log"], ["add a 4"], ["add a 4", "add a 2"]),
+        (["log", 1], None, "add a 2"),  # an append is one added item, not the list twice
     ]
     # The scenario's other episodes never saw any of it.
     assert runtime.new_episode(INIT, scenario_key="s1").state() == runtime.new_episode(INIT).state()

@@ -209,7 +209,7 @@ async def test_a_slow_call_is_undone_on_the_event_loop_and_run_once_on_a_worker(
     # The preempted first run was undone: the change happened exactly once.
     assert state["log"] == ["add a 2", "add a 1"]
     assert [c["name"] for c in calls] == ["slow_add", "add"] and calls[0]["latency_s"] >= 0.1
-    assert [d["path"] for d in calls[0]["diff"]] == [["items", "a", "count"], ["log"]]
+    assert [d["path"] for d in calls[0]["diff"]] == [["items", "a", "count"], ["log", 0]]
     assert "slow_add" in info["threaded_tools"] and info["limits"]["inline_budget_s"] == 0.02
 
 
@@ -262,6 +262,22 @@ async def test_a_call_that_swallows_every_interruption_does_not_take_the_server_
             http, client = await mcp_session(stuck["mcp_url"])
             async with http, client:
                 assert not (await client.call_tool("add", {"item_id": "a"})).is_error
+
+
+def test_a_trajectory_keeps_diffs_within_its_limit_and_appends_cost_one_item(counter_dir):
+    with serve(counter_dir, "--max-trajectory-chars", "3000") as server, server.client() as http:
+        episode = create(server, scenario_id="counter_001")
+        body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "add", "arguments": {"item_id": "a"}}}
+        for _ in range(200):
+            assert http.post(episode["mcp_url"], json=body).json()["result"]["isError"] is False
+        calls = http.get(f"/episodes/{episode['episode_id']}/trajectory").json()["calls"]
+    assert len(calls) == 200
+    # Each add appends to the state's log: its diff names one new item, not the whole log twice.
+    assert calls[0]["diff"] == [{"path": ["items", "a", "count"], "before": 0, "after": 1, "op": "replace"},
+                                {"path": ["log", 0], "before": None, "after": "add a 1", "op": "add"}]
+    kept = [c for c in calls if not c["diff_dropped"]]
+    assert 10 < len(kept) < 200 and all(c["diff"] is None for c in calls[len(kept):]) and calls[-1]["diff_dropped"]
+    assert sum(len(json.dumps(c["diff"])) for c in kept) < 3000
 
 
 async def test_errors_come_back_as_tool_results(counter_server):

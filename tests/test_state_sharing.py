@@ -58,7 +58,7 @@ def test_changes_are_listed_exactly(runtime):
     assert episode.call("get_order", {"user_id": "user_3", "order_id": "#3-0"}).diff == []
     moved = episode.call("set_city", {"user_id": "user_1", "city": "Oslo"})
     assert [(c.path, c.before, c.after) for c in moved.diff] == [
-        (["log"], [], ["moved user_1"]),
+        (["log", 0], None, "moved user_1"),
         (["users", "user_1", "address", "city"], "Springfield", "Oslo"),
     ]
 

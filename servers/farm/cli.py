@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from envscaler.arguments import with_examples
+from envscaler.arguments import positive_float, with_examples
 from envscaler.bundle import default_catalog, find_bundles, load_bundle
 from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from envscaler.loader import precheck_class
@@ -122,7 +122,8 @@ def farm_up(args: argparse.Namespace) -> int:
     backend: Backend = args.backend or ("docker" if docker_answers() else "process")
     if args.openenv and backend != "process":
         raise FarmError("--openenv needs the process backend: add --backend process")
-    limits = Limits(memory_mb=args.memory_mb, cpus=args.cpus, pids=args.pids)
+    limits = Limits(memory_mb=args.memory_mb, cpus=args.cpus, pids=args.pids, call_timeout_s=args.call_timeout,
+                    check_timeout_s=args.check_timeout)
     plan = plan_farm(args.env_dirs or [str(default_catalog())], backend, paths.catalog, limits, args.gateway_port, args.openenv)
     plan.allowed_origins = args.allowed_origin or []
     if args.probe_period is not None and args.probe_period <= 0:
@@ -237,6 +238,10 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--memory-mb", type=int, default=256, help="memory limit per server in MB (default: 256)")
     up.add_argument("--cpus", type=float, default=1.0, help="CPU limit per server, docker and swarm backends (default: 1.0)")
     up.add_argument("--pids", type=int, default=128, help="process/thread limit per server, docker and swarm backends (default: 128)")
+    up.add_argument("--call-timeout", type=positive_float, metavar="SECONDS",
+                    help="seconds a tool call may run in each server (default: the server's own, 10)")
+    up.add_argument("--check-timeout", type=positive_float, metavar="SECONDS",
+                    help="seconds one check may run in each server (default: the server's own, 5)")
     up.add_argument("--allowed-origin", action="append", metavar="ORIGIN",
                     help="browser Origin the gateway answers with CORS headers (repeatable; '*' for any)")
     up.add_argument("--openenv", action="store_true",

@@ -37,6 +37,8 @@ SERVER_PORT = 8000
 SERVER_USER = "10001:10001"
 HEARTBEAT_PATH = "/run/envscaler/heartbeat"
 _READY_PROBE_TIMEOUT_S = 2.0
+# A container death this soon after an OOM kill in it is that kill (the kernel killed its server).
+_OOM_DEATH_S = 5.0
 
 
 def network_name(farm_id: str) -> str:
@@ -109,7 +111,8 @@ class DockerBackend:
         # env_id -> set when its current container dies (from the event stream), with what was seen.
         self._deaths: dict[str, anyio.Event] = {}
         self._exit_codes: dict[str, str] = {}
-        self._oom: set[str] = set()
+        # env_id -> when its container last reported an OOM kill.
+        self._oom: dict[str, float] = {}
         self._kill_reasons: dict[str, str] = {}
         self._warned_route = False
         self._stopping = False
@@ -174,7 +177,9 @@ class DockerBackend:
         if env_id not in self._deaths:
             return
         if event.get("Action") == "oom":
-            self._oom.add(env_id)
+            # The container dies of it only when the killed process was its server; a worker killed
+            # inside it is replaced by its server, and the container lives on.
+            self._oom[env_id] = time.monotonic()
             return
         self._exit_codes[env_id] = attributes.get("exitCode", "?")
         self._deaths[env_id].set()
@@ -192,8 +197,8 @@ class DockerBackend:
                 return
             self._deaths[env.env_id] = anyio.Event()
             await anyio.to_thread.run_sync(container.reload)
-            oom = env.env_id in self._oom or bool(container.attrs["State"].get("OOMKilled"))
-            self._oom.discard(env.env_id)
+            oom_at = self._oom.pop(env.env_id, None)
+            oom = (oom_at is not None and time.monotonic() - oom_at < _OOM_DEATH_S) or bool(container.attrs["State"].get("OOMKilled"))
             exit_text = self._kill_reasons.pop(env.env_id, None) or (
                 "out of memory" if oom else f"exit {self._exit_codes.pop(env.env_id, '?')}"
             )
@@ -241,7 +246,7 @@ class DockerBackend:
         return self.client.containers.run(
             image,
             # The image's command, and: stop when the daemon's heartbeat stops (kill -9 of the daemon).
-            command=["/bundle", "--host", "0.0.0.0", "--port", str(SERVER_PORT), "--stop-when-stale", HEARTBEAT_PATH],
+            command=["/bundle", "--host", "0.0.0.0", "--port", str(SERVER_PORT), "--stop-when-stale", HEARTBEAT_PATH, *limits.serve_flags()],
             volumes={str(self.paths.heartbeat): {"bind": HEARTBEAT_PATH, "mode": "ro"}},
             name=f"envscaler-{self.plan.farm_id}-{env.env_id}",
             detach=True,

@@ -25,11 +25,22 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class Limits(BaseModel):
-    """Resources of one environment server."""
+    """Resources of one environment server, and its time limits (None: the server's own defaults)."""
 
     memory_mb: int = Field(default=256, ge=64)
     cpus: float = Field(default=1.0, gt=0)
     pids: int = Field(default=128, ge=16)
+    call_timeout_s: float | None = Field(default=None, gt=0)
+    check_timeout_s: float | None = Field(default=None, gt=0)
+
+    def serve_flags(self) -> list[str]:
+        """The ``envscaler serve`` flags that give a server these time limits."""
+        flags = []
+        if self.call_timeout_s is not None:
+            flags += ["--call-timeout", f"{self.call_timeout_s:g}"]
+        if self.check_timeout_s is not None:
+            flags += ["--check-timeout", f"{self.check_timeout_s:g}"]
+        return flags
 
 
 class Probes(BaseModel):
@@ -81,6 +92,10 @@ class FarmPlan(BaseModel):
     # Process backend: each server's environment code in a bubblewrap sandbox (envscaler.sandbox). Containers isolate the others.
     sandbox: bool = False
     envs: list[EnvPlan]
+
+    def server_flags(self) -> list[str]:
+        """The ``envscaler serve`` flags every process-backend server of the plan gets besides its own."""
+        return self.limits.serve_flags() + ([] if self.sandbox else ["--no-sandbox"])
 
 
 class EnvStatus(BaseModel):

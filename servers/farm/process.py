@@ -99,17 +99,15 @@ def _child_setup(memory_mb: int) -> None:
     die_with_parent(signal.SIGKILL)
 
 
-def server_command(env: EnvPlan, *, sandbox: bool) -> list[str]:
+def server_command(env: EnvPlan, flags: list[str]) -> list[str]:
     """The command line of one environment server on its loopback port (and OpenEnv port, if planned),
-    in the bubblewrap sandbox or not (``envscaler.sandbox``)."""
+    with the plan's ``flags`` (``FarmPlan.server_flags``: limits, ``--no-sandbox``)."""
     command = [
         sys.executable, "-m", "servers.launch", env.bundle_dir,
-        "--host", "127.0.0.1", "--port", str(env.port), "--public-url", env.url, "--log-level", "warning",
+        "--host", "127.0.0.1", "--port", str(env.port), "--public-url", env.url, "--log-level", "warning", *flags,
     ]
     if env.openenv_port is not None:
         command += ["--openenv-port", str(env.openenv_port)]
-    if not sandbox:
-        command.append("--no-sandbox")
     return command
 
 
@@ -221,8 +219,9 @@ class PopenSpawner:
     # An interpreter's start-up is CPU-bound (imports): more than one per core makes every one slower.
     starts_per_core = 1
 
-    def __init__(self, *, sandbox: bool = False) -> None:
-        self.sandbox = sandbox
+    def __init__(self, flags: list[str]) -> None:
+        # The serve flags every server gets (FarmPlan.server_flags).
+        self.flags = flags
 
     async def spawn(self, env: EnvPlan, environment: dict[str, str], log_path: Path, memory_mb: int) -> ServerProcess:
         """Start ``env``'s server (see ``Spawner.spawn``); the ready pipe's write end goes to the child only."""
@@ -232,7 +231,7 @@ class PopenSpawner:
                 # Popen runs in the event loop's thread on purpose: PR_SET_PDEATHSIG fires when the
                 # thread that forked the child ends, and this one lives as long as the daemon.
                 child = subprocess.Popen(
-                    server_command(env, sandbox=self.sandbox),
+                    server_command(env, self.flags),
                     stdin=subprocess.DEVNULL,
                     stdout=log_file,
                     stderr=subprocess.STDOUT,
@@ -259,7 +258,7 @@ def default_spawner(plan: FarmPlan) -> Spawner:
     sandboxed farm forks its servers too."""
     from servers.farm.zygote import zygote_spawner
 
-    return zygote_spawner(plan) or PopenSpawner(sandbox=plan.sandbox)
+    return zygote_spawner(plan) or PopenSpawner(plan.server_flags())
 
 
 class ProcessBackend:

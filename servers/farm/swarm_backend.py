@@ -174,7 +174,7 @@ def create_env_service(client: Any, plan: FarmPlan, env: EnvPlan, image: str, na
     spec = _hardened(
         image, command=None, labels=labels,
         args=["/bundle", "--host", "0.0.0.0", "--port", str(SERVER_PORT), "--token-file", SECRET_PATH,
-              "--replica-id", "auto", "--log-level", "warning"],
+              "--replica-id", "auto", "--log-level", "warning", *plan.limits.serve_flags()],
         secrets=[SecretReference(secret.id, name, filename=Path(SECRET_PATH).name, uid="10001", gid="10001", mode=0o400)],
     )
     template = TaskTemplate(spec, resources=_resources(plan), networks=[NetworkAttachmentConfig(network)],

@@ -95,7 +95,7 @@ def zygote_spawner(plan: FarmPlan) -> ZygoteSpawner | None:
         return None
     openenv = any(env.openenv_port is not None for env in plan.envs)
     environment = clean_environment({FARM_ID_VARIABLE: plan.farm_id, "MALLOC_ARENA_MAX": "2"})
-    return ZygoteSpawner(environment, preload=PRELOAD + ((OPENENV_PRELOAD,) if openenv else ()), sandbox=plan.sandbox)
+    return ZygoteSpawner(environment, plan.server_flags(), preload=PRELOAD + ((OPENENV_PRELOAD,) if openenv else ()))
 
 
 def fork_available() -> bool:
@@ -196,11 +196,11 @@ class ZygoteSpawner:
     # were healthy in 49-51 s with 1 start per core and 31-33 s with 3-4.
     starts_per_core = 4
 
-    def __init__(self, environment: dict[str, str], *, preload: tuple[str, ...] = PRELOAD, sandbox: bool = False) -> None:
+    def __init__(self, environment: dict[str, str], flags: list[str], *, preload: tuple[str, ...] = PRELOAD) -> None:
         self.environment = environment
+        # The serve flags every server gets (FarmPlan.server_flags).
+        self.flags = flags
         self.preload = preload
-        # Whether each server's environment and check workers run in the sandbox (the servers run no environment code).
-        self.sandbox = sandbox
         self._zygote: _Zygote | None = None
         self._send_lock = anyio.Lock()
 
@@ -210,7 +210,7 @@ class ZygoteSpawner:
         its own process group, and death when the zygote (and so the farm) goes away."""
         from servers.farm.process import ADDRESS_SPACE_FACTOR, server_command
 
-        request = SpawnRequest(argv=server_command(env, sandbox=self.sandbox)[3:], address_space_mb=memory_mb * ADDRESS_SPACE_FACTOR)
+        request = SpawnRequest(argv=server_command(env, self.flags)[3:], address_space_mb=memory_mb * ADDRESS_SPACE_FACTOR)
         for attempt in range(2):
             server = await self._spawn_once(request, environment, log_path)
             if server is not None:

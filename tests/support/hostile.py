@@ -73,7 +73,136 @@ HOSTILE_TOOLS = '''
 
     def get_item('''
 
+# Attacks that get past the in-process guard (with the originals it keeps of what it refuses) or
+# that no guard in the process can stop: the worker process and the check worker are the wall.
+WALL_TOOLS = '''
+    def bypass_alarm(self) -> dict:
+        """Ignore the time limit's signal (with the original that the guard's refusal holds), then loop."""
+        import _signal
+        original = [c.cell_contents for c in _signal.signal.__closure__ if callable(c.cell_contents)][0]
+        original(_signal.SIGALRM, _signal.SIG_IGN)
+        while True:
+            pass
+
+    def stop_timer(self) -> dict:
+        """Stop the time limit's timer (with the original the guard's refusal holds), then loop."""
+        import _signal
+        original = [c.cell_contents for c in _signal.setitimer.__closure__ if callable(c.cell_contents)][0]
+        original(_signal.ITIMER_REAL, 0)
+        while True:
+            pass
+
+    def slow_switch(self) -> dict:
+        """Make the interpreter switch threads once in 1,000 s (past the guard), then loop."""
+        import sys
+        original = [c.cell_contents for c in sys.setswitchinterval.__closure__ if callable(c.cell_contents)][0]
+        original(1000)
+        while True:
+            pass
+
+    def c_loop(self) -> dict:
+        """Hold the GIL in one C call far longer than any limit."""
+        import itertools
+        return {"success": True, "data": sum(itertools.repeat(1, 10**12))}
+
+    def backtrack(self, text: str) -> dict:
+        """Match the agent's text with a catastrophic regular expression (C code, the GIL held).
+
+        Args:
+            text (str): The text.
+        """
+        import re
+        return {"success": True, "data": bool(re.match(r"(a+)+$", text))}
+
+    def slow_result(self) -> dict:
+        """Return an object whose text takes forever (the result's JSON runs its __repr__)."""
+        class Slow:
+            __slots__ = ()
+
+            def __repr__(self):
+                while True:
+                    pass
+        return {"success": True, "data": Slow()}
+
+    def slow_state(self) -> dict:
+        """Keep an object whose text takes forever in the state (the state's JSON, after the call, runs it)."""
+        class Slow:
+            __slots__ = ()
+
+            def __repr__(self):
+                while True:
+                    pass
+        self.slow = Slow()
+        return {"success": True}
+
+    def exit_now(self) -> dict:
+        """Raise SystemExit."""
+        raise SystemExit(0)
+
+    def interrupt(self) -> dict:
+        """Raise KeyboardInterrupt."""
+        raise KeyboardInterrupt
+
+    def exit_in_state(self) -> dict:
+        """Keep an object in the state whose text raises SystemExit (outside the call's own try)."""
+        class Exiting:
+            __slots__ = ()
+
+            def __repr__(self):
+                raise SystemExit(3)
+        self.exiting = Exiting()
+        return {"success": True}
+
+    def deep(self) -> dict:
+        """Raise the recursion limit past the guard, then return a result nested a million deep."""
+        import sys
+        original = [c.cell_contents for c in sys.setrecursionlimit.__closure__ if callable(c.cell_contents)][0]
+        original(10**7)
+        value = []
+        for _ in range(10**6):
+            value = [value]
+        return {"success": True, "data": value}
+
+    def linger_past(self) -> dict:
+        """Start a busy thread past the guard that runs on after the call."""
+        import _thread
+        original = [c.cell_contents for c in _thread.start_new_thread.__closure__ if callable(c.cell_contents)][0]
+        original(lambda: [None for _ in iter(int, 1)], ())
+        return {"success": True}
+
+    def double(self) -> dict:
+        """Change a module global, then run past the inline budget (the call is preempted and run again)."""
+        import time
+        SHARED.append(1)
+        time.sleep(0.1)
+        return {"success": True, "data": len(SHARED)}
+
+    def shared(self) -> dict:
+        """Read the module global every episode shares."""
+        return {"success": True, "data": len(SHARED)}
+
+    def echo(self, text: str) -> dict:
+        """Answer the agent's text.
+
+        Args:
+            text (str): The text.
+        """
+        return {"success": True, "data": text}
+
+    def huge(self) -> str:
+        """Return 100 MB of text."""
+        return "x" * 100_000_000
+
+    def get_item('''
+
 HOSTILE_CODE = COUNTER_CODE.replace("\n    def get_item(", HOSTILE_TOOLS, 1)
+WALL_CODE = "SHARED = []\n" + COUNTER_CODE.replace("\n    def get_item(", WALL_TOOLS, 1)
+
+
+def wall_bundle(root: Path, env_id: str = "wall", scenarios: list[dict] | None = None) -> Path:
+    """The counter environment with the tools that only the worker process stops, as env ``env_id``."""
+    spec = counter_spec(env_id=env_id, env_class_code=WALL_CODE)
+    return write_bundle(root, spec, scenarios or [counter_scenario(env_id=env_id, task_id=f"{env_id}_001")])
 
 
 def hostile_bundle(root: Path) -> Path:

@@ -1,0 +1,277 @@
+"""One bad environment breaks only itself: hostile environment code against a process farm and ``catalog check``.
+
+Each attack is a tool of the ``wall`` bundle (``tests/support/hostile.py``): one that gets past the
+in-process guard with the originals it keeps, or that no guard inside a process can stop (a C loop,
+a crash, a result nested a million deep). A process farm (sandboxed where bwrap works) runs it next to
+a plain counter environment, with a call and check limit of 1 s. For each attack:
+
+- the bad call gets an error within its limit plus the grace;
+- an episode of the same environment and one of the other keep calling while it happens, and answer
+  every call, at a median within 2x of what they took before;
+- nothing else is lost: both bystanders end with exactly the state and the records their calls made.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from servers.episodes import ABANDON_GRACE_S
+from servers.worker_process import GRACE_S
+from tests.support.bundles import counter_bundle, counter_scenario
+from tests.support.cli import envscaler
+from tests.support.hostile import wall_bundle
+
+pytestmark = pytest.mark.timeout(600)
+
+CALL_TIMEOUT_S = 1.0
+# The longest a bad call may take: its limit, the grace before it is abandoned, the grace before its
+# worker counts as frozen, and a second for the worker to be replaced.
+WITHIN_S = CALL_TIMEOUT_S + ABANDON_GRACE_S + GRACE_S + 1.0
+# Scheduling noise on a small, shared machine, on top of 2x a median of about a millisecond.
+SLACK_S = 0.003
+
+
+@dataclass
+class Endpoint:
+    """One environment of the farm, as its catalog names it."""
+
+    url: str
+    token: str
+
+    def control(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.token}"}, timeout=60)
+
+    def new_episode(self, http: httpx.Client, scenario_id: str) -> dict:
+        created = http.post("/episodes", json={"scenario_id": scenario_id})
+        assert created.status_code == 201, created.text
+        return created.json()
+
+
+def call(http: httpx.Client, mcp_url: str, name: str, arguments: dict) -> dict:
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": name, "arguments": arguments}}
+    reply = http.post(mcp_url, content=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    assert reply.status_code == 200, reply.text
+    return reply.json()["result"]
+
+
+@dataclass
+class Bystander:
+    """An episode that keeps adding 1 to item ``a``: every call must answer, and the count must add up."""
+
+    endpoint: Endpoint
+    episode: dict
+    http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=60))
+    adds: int = 0
+
+    def step(self) -> float:
+        started = time.perf_counter()
+        result = call(self.http, self.episode["mcp_url"], "add", {"item_id": "a"})
+        took = time.perf_counter() - started
+        assert not result["isError"], result
+        self.adds += 1
+        assert json.loads(result["content"][0]["text"])["data"]["count"] == self.adds, result
+        return took
+
+    def median(self, calls: int) -> float:
+        return statistics.median(self.step() for _ in range(calls))
+
+
+@dataclass
+class Farm:
+    wall: Endpoint
+    victim: Endpoint
+    same: Bystander
+    other: Bystander
+    normal: dict[str, float]
+
+
+@pytest.fixture(scope="module")
+def farm(tmp_path_factory) -> Iterator[Farm]:
+    root = tmp_path_factory.mktemp("hostile")
+    wall, victim = wall_bundle(root / "wall"), counter_bundle(root / "victim")
+    catalog = root / "farm.json"
+    up = envscaler("farm", "up", str(wall), str(victim), "--backend", "process", "--catalog", str(catalog),
+                   "--call-timeout", f"{CALL_TIMEOUT_S:g}", "--check-timeout", f"{CALL_TIMEOUT_S:g}")
+    assert up.returncode == 0, up.stderr
+    try:
+        envs = json.loads(catalog.read_text())["envs"]
+        endpoints = {env_id: Endpoint(envs[env_id]["url"], envs[env_id]["token"]) for env_id in ("wall", "counter")}
+        with endpoints["wall"].control() as wall_http, endpoints["counter"].control() as victim_http:
+            same = Bystander(endpoints["wall"], endpoints["wall"].new_episode(wall_http, "wall_001"))
+            other = Bystander(endpoints["counter"], endpoints["counter"].new_episode(victim_http, "counter_001"))
+        for bystander in (same, other):
+            bystander.median(50)  # warm
+        normal = {"same": same.median(60), "other": other.median(60)}
+        yield Farm(endpoints["wall"], endpoints["counter"], same, other, normal)
+    finally:
+        # The servers' logs stay in the test's folder for whoever reads a failure.
+        shutil.copytree(root / "farm.json.farm" / "logs", root / "logs", dirs_exist_ok=True)
+        envscaler("farm", "down", "--catalog", str(catalog))
+
+
+def while_bystanders_call(farm: Farm, attack) -> tuple[object, float]:
+    """Run ``attack()`` while both bystanders keep calling; (its result, seconds it took). Then each
+    bystander's median over the window must be within 2x of its normal one."""
+    latencies: dict[str, list[float]] = {"same": [], "other": []}
+    done = threading.Event()
+
+    def keep_calling(name: str, bystander: Bystander) -> None:
+        after = 0
+        while after < 10:
+            latencies[name].append(bystander.step())
+            after += done.is_set()
+
+    with ThreadPoolExecutor(2) as pool:
+        loops = [pool.submit(keep_calling, name, bystander) for name, bystander in (("same", farm.same), ("other", farm.other))]
+        started = time.monotonic()
+        try:
+            result = attack()
+        finally:
+            took = time.monotonic() - started
+            done.set()
+        for loop in loops:
+            loop.result()  # every call of both bystanders answered, and the counts added up
+    for name, values in latencies.items():
+        median = statistics.median(values)
+        assert median <= 2 * farm.normal[name] + SLACK_S, (name, median, farm.normal[name], values)
+    return result, took
+
+
+# (tool, arguments, text of the error the bad call gets, the error's kind); a list of texts and kinds
+# where the attack ends one way or the other by the machine's speed.
+FREEZES = [
+    ("bypass_alarm", {}, "did not answer tool 'bypass_alarm'", "timeout"),
+    ("stop_timer", {}, "did not answer tool 'stop_timer'", "timeout"),
+    ("slow_switch", {}, "did not answer tool 'slow_switch'", "timeout"),
+    ("c_loop", {}, "did not answer tool 'c_loop'", "timeout"),
+    ("backtrack", {"text": "a" * 40 + "b"}, "did not answer tool 'backtrack'", "timeout"),
+    ("slow_state", {}, "did not answer tool 'slow_state'", "timeout"),
+    ("slow_result", {}, "ran longer than 1 s", "timeout"),
+    ("exit_now", {}, "SystemExit", "env"),
+    ("interrupt", {}, "KeyboardInterrupt", "env"),
+    ("exit_in_state", {}, "environment worker exited", "env"),
+    # A million-deep result: the C stack overflows (a crash), or making it outruns the limit on a thread.
+    ("deep", {}, ["environment worker exited", "abandoned"], ["env", "timeout"]),
+    ("nap", {"seconds": 90}, "abandoned", "timeout"),
+    ("double", {}, "module global SHARED", "env"),
+    ("add", {"item_id": "a", "bogus": 1}, "unexpected argument 'bogus'", "agent"),
+]
+
+
+@pytest.mark.parametrize(("tool", "arguments", "text", "kind"), FREEZES, ids=[f[0] for f in FREEZES])
+def test_a_bad_call_gets_an_error_in_time_and_costs_nobody_else(farm, tool, arguments, text, kind):
+    with farm.wall.control() as http:
+        bad = farm.wall.new_episode(http, "wall_001")
+        result, took = while_bystanders_call(farm, lambda: call(http, bad["mcp_url"], tool, arguments))
+        texts, kinds = (text, kind) if isinstance(text, list) else ([text], [kind])
+        assert result["isError"] and any(t in result["content"][0]["text"] for t in texts), result
+        assert took < WITHIN_S, took
+        calls = http.get(f"/episodes/{bad['episode_id']}/trajectory").json()["calls"]
+        assert len(calls) == 1 and calls[0]["error_kind"] in kinds, calls
+        # The bad episode goes on from before its call (or was never touched by it).
+        assert not call(http, bad["mcp_url"], "get_item", {"item_id": "a"})["isError"]
+        assert json.loads(call(http, bad["mcp_url"], "shared", {})["content"][0]["text"])["data"] == 0
+
+
+def test_parallel_calls_that_fill_every_call_thread_cost_nobody_else(farm):
+    with farm.wall.control() as http:
+        bad = [farm.wall.new_episode(http, "wall_001") for _ in range(33)]
+
+        def flood() -> list[dict]:
+            with ThreadPoolExecutor(len(bad)) as pool:
+                return list(pool.map(lambda episode: call(http, episode["mcp_url"], "nap", {"seconds": 90}), bad))
+
+        results, took = while_bystanders_call(farm, flood)
+    assert all(r["isError"] for r in results), results
+    assert took < WITHIN_S + 2.0, took
+    assert httpx.get(f"{farm.wall.url}/healthz").json()["status"] == "ok"
+
+
+def test_a_thread_left_running_past_the_guard_costs_only_its_episode(farm):
+    with farm.wall.control() as http:
+        bad = farm.wall.new_episode(http, "wall_001")
+
+        def linger() -> dict:
+            assert not call(http, bad["mcp_url"], "linger_past", {})["isError"]
+            time.sleep(2.0)  # the worker finds the thread and ends itself; its episodes are rebuilt
+            return call(http, bad["mcp_url"], "get_item", {"item_id": "a"})
+
+        result, _ = while_bystanders_call(farm, linger)
+        text = result["content"][0]["text"]
+        assert result["isError"] and "lost" in text and "a thread that runs on after the call" in text, result
+        assert http.post(f"/episodes/{bad['episode_id']}/validate").status_code == 410
+
+
+def test_checks_that_exit_or_freeze_cost_only_their_validation(farm):
+    exits = {"check_item": "exits", "check_func": "def check_func(final_state):\n    raise SystemExit(1)"}
+    freezes = {"check_item": "freezes", "check_func": "def check_func(final_state):\n    import itertools\n"
+               "    return sum(itertools.repeat(1, 10**12)) > 0"}
+    with farm.wall.control() as http:
+        episode = farm.wall.new_episode(http, "wall_001")
+        path = f"/episodes/{episode['episode_id']}/validate"
+        exited, _ = while_bystanders_call(farm, lambda: http.post(path, json={"checklist": [exits]}))
+        assert exited.status_code == 200 and "SystemExit" in exited.json()["checks"][0]["error"], exited.text
+        frozen, took = while_bystanders_call(farm, lambda: http.post(path, json={"checklist": [freezes]}))
+        assert frozen.status_code == 504 and took < WITHIN_S + 0.5, (frozen.text, took)
+        assert http.post(path).status_code == 200
+
+
+def test_what_an_agent_sends_costs_nobody_else(farm):
+    with farm.wall.control() as http:
+        episode = farm.wall.new_episode(http, "wall_001")
+        nested = "[" * 100_000 + "]" * 100_000
+        body = '{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "echo", "arguments": {"text": ' + json.dumps("x") + "}, \"x\": " + nested + "}}"
+        refused, _ = while_bystanders_call(farm, lambda: http.post(episode["mcp_url"], content=body.encode(),
+                                                                   headers={"Content-Type": "application/json"}))
+        assert refused.status_code == 400, refused.text
+        echoed, _ = while_bystanders_call(farm, lambda: call(http, episode["mcp_url"], "echo", {"text": "a\udfffb"}))
+        assert not echoed["isError"] and json.loads(echoed["content"][0]["text"])["data"] == "a\udfffb"
+        huge, took = while_bystanders_call(farm, lambda: call(http, episode["mcp_url"], "huge", {}))
+        assert not huge["isError"] and "[truncated: the result has 100000000 characters" in huge["content"][0]["text"]
+        assert took < WITHIN_S, took
+        [*_, last] = http.get(f"/episodes/{episode['episode_id']}/trajectory").json()["calls"]
+        assert last["truncated"] and last["result_chars"] == 100_000_000
+
+
+def test_nothing_else_was_lost(farm):
+    # Runs last: every attack above happened while these two kept calling.
+    for bystander in (farm.same, farm.other):
+        with bystander.endpoint.control() as http:
+            episode_id = bystander.episode["episode_id"]
+            state = http.get(f"/episodes/{episode_id}/state").json()["state"]
+            assert state["items"]["a"]["count"] == bystander.adds
+            calls = http.get(f"/episodes/{episode_id}/trajectory").json()["calls"]
+            assert len(calls) == bystander.adds and all(c["error"] is None for c in calls)
+            assert http.post(f"/episodes/{episode_id}/validate").status_code == 200
+    info = farm.wall.control().get("/info").json()
+    assert info["episodes_lost"] == 1 and info["worker_restarts"] >= 10, info  # the lingering thread's episode only
+    assert httpx.get(f"{farm.victim.url}/info", headers={"Authorization": f"Bearer {farm.victim.token}"}).json()["worker_restarts"] == 0
+
+
+def test_catalog_check_fails_each_hostile_scenario_alone(tmp_path):
+    tools = ["bypass_alarm", "c_loop", "deep", "exit_in_state", "double"]
+    scenarios = [counter_scenario(env_id="wall", task_id=f"wall_{tool}", reference_solution=[{"name": tool, "arguments": {}}])
+                 for tool in tools]
+    wall_bundle(tmp_path / "bundles", scenarios=[counter_scenario(env_id="wall", task_id="wall_001"), *scenarios])
+    victim = counter_bundle(tmp_path / "bundles")
+    started = time.monotonic()
+    checked = envscaler("catalog", "check", str(tmp_path / "bundles"), "--timeout", "5", "--jobs", "2", timeout=300)
+    assert checked.returncode == 1, checked.stdout + checked.stderr
+    report = checked.stdout + checked.stderr
+    for tool in tools:
+        assert f"wall/wall_{tool}: FAIL" in report or f"wall_{tool}: reference_runs" in report, (tool, report)
+    assert "wall/wall_001: ok" in report and "counter/counter_001: ok" in report, report
+    assert time.monotonic() - started < 120
+    passed = envscaler("catalog", "check", str(victim), timeout=120)
+    assert passed.returncode == 0, passed.stdout
