@@ -59,8 +59,11 @@ class Target:
     inside its own MCP session, as clients that predate the sessionless protocol do.
     """
 
-    def __init__(self, name: str, process: subprocess.Popen, url: str, mcp_path: str, legacy: bool = False) -> None:
+    def __init__(self, name: str, process: subprocess.Popen, url: str, mcp_path: str, legacy: bool = False,
+                 sandboxed: bool = False) -> None:
         self.name, self.process, self.url, self.mcp_path, self.legacy = name, process, url, mcp_path, legacy
+        # Whether the started process is bubblewrap, with the server inside it.
+        self.sandboxed = sandboxed
         self.rates: list[float] = []
         self.latencies: list[float] = []
         self.cpu_s = 0.0
@@ -84,7 +87,7 @@ class Target:
     @property
     def pid(self) -> int:
         """The server's own process (in the sandbox: not bubblewrap's)."""
-        return innermost_process(self.process.pid)
+        return innermost_process(self.process.pid) if self.sandboxed else self.process.pid
 
     def rss_mb(self) -> float:
         """The server process's resident memory (in-process: where the episodes live)."""
@@ -270,7 +273,7 @@ async def run(args: argparse.Namespace) -> int:
         boxed: Target | None = None
         if problem is None:
             process, ready = start([*command, "--in-process"], env)
-            boxed = Target("in-process-sandboxed", process, ready["url"], "")
+            boxed = Target("in-process-sandboxed", process, ready["url"], "", sandboxed=True)
             targets.append(boxed)
         ours_servers = [ours, inline, *([boxed] if boxed else [])]
         idle = {t.name: t.rss_mb() for t in targets}
