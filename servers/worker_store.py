@@ -84,11 +84,6 @@ class WorkerEpisodeStore(EpisodeRegistry):
         self.rebuilt = 0
         self.lost = 0
 
-    @property
-    def restarts(self) -> int:
-        """How many times the worker was replaced."""
-        return self.worker.restarts
-
     # -- losing a worker, rebuilding its episodes ------------------------------------------------
 
     def _worker_lost(self, reason: str) -> None:

@@ -235,7 +235,9 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--gateway-port", type=int, default=0,
                     help="port of the gateway: on 127.0.0.1 (default: a free one); swarm: the published port (default: "
                          "Swarm's choice on the ingress, or one derived from the farm id with --gateway-publish host)")
-    up.add_argument("--memory-mb", type=int, default=256, help="memory limit per server in MB (default: 256)")
+    up.add_argument("--memory-mb", type=int, default=256,
+                    help="memory limit per environment in MB: a container's, its server and workers together (about 130 MB "
+                         "in use once they run), or the process backend's address-space limit (x4) on each (default: 256)")
     up.add_argument("--cpus", type=float, default=1.0, help="CPU limit per server, docker and swarm backends (default: 1.0)")
     up.add_argument("--pids", type=int, default=128, help="process/thread limit per server, docker and swarm backends (default: 128)")
     up.add_argument("--call-timeout", type=positive_float, metavar="SECONDS",
