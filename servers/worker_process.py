@@ -187,9 +187,11 @@ class WorkerProcess:
     ``role`` names it in errors ("environment worker"). ``on_lost(reason)`` is called each time a
     child is killed or dies. ``mark``, shared with each child (its ``mark_fd`` setting), names the
     subjects the child's threads run: a request is asked about a subject (an episode id), and when
-    the child freezes or dies, the first request about the subject to blame is the one to blame. The first child starts here, before any event loop: :attr:`hello` is its
-    first frame (with ``lazy``, there is no first child and no hello: the first request starts one).
-    Later ones start on the loop, when a request finds the last one gone.
+    the child freezes or dies, the first request about the subject to blame is the one to blame.
+
+    The first child starts here, before any event loop: :attr:`hello` is its first frame (with
+    ``lazy``, there is no first child and no hello: the first request starts one). Later ones start
+    on the loop, when a request finds the last one gone.
     """
 
     def __init__(self, module: str, settings: BaseModel, *, role: str, sandbox: bool, on_lost: Callable[[str], None],

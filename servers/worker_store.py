@@ -23,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any
+from collections.abc import Callable
+from functools import partial
+from typing import Any, TypeVar
 
 from envscaler import Bundle, EnvCodeError, Episode, Scenario, ToolOutcome, ValidationResult
 from envscaler.checks import score
@@ -47,6 +49,8 @@ from servers.worker_wire import (
 )
 
 log = logging.getLogger("envscaler.server")
+
+T = TypeVar("T")
 
 ROLE = "environment worker"
 # How many times a request caught up in other requests' falls is asked again, at most.
@@ -147,10 +151,33 @@ class WorkerEpisodeStore(EpisodeRegistry):
                     raise
                 gone = e
             if live is not None:
-                await self._ensure_built(live)
-                if live.lost is not None:
-                    raise EpisodeLost(f"episode {episode_id} is lost ({live.lost}); reset it to run its scenario again")
+                await self._ensure_usable(live)
         raise gone
+
+    async def _ensure_usable(self, live: LiveEpisode) -> None:
+        """Rebuild ``live`` if it must be (``live.lock`` is held); raises EpisodeLost when it is lost."""
+        await self._ensure_built(live)
+        if live.lost is not None:
+            raise EpisodeLost(f"episode {live.episode_id} is lost ({live.lost}); reset it to run its scenario again")
+
+    async def _read(self, live: LiveEpisode, op: str, what: str, parse: Callable[[bytes], T]) -> T:
+        """The worker's answer to a read of ``live`` (``op``), parsed; EnvCodeError when the worker
+        goes down for this read's sake or answers what ``parse`` cannot read."""
+        request = WorkerRequest(op=op, episode_id=live.episode_id)
+        try:
+            payload, _ = await self._ask_about(live.episode_id, request, self.settings.call_timeout_s, what, live)
+            return parse(payload)
+        except WorkerGone as e:
+            raise EnvCodeError(f"{self.env_id}: {e}") from None
+        except (ValueError, RecursionError):
+            raise EnvCodeError(f"{self.env_id}: the environment worker answered {what} with a malformed answer") from None
+
+    async def _read_object(self, live: LiveEpisode, op: str, what: str) -> dict[str, Any]:
+        """A read of ``live`` whose answer is a JSON object (a state)."""
+        value = await self._read(live, op, what, json.loads)
+        if not isinstance(value, dict):
+            raise EnvCodeError(f"{self.env_id}: the environment worker answered {what} with no object")
+        return value
 
     def _mark_lost(self, live: LiveEpisode, reason: str) -> None:
         live.lost = reason
@@ -195,21 +222,8 @@ class WorkerEpisodeStore(EpisodeRegistry):
 
     async def state(self, live: LiveEpisode) -> dict[str, Any]:
         async with live.lock:
-            await self._ensure_built(live)
-            if live.lost is not None:
-                raise EpisodeLost(f"episode {live.episode_id} is lost ({live.lost}); reset it to run its scenario again")
-            request = WorkerRequest(op="state", episode_id=live.episode_id)
-            try:
-                payload, _ = await self._ask_about(live.episode_id, request, self.settings.call_timeout_s,
-                                                   f"a state read of episode {live.episode_id}", live)
-                state = json.loads(payload)
-            except WorkerGone as e:
-                raise EnvCodeError(f"{self.env_id}: {e}") from None
-            except (ValueError, RecursionError):
-                raise EnvCodeError(f"{self.env_id}: the environment worker answered a state read with malformed JSON") from None
-        if not isinstance(state, dict):
-            raise EnvCodeError(f"{self.env_id}: the environment worker answered a state read with no object")
-        return state
+            await self._ensure_usable(live)
+            return await self._read_object(live, "state", f"a state read of episode {live.episode_id}")
 
     async def _construct(self, episode_id: str, scenario: Scenario | None, init_config: dict[str, Any] | None) -> Episode | None:
         request = WorkerRequest(op="create", episode_id=episode_id, scenario_id=scenario.task_id if scenario else None,
@@ -252,43 +266,16 @@ class WorkerEpisodeStore(EpisodeRegistry):
         items = live.checklist(checklist)
         if not items:
             raise ChecklistError("the scenario has no checklist, so it cannot be scored")
-        await self._ensure_built(live)
-        if live.lost is not None:
-            raise EpisodeLost(f"episode {live.episode_id} is lost ({live.lost}); reset it to run its scenario again")
-        final = await self._final(live)
+        await self._ensure_usable(live)
+        final = await self._read(live, "final", f"the final state of episode {live.episode_id}", partial(decode, EpisodeFinal))
         request = CheckRequest(episode_id=live.episode_id, checklist=items, initial_key=final.initial_hash, changes=final.changes,
                                final=final.final, initial=final.initial)
         results = await self._check(request)
         if results.missing_initial:
-            request.initial = await self._initial(live)
+            request.initial = await self._read_object(live, "initial", f"the initial state of episode {live.episode_id}")
             results = await self._check(request)
         return ValidationResult(score=score(results.checks), checks=results.checks, state_hash=final.state_hash,
                                 check_errors=sum(r.error is not None for r in results.checks))
-
-    async def _final(self, live: LiveEpisode) -> EpisodeFinal:
-        """The episode's final state, as the environment worker tells it to the checks."""
-        request = WorkerRequest(op="final", episode_id=live.episode_id)
-        what = f"the final state of episode {live.episode_id}"
-        try:
-            payload, _ = await self._ask_about(live.episode_id, request, self.settings.call_timeout_s, what, live)
-            return decode(EpisodeFinal, payload)
-        except WorkerGone as e:
-            raise EnvCodeError(f"{self.env_id}: {e}") from None
-        except (ValueError, RecursionError):
-            raise EnvCodeError(f"{self.env_id}: the environment worker answered {what} with a malformed state") from None
-
-    async def _initial(self, live: LiveEpisode) -> dict[str, Any]:
-        what = f"the initial state of episode {live.episode_id}"
-        try:
-            initial = json.loads(await self.worker.ask(WorkerRequest(op="initial", episode_id=live.episode_id),
-                                                       self.settings.call_timeout_s, what, live.episode_id))
-        except WorkerGone as e:
-            raise EnvCodeError(f"{self.env_id}: {e}") from None
-        except (ValueError, RecursionError):
-            raise EnvCodeError(f"{self.env_id}: the environment worker answered {what} with malformed JSON") from None
-        if not isinstance(initial, dict):
-            raise EnvCodeError(f"{self.env_id}: the environment worker answered {what} with no object")
-        return initial
 
     async def _check(self, request: CheckRequest) -> CheckResults:
         """The check worker's verdicts, one request at a time (a request's deadline runs from when it is sent)."""
