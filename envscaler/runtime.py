@@ -44,7 +44,7 @@ from envscaler.models import (
 )
 from envscaler.overlay import MISSING, NotNative, Overlay, SharedState, plain, value_changes
 from envscaler.schema import schema_problems, validate
-from envscaler.state import changes_since, diff, public_attributes, snapshot, state_hash, to_json_text
+from envscaler.state import changes_since, diff, public_attributes, public_items, snapshot, state_hash, to_json_text
 from envscaler.tools import derive_tools, public_methods
 
 log = logging.getLogger("envscaler.runtime")
@@ -309,6 +309,15 @@ class Episode:
         attributes.pop(_OVERLAY_KEY, None)
         return attributes
 
+    def _public_now(self) -> dict[str, Any]:
+        """The public attributes as env code would see them now (no copies made)."""
+        return public_items(self._logical_attributes())
+
+    def _public_initial(self) -> dict[str, Any]:
+        """The public attributes of the scenario's shared state: the episode's initial state."""
+        assert self._overlay is not None
+        return public_items(self._overlay.shared.attributes)
+
     def _public_text(self) -> str:
         text, self.conversions = to_json_text(public_attributes(self.instance))
         return text
@@ -317,20 +326,19 @@ class Episode:
         """The current state (public attributes) as JSON-ready data (a copy)."""
         if self._overlay is None:
             return snapshot(self.instance)[0]
-        return {k: plain(v) for k, v in self._logical_attributes().items() if not k.startswith("_")}
+        return {k: plain(v) for k, v in self._public_now().items()}
 
     def initial_state(self) -> dict[str, Any]:
         """The state right after construction."""
         if self._overlay is None:
             return json.loads(self.initial_text)
-        return {k: plain(v) for k, v in self._overlay.shared.attributes.items() if not k.startswith("_")}
+        return {k: plain(v) for k, v in self._public_initial().items()}
 
     def state_hash(self) -> str:
         """A digest equal for equal states, whatever their key order or history."""
         if self._overlay is None:
             return state_hash(json.loads(self._private_text))
-        return state_hash({k: v for k, v in self._logical_attributes().items() if not k.startswith("_")},
-                          self._overlay.shared.digests)
+        return state_hash(self._public_now(), self._overlay.shared.digests)
 
     # -- calls ---------------------------------------------------------------------------------------
 
@@ -475,17 +483,14 @@ class Episode:
         """The hash of the scenario's initial state this episode started from (None: a private instance)."""
         if self._overlay is None:
             return None
-        shared = self._overlay.shared
-        return state_hash({k: v for k, v in shared.attributes.items() if not k.startswith("_")}, shared.digests)
+        return state_hash(self._public_initial(), self._overlay.shared.digests)
 
     def changes(self) -> list[StateChange] | None:
         """What the episode changed in its scenario's initial state (``state.changes_since``), at a cost
         that follows what it changed; None for a private instance (send its whole state)."""
         if self._overlay is None:
             return None
-        initial = {k: v for k, v in self._overlay.shared.attributes.items() if not k.startswith("_")}
-        final = {k: v for k, v in self._logical_attributes().items() if not k.startswith("_")}
-        return changes_since(initial, final)
+        return changes_since(self._public_initial(), self._public_now())
 
     # -- checks --------------------------------------------------------------------------------------
 
@@ -499,8 +504,8 @@ class Episode:
             final: Any = json.loads(self._private_text)
             initial: Any = json.loads(self.initial_text)
         else:
-            final = {k: v for k, v in self._logical_attributes().items() if not k.startswith("_")}
-            initial = {k: v for k, v in self._overlay.shared.attributes.items() if not k.startswith("_")}
+            final = self._public_now()
+            initial = self._public_initial()
 
         results = check_states(checklist, final, initial, self.runtime.check_timeout_s)
         return ValidationResult(

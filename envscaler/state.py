@@ -67,7 +67,12 @@ def _stringify_keys(value: Any) -> Any:
 
 def public_attributes(instance: Any) -> dict[str, Any]:
     """The instance attributes whose names do not start with an underscore."""
-    return {k: v for k, v in vars(instance).items() if not k.startswith("_")}
+    return public_items(vars(instance))
+
+
+def public_items(attributes: dict[str, Any]) -> dict[str, Any]:
+    """The attributes whose names do not start with an underscore: what a state is made of."""
+    return {k: v for k, v in attributes.items() if not k.startswith("_")}
 
 
 def to_json_text(value: Any, *, canonical: bool = False, ascii_only: bool = True) -> tuple[str, list[str]]:

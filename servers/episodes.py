@@ -6,8 +6,9 @@ costs more than the call (two thread wake-ups across CPUs). A call that outruns 
 preempted, what it changed undone (``Episode.call``), and it runs again on a call thread
 (``servers.calls``) where it can take its full limit without stalling anyone; its tool goes to the
 call thread directly for a while (``THREADED_RETRY_S``, longer each time it is still slow), then is
-tried inline again: one call slowed down by a busy machine does not cost a tool its speed for good. Constructors and checks always run on the worker; an episode of a
-scenario whose state is already built shares that state and is created right here.
+tried inline again: one call slowed down by a busy machine does not cost a tool its speed for good.
+Constructors and checks always run on a call thread; an episode of a scenario whose state is
+already built shares that state and is created right here.
 
 Calls on one episode are serialised by its lock; environment state is not thread-safe. A call still
 running past its limit is abandoned: the agent gets an ``is_error`` result at once, and the episode
