@@ -32,6 +32,7 @@ from servers.worker_wire import (
     WorkerFailure,
     decode,
     frame,
+    read_settings,
     recv_frame,
 )
 
@@ -79,11 +80,7 @@ class Checker:
 
 def run_checker(sock: socket.socket) -> None:
     """Answer check requests, one at a time, until the server closes the socket."""
-    try:
-        _, _, payload = recv_frame(sock)
-    except EOFError:
-        return  # the server went away before we started
-    settings = decode(CheckerSettings, payload)
+    settings = read_settings(sock, CheckerSettings)
     protect_time_limits()
     keep_alarm_handler()
     checker = Checker(settings)

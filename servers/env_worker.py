@@ -30,14 +30,15 @@ from envscaler.guard import guard_thread_ids, keep_alarm_handler, protect_time_l
 from servers.calls import share_the_interpreter
 from servers.episodes import EpisodeStore, LiveEpisode
 from servers.event_loop import loop_factory
-from servers.memory import memory_status
 from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, UnknownEpisode, UnknownScenario
+from servers.memory import memory_status
 from servers.worker_process import child_main
 from servers.worker_wire import (
     EXIT_FOREIGN_THREAD,
     FAILED,
     HELLO_ID,
     OK,
+    EpisodeFinal,
     FrameReader,
     RunningMarks,
     WorkerFailure,
@@ -45,11 +46,10 @@ from servers.worker_wire import (
     WorkerOutcome,
     WorkerRequest,
     WorkerSettings,
-    EpisodeFinal,
     decode,
     frame,
     outcome_digest,
-    recv_frame,
+    read_settings,
 )
 
 log = logging.getLogger("envscaler.worker")
@@ -161,7 +161,6 @@ class WorkerLink(asyncio.Protocol):
         stats = await store.stats()  # stats: with the memory the episodes live in
         return stats.model_copy(update={"memory": memory_status()})
 
-
     async def final(self, live: LiveEpisode) -> EpisodeFinal:
         """The episode's state as its checks will see it (under the call limit: a private state's
         conversion to JSON may run environment code, a ``__repr__``)."""
@@ -269,18 +268,9 @@ def _answer(outcome: ToolOutcome, *, stuck: bool) -> WorkerOutcome:
     return WorkerOutcome(outcome=outcome, text=outcome.result_text, digest=outcome_digest(outcome), stuck=stuck)
 
 
-def _read_settings(sock: socket.socket) -> WorkerSettings:
-    """The first frame in, read before the event loop exists."""
-    try:
-        _, _, payload = recv_frame(sock)
-    except EOFError:
-        raise SystemExit(0) from None  # the server went away before we started
-    return decode(WorkerSettings, payload)
-
-
 def run_worker(sock: socket.socket) -> None:
     """Load the environment named by the server's settings, say hello, answer requests until EOF."""
-    settings = _read_settings(sock)
+    settings = read_settings(sock, WorkerSettings)
     protect_time_limits()
     share_the_interpreter()
     bundle = settings.bundle

@@ -266,3 +266,13 @@ def decode(model: type[M], payload: bytes) -> M:
         if not any(error["type"] == "json_invalid" for error in e.errors()):
             raise
     return model.model_validate(json.loads(payload))
+
+
+def read_settings(sock: socket.socket, model: type[M]) -> M:
+    """A child's settings: the first frame on its socket, read before any event loop. Ends the child
+    (SystemExit 0) when the server went away before it sent them."""
+    try:
+        _, _, payload = recv_frame(sock)
+    except EOFError:
+        raise SystemExit(0) from None
+    return decode(model, payload)
