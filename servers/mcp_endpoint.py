@@ -17,7 +17,6 @@ than the environment itself; the tests drive it with the official ``mcp`` client
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from envscaler.wire import (
