@@ -182,10 +182,29 @@ def _episode_end(args: argparse.Namespace) -> int:
 
 
 def _envscaler(*args: str, quiet: bool = False) -> subprocess.CompletedProcess[str]:
-    """``envscaler ARGS`` in a child of its own session: Ctrl-C is the demo's to handle, not the child's too."""
-    process = subprocess.Popen([sys.executable, "-m", "envscaler.cli", *args], text=True, stdout=subprocess.PIPE,
-                               stderr=subprocess.DEVNULL if quiet else None, start_new_session=True)
+    """``envscaler ARGS`` in a child of its own session: Ctrl-C is the demo's to handle, not the child's too.
+
+    Ctrl-C is held off while the child starts (a handler that only notes it; a blocked signal would be
+    inherited): a KeyboardInterrupt raised inside ``Popen`` once the child exists would leave no
+    handle to kill it with, and an orphaned ``farm up`` brings a farm up after the demo tore it down.
+    """
+    interrupted = False
+
+    def note(signum: int, frame: object) -> None:
+        nonlocal interrupted
+        interrupted = True
+
+    previous = signal.signal(signal.SIGINT, note)
     try:
+        process = subprocess.Popen([sys.executable, "-m", "envscaler.cli", *args], text=True, stdout=subprocess.PIPE,
+                                   stderr=subprocess.DEVNULL if quiet else None, start_new_session=True)
+    except BaseException:
+        signal.signal(signal.SIGINT, previous)
+        raise
+    try:
+        signal.signal(signal.SIGINT, previous)
+        if interrupted:
+            raise KeyboardInterrupt
         stdout, _ = process.communicate()
     except BaseException:
         process.kill()  # the demo tears the farm down itself

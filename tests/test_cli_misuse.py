@@ -158,6 +158,34 @@ def _processes_mentioning(text: str) -> list[str]:
     return found
 
 
+# The demo's command runner, with Ctrl-C landing inside Popen once the child exists (the real Popen and
+# a real SIGINT; the child is a sleeper in place of an envscaler command). It prints the child's pid.
+_CTRL_C_IN_POPEN = """
+import os, signal, subprocess, sys
+from agent_client import cli
+real = subprocess.Popen
+def popen(command, **kwargs):
+    process = real([sys.executable, "-c", "import time; time.sleep(60)"], **kwargs)
+    print(process.pid, flush=True)
+    os.kill(os.getpid(), signal.SIGINT)
+    return process
+subprocess.Popen = popen
+try:
+    cli._envscaler("farm", "status")
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def test_ctrl_c_while_the_demo_starts_a_command_leaves_no_orphan():
+    done = subprocess.run([sys.executable, "-c", _CTRL_C_IN_POPEN], capture_output=True, text=True, timeout=60,
+                          preexec_fn=_default_sigint)
+    pid, said = done.stdout.split()
+    assert said == "interrupted" and done.returncode == 0, done.stderr
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid), 0)  # killed and reaped by the demo, not left running on its own
+
+
 def test_ctrl_c_during_demo_leaves_nothing_behind_and_says_one_line(tmp_path):
     moment = "demo: starting a process farm"
     scratch = tmp_path / "tmp"
