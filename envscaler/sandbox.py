@@ -1,17 +1,27 @@
 """Run untrusted work in a child Python process with resource limits and no inherited secrets.
 
 Where bubblewrap (``bwrap``) works, the child also runs in a sandbox (:func:`sandboxed`): new
-network, PID, IPC and UTS namespaces (the network has only its own loopback: nothing of the host's
-can be reached), a read-only filesystem that holds Python, this project's packages and the paths
-the caller names (a bundle), a private ``/tmp`` of bounded size, no capabilities, no new privileges,
-and a seccomp filter that refuses every new process (fork, vfork, clone without ``CLONE_THREAD``):
-threads still work, a fork bomb does not. ``ENVSCALER_SANDBOX=off`` turns it off.
+user, network, PID, IPC and UTS namespaces (the network has only its own loopback: nothing of the
+host's can be reached), a read-only filesystem that holds Python, this project's packages and the
+paths the caller names (a bundle), a private ``/tmp`` and ``/dev/shm`` of bounded size, no
+capabilities, no new privileges, and a seccomp filter that refuses every new process (fork, vfork,
+clone without ``CLONE_THREAD``): threads still work, a fork bomb does not. ``ENVSCALER_SANDBOX=off``
+turns it off.
+
+Never host root: where the caller is root, the child becomes an unprivileged user of its own
+(``CONFINED_UID_BASE`` plus its pid: no other process has it, so ``RLIMIT_NPROC`` bounds its
+threads) before it starts bubblewrap, and bubblewrap maps only that user into the sandbox. A kernel
+knob (``/proc/sys``, ``/proc/sysrq-trigger``) belongs to the host's root, so the child cannot write
+one. That user may not be able to reach what the sandbox shows (Python under ``/root``, a bundle
+under a private folder), so the child, still root, first binds those paths in a mount namespace of
+its own at a place it can reach (:func:`_stage_view`), and bubblewrap binds them from there.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import logging
 import os
@@ -22,7 +32,7 @@ import signal
 import struct
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +51,20 @@ log = logging.getLogger("envscaler.sandbox")
 SANDBOX_VARIABLE = "ENVSCALER_SANDBOX"
 UNPROTECTED = ("environment code runs without a sandbox: unless a container holds it, it can read every file this "
                "user can (a farm's catalog, with every token, included), connect to local services and start processes")
-# The private /tmp of a sandboxed process: tmpfs is memory that no address-space limit counts.
+# The private /tmp of a sandboxed process: tmpfs is memory that no address-space limit counts (a memory
+# cgroup does, where there is one); /dev/shm is only for what POSIX semaphores and the like need.
 TMPFS_BYTES = 64 * 1024 * 1024
+SHM_BYTES = 1024 * 1024
+CONFINED_UID_BASE = 0x70000000
+"""Where the caller is root, a sandboxed child runs as this uid plus its pid (the same for its gid).
+pids stay below 2**22, so these ids are no one else's: the range ends below 2**31."""
+# Where the child stages the paths the sandbox shows, in its own mount namespace: it always exists,
+# and covering it there hides nothing bubblewrap needs (it builds its own /tmp).
+_VIEW = "/tmp"
 # Top-level packages of this project that sandboxed code imports, wherever they are installed.
 _PROJECT_PACKAGES = ("envscaler", "servers", "synth", "agent_client")
 _HOST_FILES = ("/etc/ld.so.cache", "/etc/localtime")
+_DEVICES = ("null", "zero", "full", "random", "urandom")
 
 
 def clean_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -94,20 +113,24 @@ def make_undumpable() -> None:
         pass  # not Linux: the worker's sandbox is all there is
 
 
+CHILD_TASKS = 256
+"""Threads and processes a sandboxed child may have when it runs as a user of its own (``RLIMIT_NPROC``)."""
+
+
 def start_module(
     module: str, args: list[str], *, memory_mb: int, cpu_s: int, stderr: Any, readable: Sequence[str | Path] = ()
 ) -> subprocess.Popen[bytes]:
     """``python -m module args`` started in a limited child, sandboxed where possible (``readable``: the
     paths it reads), its stdout a pipe for the caller to read."""
-    with _maybe_sandboxed([sys.executable, "-m", module, *args], readable) as (argv, fds):
+    with _maybe_sandboxed([sys.executable, "-m", module, *args], readable) as launch:
         return subprocess.Popen(
-            argv,
+            launch.argv,
             stdout=subprocess.PIPE,
             stderr=stderr,
             stdin=subprocess.DEVNULL,
             env=clean_environment(),
-            pass_fds=fds,
-            preexec_fn=lambda: limit_resources(memory_mb, cpu_s),
+            pass_fds=launch.fds,
+            preexec_fn=lambda: (limit_resources(memory_mb, cpu_s), launch.enter()),
         )
 
 
@@ -116,28 +139,42 @@ def run_module(
 ) -> subprocess.CompletedProcess[str]:
     """``python -m module args`` in a limited child, sandboxed where possible (``readable``: the paths it
     reads); TimeoutExpired when it runs past ``timeout_s``."""
-    with _maybe_sandboxed([sys.executable, "-m", module, *args], readable) as (argv, fds):
+    with _maybe_sandboxed([sys.executable, "-m", module, *args], readable) as launch:
         return subprocess.run(
-            argv,
+            launch.argv,
             capture_output=True,
             text=True,
             timeout=timeout_s,
             env=clean_environment(),
-            pass_fds=fds,
-            preexec_fn=lambda: limit_resources(memory_mb, int(timeout_s) + 1),
+            pass_fds=launch.fds,
+            preexec_fn=lambda: (limit_resources(memory_mb, int(timeout_s) + 1), launch.enter()),
             stdin=subprocess.DEVNULL,
         )
 
 
+def _stay() -> None:
+    """Nothing to do between fork and exec: the child keeps this process's user."""
+
+
+@dataclasses.dataclass
+class Launch:
+    """How to start a command, sandboxed or not: its argv, the fds it must inherit, and ``enter``, which
+    the child runs on itself between fork and exec (last: it may give up root)."""
+
+    argv: list[str]
+    fds: tuple[int, ...] = ()
+    enter: Callable[[], None] = _stay
+
+
 @contextlib.contextmanager
-def _maybe_sandboxed(command: list[str], readable: Sequence[str | Path]) -> Iterator[tuple[list[str], tuple[int, ...]]]:
+def _maybe_sandboxed(command: list[str], readable: Sequence[str | Path]) -> Iterator[Launch]:
     problem = sandbox_problem()
     if problem is not None:
         warn_unprotected(problem)
-        yield command, ()
+        yield Launch(command)
         return
-    with sandboxed(command, readable=readable) as wrapped:
-        yield wrapped
+    with sandboxed(command, readable=readable) as launch:
+        yield launch
 
 
 def sandbox_problem() -> str | None:
@@ -154,9 +191,10 @@ def _bwrap_problem() -> str | None:
     if _SECCOMP_ARCH.get(platform.machine()) is None:
         return f"no seccomp filter for this machine ({platform.machine()})"
     try:
-        with sandboxed(["true"], readable=()) as (argv, fds):
-            done = subprocess.run(argv, pass_fds=fds, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as e:
+        with sandboxed(["true"], readable=()) as launch:
+            done = subprocess.run(launch.argv, pass_fds=launch.fds, preexec_fn=launch.enter, capture_output=True, text=True,
+                                  timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
         return f"bwrap could not run: {e}"
     if done.returncode != 0:
         return f"bwrap cannot make a sandbox here: {done.stderr.strip() or f'exit {done.returncode}'}"
@@ -170,23 +208,82 @@ def warn_unprotected(problem: str) -> None:
 
 
 @contextlib.contextmanager
-def sandboxed(command: Sequence[str], *, readable: Sequence[str | Path]) -> Iterator[tuple[list[str], tuple[int, ...]]]:
-    """``command`` wrapped in a bubblewrap sandbox: (argv, fds the child must inherit).
+def sandboxed(command: Sequence[str], *, readable: Sequence[str | Path], tasks: int = CHILD_TASKS) -> Iterator[Launch]:
+    """``command`` wrapped in a bubblewrap sandbox, as a :class:`Launch`: start it with the fds it
+    names and ``enter`` as (the last step of) its ``preexec_fn``, inside this block.
 
-    The fds (the seccomp program, which bwrap reads at start) are closed when the block ends: start
-    the child inside it. ``readable`` paths are visible read-only at the same place; so are Python and
-    this project's packages (without the bundled catalog, unless it is named).
+    The fd (the seccomp program, which bwrap reads at start) is closed when the block ends.
+    ``readable`` paths are visible read-only at the same place; so are Python and this project's
+    packages (without the bundled catalog, unless it is named). Where this process is root, ``enter``
+    makes the child an unprivileged user (see the module's doc) with at most ``tasks`` threads and
+    processes.
     """
+    packages, named = _project_paths(), [Path(path).resolve() for path in readable]
+    shown = packages + named
+    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--cap-drop", "ALL"]
+    sources = [str(path) for path in shown]
+    enter: Callable[[], None] = _stay
+    if os.geteuid() == 0:
+        argv.insert(2, "--unshare-user")  # the one user it runs as, and nobody else, inside
+        sources = [f"{_VIEW}/{index}" for index in range(len(shown))]
+        enter = functools.partial(_become_unprivileged, [(str(path), path.is_dir()) for path in shown], tasks, _libc())
+    binds = list(zip(sources, (str(path) for path in shown)))
+    argv += _filesystem(binds[:len(packages)], binds[len(packages):])
     seccomp = os.memfd_create("envscaler-seccomp", 0)
     try:
         os.write(seccomp, _seccomp_program())
         os.lseek(seccomp, 0, os.SEEK_SET)
-        argv = ["bwrap", "--unshare-all", "--die-with-parent", "--cap-drop", "ALL"]
-        argv += _filesystem([Path(p) for p in readable])
         argv += ["--setenv", "TMPDIR", "/tmp", "--setenv", "HOME", "/tmp", "--chdir", "/tmp", "--seccomp", str(seccomp), "--", *command]
-        yield argv, (seccomp,)
+        yield Launch(argv, (seccomp,), enter)
     finally:
         os.close(seccomp)
+
+
+def confined_uid(pid: int) -> int:
+    """The uid (and gid) that a sandboxed child with this pid runs as when its parent is root."""
+    return CONFINED_UID_BASE + pid
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    # Looked up here, in the parent: a forked child of a threaded process must not take the loader's lock.
+    libc.unshare, libc.mount  # noqa: B018
+    return libc
+
+
+_CLONE_NEWNS = 0x00020000
+_MS_BIND, _MS_REC, _MS_PRIVATE = 0x1000, 0x4000, 0x40000
+
+
+def _become_unprivileged(shown: Sequence[tuple[str, bool]], tasks: int, libc: ctypes.CDLL) -> None:
+    """In the child, as root: bind the paths to show (``shown``: path and whether it is a folder, in
+    order) at ``_VIEW/<index>`` in a mount namespace of its own, then become ``confined_uid`` with no
+    supplementary groups and at most ``tasks`` threads and processes (its user has no others)."""
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+    check(libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    check(libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "making / private")
+    # Opened before the view covers them (a bundle under /tmp), in this namespace (a bind takes no other's).
+    fds = [os.open(source, os.O_PATH | os.O_CLOEXEC) for source, _ in shown]
+    check(libc.mount(b"tmpfs", _VIEW.encode(), b"tmpfs", 0, b"mode=0755,size=64k"), f"a tmpfs on {_VIEW}")
+    for index, ((source, is_dir), fd) in enumerate(zip(shown, fds)):
+        target = f"{_VIEW}/{index}"
+        if is_dir:
+            os.mkdir(target)
+        else:
+            os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
+        check(libc.mount(f"/proc/self/fd/{fd}".encode(), target.encode(), None, _MS_BIND | _MS_REC, None), f"binding {source}")
+        os.close(fd)
+    uid = confined_uid(os.getpid())
+    resource.setrlimit(resource.RLIMIT_NPROC, (tasks, tasks))
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
 
 
 def innermost_process(pid: int) -> int:
@@ -201,9 +298,31 @@ def innermost_process(pid: int) -> int:
         pid = int(children[0])
 
 
-def _filesystem(readable: list[Path]) -> list[str]:
+def _devices() -> list[str]:
+    """A /dev of the few devices Python uses, and a small /dev/shm. Not bwrap's ``--dev``: its terminals
+    (devpts) need a root inside the sandbox, and so a second user namespace whose parent maps that root."""
+    args = ["--size", str(64 * 1024), "--tmpfs", "/dev"]
+    for device in _DEVICES:
+        args += ["--dev-bind", f"/dev/{device}", f"/dev/{device}"]
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        args += ["--symlink", target, f"/dev/{name}"]
+    return args + ["--size", str(SHM_BYTES), "--tmpfs", "/dev/shm"]
+
+
+def _project_paths() -> list[Path]:
+    """Python and this project's packages, where they are outside /usr (which is shown whole), none
+    inside another."""
+    python = [Path(sys.base_prefix), Path(sys.prefix), Path(sys.executable).resolve().parent]
+    packages = [_package_dir(name) for name in _PROJECT_PACKAGES]
+    needed = sorted({path.resolve() for path in python + [p for p in packages if p is not None]})
+    return [path for path in needed
+            if not path.is_relative_to("/usr") and not any(other != path and path.is_relative_to(other) for other in needed)]
+
+
+def _filesystem(packages: list[tuple[str, str]], readable: list[tuple[str, str]]) -> list[str]:
+    """bwrap's file system arguments; ``packages`` and ``readable`` are (source, place inside) pairs."""
     # /tmp first: Python or a bundle may live under the host's /tmp, and binds made before would be hidden.
-    args = ["--proc", "/proc", "--dev", "/dev", "--size", str(TMPFS_BYTES), "--tmpfs", "/tmp"]
+    args = ["--proc", "/proc", "--size", str(TMPFS_BYTES), "--tmpfs", "/tmp", *_devices()]
     for top in ("/usr", "/bin", "/lib", "/lib64", "/sbin"):
         path = Path(top)
         if path.is_symlink():
@@ -212,19 +331,13 @@ def _filesystem(readable: list[Path]) -> list[str]:
             args += ["--ro-bind", top, top]
     for file in _HOST_FILES:
         args += ["--ro-bind-try", file, file]
-    python = [Path(sys.base_prefix), Path(sys.prefix), Path(sys.executable).resolve().parent]
-    packages = [_package_dir(name) for name in _PROJECT_PACKAGES]
-    needed = sorted({path.resolve() for path in python + [p for p in packages if p is not None]})
-    for path in needed:
-        inside_another = any(other != path and path.is_relative_to(other) for other in needed)
-        if not inside_another and not path.is_relative_to("/usr"):
-            args += ["--ro-bind", str(path), str(path)]
+    for source, inside in packages:
+        args += ["--ro-bind", source, inside]
     catalog = Path(__file__).resolve().parent / "catalog"
     if catalog.is_dir():
         args += ["--tmpfs", str(catalog)]  # bundles are visible only when named
-    for path in readable:
-        resolved = str(path.resolve())
-        args += ["--ro-bind", resolved, resolved]
+    for source, inside in readable:
+        args += ["--ro-bind", source, inside]
     if catalog.is_dir():
         args += ["--remount-ro", str(catalog)]
     args += ["--remount-ro", "/"]

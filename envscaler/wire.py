@@ -168,6 +168,24 @@ class ServerInfo(BaseModel):
     worker_restarts: int | None = None
     episodes_rebuilt: int | None = None
     episodes_lost: int | None = None
+    # What the workers hold and may hold, and what counts it (None: environment code runs in the server).
+    worker_resources: WorkerResources | None = None
+
+
+class WorkerResources(BaseModel):
+    """What an environment's worker processes hold together, and what bounds them (``GET /info``)."""
+
+    counted_by: str
+    """``cgroup v1`` or ``cgroup v2``; ``none`` where no cgroup could be made (then the sandbox refuses
+    memory it cannot count, such as memfds, and each worker has an address-space limit)."""
+    uid: int | None = None
+    """The host uid the environment worker runs as; None when it is the server's own."""
+    memory_mb: float | None = None
+    memory_limit_mb: float | None = None
+    tasks: int | None = None
+    tasks_limit: int | None = None
+    cpu_s: float | None = None
+    oom_kills: int | None = None
 
 
 class Health(BaseModel):

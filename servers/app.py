@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from envscaler import Bundle, EnvRuntime, EnvScalerError
 from envscaler.bundle import describe_validation_error
+from envscaler.cgroups import GroupLimits
 from envscaler.errors import ChecklistError
 from envscaler.wire import (
     EpisodeCreated,
@@ -88,6 +89,10 @@ class ServerConfig(BaseModel):
     # inside the bubblewrap sandbox when ``worker_sandbox``; else in this process (``serve --in-process``).
     worker_process: bool = True
     worker_sandbox: bool = False
+    # What the sandboxed workers may take together (envscaler.cgroups; the uid's RLIMIT_NPROC for tasks).
+    worker_memory_mb: int = Field(default=1024, ge=64)
+    worker_tasks: int = Field(default=256, ge=16)
+    worker_cpus: float = Field(default=1.0, gt=0, le=100)
 
 
 def _episode_store(bundle: Bundle, config: ServerConfig) -> EpisodeRegistry:
@@ -98,7 +103,8 @@ def _episode_store(bundle: Bundle, config: ServerConfig) -> EpisodeRegistry:
         settings = WorkerSettings(bundle=bundle, call_timeout_s=config.call_timeout_s, check_timeout_s=config.check_timeout_s,
                                   max_result_chars=config.max_result_chars, worker_threads=config.worker_threads,
                                   inline_budget_s=config.inline_budget_s, memory_reserve_mb=config.memory_reserve_mb)
-        return WorkerEpisodeStore(bundle, settings, sandbox=config.worker_sandbox, **limits)
+        group = GroupLimits(memory_mb=config.worker_memory_mb, pids=config.worker_tasks, cpu_weight=round(config.worker_cpus * 100))
+        return WorkerEpisodeStore(bundle, settings, sandbox=config.worker_sandbox, group=group, **limits)
     runtime = EnvRuntime(bundle.spec, call_timeout_s=config.call_timeout_s, check_timeout_s=config.check_timeout_s,
                          max_result_chars=config.max_result_chars)
     return EpisodeStore(bundle, runtime, worker_threads=config.worker_threads, inline_budget_s=config.inline_budget_s, **limits)
@@ -329,6 +335,7 @@ class EnvServerApp:
             worker_restarts=stats.worker_restarts,
             episodes_rebuilt=stats.episodes_rebuilt,
             episodes_lost=stats.episodes_lost,
+            worker_resources=stats.worker_resources,
         )
 
     def _scenarios(self) -> ScenarioListing:

@@ -34,6 +34,9 @@ _FLAGS = {
     "session_idle_s": "--openenv-idle",
     "max_steps": "--openenv-max-steps",
     "replica_id": "--replica-id",
+    "worker_memory_mb": "--worker-memory-mb",
+    "worker_tasks": "--worker-tasks",
+    "worker_cpus": "--worker-cpus",
 }
 
 
@@ -90,6 +93,9 @@ def _config(args: argparse.Namespace, token: str) -> ServerConfig:
         inline_budget_s=args.inline_budget,
         allowed_origins=args.allowed_origin or [],
         memory_reserve_mb=args.memory_reserve,
+        worker_memory_mb=args.worker_memory_mb,
+        worker_tasks=args.worker_tasks,
+        worker_cpus=args.worker_cpus,
         max_result_chars=args.max_result_chars,
         max_trajectory_chars=args.max_trajectory_chars,
         openenv=None if args.openenv_port is None else OpenEnvConfig(
@@ -149,6 +155,16 @@ def register_serve(commands: Any) -> None:
         help="MB of memory kept free under the server's limit (cgroup or address space): below it, new episodes "
         "are refused with 507 and a reason rather than the server being killed (default: 32)",
     )
+    parser.add_argument("--worker-memory-mb", type=int, default=1024,
+                        help="memory in MB that the environment's sandboxed workers may hold together, shared memory and "
+                        "their private /tmp included, where the server can make a memory cgroup (as root); elsewhere "
+                        "what it cannot count is refused (default: 1024)")
+    parser.add_argument("--worker-tasks", type=int, default=256,
+                        help="threads and processes the sandboxed workers may have (a pids cgroup, and a user of their own "
+                        "when the server runs as root) (default: 256)")
+    parser.add_argument("--worker-cpus", type=float, default=1.0,
+                        help="the workers' share of the CPU against other environments' (a cpu cgroup): 1.0 is one "
+                        "environment's fair share, not a core (default: 1.0)")
     parser.add_argument("--allowed-origin", action="append", help="browser Origin allowed on MCP routes (repeatable; '*' for any)")
     parser.add_argument(
         "--openenv-port",

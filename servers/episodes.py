@@ -31,7 +31,7 @@ from pydantic import BaseModel
 from envscaler import Bundle, EnvCodeError, EnvRuntime, Episode, Scenario, ToolOutcome, ValidationResult
 from envscaler.guard import Preempted, can_preempt
 from envscaler.models import CheckItem, ToolAnnotations, ToolSchema
-from envscaler.wire import MemoryStatus, Trajectory
+from envscaler.wire import MemoryStatus, Trajectory, WorkerResources
 from servers.asgi import json_bytes
 from servers.calls import CallRunner
 from servers.episode_ids import new_episode_id
@@ -69,6 +69,7 @@ class CallStats(BaseModel):
     worker_restarts: int | None = None
     episodes_rebuilt: int | None = None
     episodes_lost: int | None = None
+    worker_resources: WorkerResources | None = None
 
 
 class LiveEpisode:

@@ -88,8 +88,8 @@ def serve_in_sandbox(
     os.lseek(settings_fd, 0, os.SEEK_SET)
     readable = [settings.bundle_dir] + ([settings.heartbeat] if settings.heartbeat else [])
     command = [sys.executable, "-m", "servers.serve", str(settings_fd)]
-    with sandboxed(command, readable=readable) as (argv, fds):
-        for fd in (*fds, settings_fd, sock.fileno(), *((openenv_sock.fileno(),) if openenv_sock else ())):
+    with sandboxed(command, readable=readable) as launch:
+        for fd in (*launch.fds, settings_fd, sock.fileno(), *((openenv_sock.fileno(),) if openenv_sock else ())):
             os.set_inheritable(fd, True)
         # The supervisor's ready pipe, the farm id, the allocator's setting: no token, no host secrets.
         environment = clean_environment({key: value for key, value in os.environ.items() if key in _SANDBOX_PASSES})
@@ -97,7 +97,8 @@ def serve_in_sandbox(
         sys.stderr.flush()
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, signal.SIG_IGN)  # inherited by bwrap; the server installs its own handlers
-        os.execvpe(argv[0], argv, environment)
+        launch.enter()
+        os.execvpe(launch.argv[0], launch.argv, environment)
 
 
 def serve(

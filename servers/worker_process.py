@@ -8,6 +8,11 @@ bubblewrap sandbox where asked, with a clean environment; its settings arrive as
 never through argv or the environment, and the server is made undumpable so that the child cannot
 read the token from the server's memory.
 
+The child's output (stdout and stderr, one pipe) is read here, never passed to the server's own log
+file: each line is logged under the child's environment and role, cut to ``OUTPUT_LINE_CHARS``, and
+past ``OUTPUT_BYTES`` in one child's life the rest is counted and dropped. Where the server can make
+one (``envscaler.cgroups``), the child starts in its environment's control group.
+
 Every request has a deadline: its own limit plus ``GRACE_S``. A child that misses one is frozen (SIGALRM
 ignored and a loop, the GIL held by a C loop, a catastrophic regex), and one whose socket closes has
 died (``SystemExit`` at the top, a crash). Either way its process group is killed, what waits on it
@@ -21,6 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import json
 import logging
 import os
 import signal
@@ -33,8 +40,9 @@ from collections.abc import Callable
 from pydantic import BaseModel
 
 from envscaler import EnvCodeError, logs
+from envscaler.cgroups import ChildGroup
 from envscaler.errors import ChecklistError
-from envscaler.sandbox import clean_environment, die_with_parent, make_undumpable, sandboxed
+from envscaler.sandbox import CHILD_TASKS, Launch, clean_environment, confined_uid, die_with_parent, make_undumpable, sandboxed
 from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, UnknownEpisode, UnknownScenario
 from servers.memory import oom_kills
 from servers.worker_wire import (
@@ -58,6 +66,11 @@ START_TIMEOUT_S = 60.0
 _TICK_S = 0.1
 _EXIT_STATUS_WAIT_S = 0.2
 _NOBODY = -1  # a request id that no request has: "blame nobody"
+# SIGKILL's exit status: of the child itself, or of bubblewrap around it (128 + the signal, as a shell says).
+_KILLED = (-signal.SIGKILL, 128 + signal.SIGKILL)
+OUTPUT_BYTES = 256 * 1024
+"""How much of one child's output is logged; the rest is counted, not kept."""
+OUTPUT_LINE_CHARS = 4000
 _ERRORS: dict[str, type[Exception]] = {
     "EnvCodeError": EnvCodeError, "UnknownScenario": UnknownScenario, "UnknownEpisode": UnknownEpisode,
     "OutOfMemory": OutOfMemory, "ChecklistError": ChecklistError, "CallAbandoned": CallAbandoned, "EpisodeLost": EpisodeLost,
@@ -112,36 +125,88 @@ class _Link(asyncio.Protocol):
             return
         if code is None:
             why = "closed its socket"
-        elif code == -signal.SIGKILL and self.child.oom_kills is not None and (oom_kills() or 0) > self.child.oom_kills:
+        elif code in _KILLED and self.child.oom_kills is not None and (self.child.oom_kills_now() or 0) > self.child.oom_kills:
             why = "out of memory: the kernel killed it"
         else:
             why = f"exit code {code}"
         self.owner.lose(self.child, f"the {self.owner.role} exited ({why})")
 
 
+class _Output(asyncio.Protocol):
+    """The child's stdout and stderr: logged line by line under its environment and role, up to a budget."""
+
+    def __init__(self, owner: WorkerProcess, child: _Child) -> None:
+        self.owner = owner
+        self.child = child
+        self.partial = b""
+        self.logged = 0
+        self.dropped = 0
+
+    def data_received(self, data: bytes) -> None:
+        if self.logged >= OUTPUT_BYTES:
+            self.dropped += len(data)
+            return
+        lines = (self.partial + data).split(b"\n")
+        self.partial = lines.pop()
+        if len(self.partial) > OUTPUT_LINE_CHARS:
+            lines.append(self.partial)
+            self.partial = b""
+        for line in lines:
+            self._line(line)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.partial:
+            self._line(self.partial)
+        if self.dropped:
+            log.warning(f"{self.owner.role} output dropped", extra={"env": self.owner.env_id, "serial": self.child.serial,
+                                                                    "dropped_bytes": self.dropped})
+
+    def _line(self, line: bytes) -> None:
+        if self.logged + len(line) > OUTPUT_BYTES:
+            self.logged = OUTPUT_BYTES  # the rest is only counted
+            self.dropped += len(line) + 1
+            log.warning(f"{self.owner.role} output cut: the rest of it is counted, not logged",
+                        extra={"env": self.owner.env_id, "serial": self.child.serial, "logged_bytes": OUTPUT_BYTES})
+            return
+        self.logged += len(line) + 1
+        text = line[:OUTPUT_LINE_CHARS].decode("utf-8", "replace")
+        try:
+            said = json.loads(text)  # the child's own log records stay readable; they are nested, never the server's
+        except ValueError:
+            said = text
+        log.warning(f"{self.owner.role} output", extra={"env": self.owner.env_id, "serial": self.child.serial, "said": said})
+
+
 class _Child:
     """One child process, its socket, and (once the event loop has it) the link over it."""
 
-    def __init__(self, module: str, settings: BaseModel, sandbox: bool, inherited: tuple[int, ...]) -> None:
+    def __init__(self, module: str, settings: BaseModel, sandbox: bool, inherited: tuple[int, ...], group: ChildGroup | None,
+                 tasks: int) -> None:
         ours, theirs = socket.socketpair()
         self.sock = ours
-        # The cgroup's OOM kills so far: one more when it is killed means the kernel's OOM killer did it.
-        self.oom_kills = oom_kills()
+        self.group = group
+        # The OOM kills so far (its group's, else the server's): one more when it is killed means the kernel's OOM killer did it.
+        self.oom_kills = self.oom_kills_now()
         command = [sys.executable, "-m", module, str(theirs.fileno())]
         # In the server's process group: whatever kills the server's group (a farm restarting or stopping
         # it) takes the child and what it forked. Whatever it reads comes over the socket: no path is readable.
         with contextlib.ExitStack() as stack:
-            fds: tuple[int, ...] = ()
-            if sandbox:
-                command, fds = stack.enter_context(sandboxed(command, readable=[]))
-            self.process = subprocess.Popen(command, pass_fds=[theirs.fileno(), *inherited, *fds], env=clean_environment())
+            launch = stack.enter_context(sandboxed(command, readable=[], tasks=tasks)) if sandbox else Launch(command)
+            self.process = subprocess.Popen(launch.argv, pass_fds=[theirs.fileno(), *inherited, *launch.fds], env=clean_environment(),
+                                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                            preexec_fn=functools.partial(_enter_child, group, launch))
         theirs.close()
         ours.sendall(frame(0, settings))
         self.link: _Link | None = None
+        self.output: asyncio.BaseTransport | None = None
         self.gone = False
         self.serial = 0  # set by its WorkerProcess: which of its children this is
         # Frames to send at the end of this event-loop iteration: under load, one write carries many.
         self.outbox: list[bytes] = []
+
+    def oom_kills_now(self) -> int | None:
+        """How many processes the kernel's OOM killer has killed in its group (else the server's) so far."""
+        return self.group.oom_kills() if self.group is not None else oom_kills()
 
     def read_hello(self, timeout_s: float, role: str) -> bytes:
         """The first frame, read before the event loop runs (the server needs the tools to start)."""
@@ -179,6 +244,15 @@ class _Child:
         if self.link is not None and self.link.transport is not None:
             self.link.transport.abort()
         self.sock.close()
+        if self.output is None and self.process.stdout is not None:
+            self.process.stdout.close()  # never read: a child killed before the event loop had it
+
+
+def _enter_child(group: ChildGroup | None, launch: Launch) -> None:
+    """Between fork and exec: into the environment's control group (as root, before any uid change), then the sandbox's step."""
+    if group is not None:
+        group.join()
+    launch.enter()
 
 
 class WorkerProcess:
@@ -195,10 +269,14 @@ class WorkerProcess:
     """
 
     def __init__(self, module: str, settings: BaseModel, *, role: str, sandbox: bool, on_lost: Callable[[str], None],
-                 mark: RunningMarks | None = None, lazy: bool = False) -> None:
+                 mark: RunningMarks | None = None, lazy: bool = False, env_id: str = "", group: ChildGroup | None = None,
+                 tasks: int = CHILD_TASKS) -> None:
         self.module = module
         self.settings = settings
         self.role = role
+        self.env_id = env_id
+        self.group = group
+        self.tasks = tasks
         self.sandbox = sandbox
         self.on_lost = on_lost
         self.mark = mark
@@ -220,10 +298,17 @@ class WorkerProcess:
     def _spawn(self) -> _Child:
         if self.mark is not None:
             self.mark.clear()
-        child = _Child(self.module, self.settings, self.sandbox, () if self.mark is None else (self.mark.fd,))
+        child = _Child(self.module, self.settings, self.sandbox, () if self.mark is None else (self.mark.fd,), self.group, self.tasks)
         self._serials += 1
         child.serial = self._serials
         return child
+
+    @property
+    def uid(self) -> int | None:
+        """The host uid the current child runs as, when that is not this server's own (a root server's sandbox)."""
+        if self._child is None or self._child.gone or not self.sandbox or os.geteuid() != 0:
+            return None
+        return confined_uid(self._child.process.pid)
 
     @property
     def alive(self) -> bool:
@@ -309,6 +394,8 @@ class WorkerProcess:
             self._child = self._spawn()  # on the loop's thread: PDEATHSIG follows the thread that forks
         child = self._child
         _, child.link = await loop.connect_accepted_socket(lambda: _Link(self, child), sock=child.sock)
+        if child.process.stdout is not None and child.output is None:
+            child.output, _ = await loop.connect_read_pipe(lambda: _Output(self, child), child.process.stdout)
         if fresh:
             status, payload = await self._wait(HELLO_ID, START_TIMEOUT_S, START_TIMEOUT_S, "its start", "")
             if status == FAILED:

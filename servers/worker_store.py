@@ -28,9 +28,12 @@ from functools import partial
 from typing import Any, TypeVar
 
 from envscaler import Bundle, EnvCodeError, Episode, Scenario, ToolOutcome, ValidationResult
+from envscaler.cgroups import ChildGroup, GroupLimits
 from envscaler.checks import score
 from envscaler.errors import ChecklistError
 from envscaler.models import CheckItem, ToolAnnotations, ToolSchema
+from envscaler.sandbox import CHILD_TASKS
+from envscaler.wire import WorkerResources
 from servers.episodes import ABANDON_GRACE_S, CallStats, EpisodeRegistry, LiveEpisode, checks_limit_s
 from servers.errors import CallAbandoned, EpisodeLost, UnknownEpisode
 from servers.worker_process import WorkerGone, WorkerProcess
@@ -71,14 +74,19 @@ class _History:
 class WorkerEpisodeStore(EpisodeRegistry):
     """Episodes whose state lives in a worker process (see the module's doc)."""
 
-    def __init__(self, bundle: Bundle, settings: WorkerSettings, *, sandbox: bool, **limits: Any) -> None:
+    def __init__(self, bundle: Bundle, settings: WorkerSettings, *, sandbox: bool, group: GroupLimits | None = None,
+                 **limits: Any) -> None:
         super().__init__(bundle, **limits)
         mark = RunningMarks()
         self.settings = settings = settings.model_copy(update={"mark_fd": mark.fd})
-        self.worker = WorkerProcess("servers.env_worker", settings, role=ROLE, sandbox=sandbox, on_lost=self._worker_lost, mark=mark)
+        # Both workers in one control group: the environment's memory, tasks and CPU share, counted together.
+        self.group = ChildGroup.create(group) if sandbox and group is not None else None
+        tasks = group.pids if group is not None else CHILD_TASKS
+        shared = dict(sandbox=sandbox, env_id=self.env_id, group=self.group, tasks=tasks)
+        self.worker = WorkerProcess("servers.env_worker", settings, role=ROLE, on_lost=self._worker_lost, mark=mark, **shared)
         check_mark = RunningMarks()
         self.checker = WorkerProcess("servers.check_worker", CheckerSettings(check_timeout_s=settings.check_timeout_s, mark_fd=check_mark.fd),
-                                     role="check worker", sandbox=sandbox, on_lost=self._checker_lost, mark=check_mark, lazy=True)
+                                     role="check worker", on_lost=self._checker_lost, mark=check_mark, lazy=True, **shared)
         self._checking = asyncio.Lock()
         hello = decode(WorkerHello, self.worker.hello)
         self._tools, self._annotations = hello.tools, hello.annotations
@@ -218,7 +226,12 @@ class WorkerEpisodeStore(EpisodeRegistry):
         except (WorkerGone, EnvCodeError) as e:
             stats = CallStats(call_threads=0, stuck_calls=0, threaded_tools=[], capacity_problem=str(e))
         return stats.model_copy(update={"worker_restarts": self.worker.restarts, "episodes_rebuilt": self.rebuilt,
-                                        "episodes_lost": self.lost})
+                                        "episodes_lost": self.lost, "worker_resources": self.resources()})
+
+    def resources(self) -> WorkerResources:
+        """What the workers hold together (their control group's count), and the user they run as."""
+        usage = self.group.usage() if self.group is not None else WorkerResources(counted_by="none")
+        return usage.model_copy(update={"uid": self.worker.uid})
 
     async def state(self, live: LiveEpisode) -> dict[str, Any]:
         async with live.lock:
@@ -300,3 +313,5 @@ class WorkerEpisodeStore(EpisodeRegistry):
         """Stop the workers (the server is shutting down)."""
         self.worker.close()
         self.checker.close()
+        if self.group is not None:
+            self.group.remove()

@@ -34,8 +34,8 @@ def test_the_sandbox_refuses_new_processes_the_network_and_the_host_files(tmp_pa
         " attempt(lambda: socket.create_connection(('127.0.0.1', 22), 1)), attempt(lambda: open('/usr/x', 'w')),"
         " attempt(lambda: open('/tmp/x', 'w').write('x')))\n"
     )
-    with sandboxed([sys.executable, "-c", probe], readable=[]) as (argv, fds):
-        done = subprocess.run(argv, pass_fds=fds, capture_output=True, text=True, timeout=60)
+    with sandboxed([sys.executable, "-c", probe], readable=[]) as launch:
+        done = subprocess.run(launch.argv, pass_fds=launch.fds, preexec_fn=launch.enter, capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == ["PermissionError", "FileNotFoundError", "ConnectionRefusedError", "OSError", "allowed"], done.stderr
 
 

@@ -237,9 +237,14 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
                          "Swarm's choice on the ingress, or one derived from the farm id with --gateway-publish host)")
     up.add_argument("--memory-mb", type=int, default=256,
                     help="memory limit per environment in MB: a container's, its server and workers together (about 130 MB "
-                         "in use once they run), or the process backend's address-space limit (x4) on each (default: 256)")
-    up.add_argument("--cpus", type=float, default=1.0, help="CPU limit per server, docker and swarm backends (default: 1.0)")
-    up.add_argument("--pids", type=int, default=128, help="process/thread limit per server, docker and swarm backends (default: 128)")
+                         "in use once they run); process backend: the address-space limit (x4) on each process, and "
+                         "the sandboxed workers' memory cgroup, shared memory included (default: 256)")
+    up.add_argument("--cpus", type=float, default=1.0,
+                    help="CPU limit per server, docker and swarm backends; process backend: the sandboxed workers' CPU "
+                         "share against other environments' (default: 1.0)")
+    up.add_argument("--pids", type=int, default=128,
+                    help="process/thread limit per server, docker and swarm backends; process backend: of the sandboxed "
+                         "workers (default: 128)")
     up.add_argument("--call-timeout", type=positive_float, metavar="SECONDS",
                     help="seconds a tool call may run in each server (default: the server's own, 10)")
     up.add_argument("--check-timeout", type=positive_float, metavar="SECONDS",

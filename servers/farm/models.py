@@ -34,8 +34,9 @@ class Limits(BaseModel):
     check_timeout_s: float | None = Field(default=None, gt=0)
 
     def serve_flags(self) -> list[str]:
-        """The ``envscaler serve`` flags that give a server these time limits."""
-        flags = []
+        """The ``envscaler serve`` flags that give a server these time limits, and its sandboxed workers
+        these resources (a container holds its server and workers within its own)."""
+        flags = ["--worker-memory-mb", str(self.memory_mb), "--worker-tasks", str(self.pids), "--worker-cpus", f"{self.cpus:g}"]
         if self.call_timeout_s is not None:
             flags += ["--call-timeout", f"{self.call_timeout_s:g}"]
         if self.check_timeout_s is not None:
