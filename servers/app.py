@@ -46,7 +46,7 @@ from servers.errors import (
     UnknownEpisode,
     UnknownScenario,
 )
-from servers.mcp_endpoint import ROUTING_HEADERS, McpEndpoint, parse_error
+from servers.mcp_endpoint import ROUTING_HEADERS, McpEndpoint, parse_error, parse_message
 from servers.memory import memory_status
 from servers.openenv_endpoint.config import OpenEnvConfig
 from servers.sse import SseSessions
@@ -376,11 +376,11 @@ class EnvServerApp:
         live = self._live(episode_id)
         raw = await self._read_body(receive)
         try:
-            message = parse_json(raw)
+            message, bad_numbers = parse_message(raw)
         except ValueError as e:
             await send_json(send, 400, json_bytes(parse_error(str(e))))
             return
-        status, body = await self.mcp.handle(live, message, routing)
+        status, body = await self.mcp.handle(live, message, routing, bad_numbers=bad_numbers)
         await send_json(send, status, json_bytes(body) if body is not None else None)
 
     async def _legacy_sse(self, scope: Scope, receive: Any, send: Any, episode_id: str, action: str) -> None:
@@ -401,10 +401,10 @@ class EnvServerApp:
             raise ErrorReply(404, f"no open event stream {session_id!r} for episode {live.episode_id}: GET .../sse first")
         raw = await self._read_body(receive)
         try:
-            message = parse_json(raw)
+            message, bad_numbers = parse_message(raw)
         except ValueError as e:
             raise ErrorReply(400, f"malformed JSON-RPC message: {e}") from None
-        _, body = await self.mcp.handle(live, message, [])
+        _, body = await self.mcp.handle(live, message, [], bad_numbers=bad_numbers)
         if body is not None:
             await self.sse.deliver(session_id, body)
         await send_json(send, 202, None)

@@ -1,8 +1,9 @@
-"""The few ASGI helpers the environment server and the farm gateway share: whole bodies and JSON replies."""
+"""The few ASGI helpers the environment server and the farm gateway share: whole bodies, JSON requests and replies."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -36,14 +37,80 @@ class JsonTooDeep(ValueError):
     """A request body nests deeper than MAX_JSON_DEPTH (or its brackets do not balance)."""
 
 
-def parse_json(raw: bytes) -> Any:
-    """``json.loads(raw)`` for a request body, refusing one that nests deeper than MAX_JSON_DEPTH.
+class BadNumber(str):
+    """A number JSON cannot carry (``NaN``, ``Infinity``, ``-Infinity``, or one past a float's range such
+    as ``1e400``), as its text: what ``parse_json(..., mark_bad_numbers=True)`` leaves in its place."""
 
-    Raises JsonTooDeep, json.JSONDecodeError or UnicodeDecodeError (all ValueErrors).
+    def problem(self) -> str:
+        """Why it is no valid JSON number, for a message."""
+        if self[-1].isdigit():
+            return f"{self} is out of range (a JSON number must fit a 64-bit float)"
+        return f"{self} is not part of JSON (it has no NaN or Infinity)"
+
+
+class NotAJsonNumber(ValueError):
+    """A request body holds a number JSON cannot carry (see BadNumber)."""
+
+    def __init__(self, literal: str) -> None:
+        super().__init__(f"not a valid JSON number: {BadNumber(literal).problem()}")
+
+
+def _refuse_constant(literal: str) -> Any:
+    raise NotAJsonNumber(literal)
+
+
+def _finite_float(literal: str) -> float:
+    value = float(literal)
+    if math.isinf(value):
+        raise NotAJsonNumber(literal)
+    return value
+
+
+def _float_or_mark(literal: str) -> float | BadNumber:
+    value = float(literal)
+    return BadNumber(literal) if math.isinf(value) else value
+
+
+# Python's parser takes NaN and Infinity, and turns 1e400 into inf, where JSON has neither: written
+# out again they become null (or invalid JSON), so the value would change silently. The hooks cost a
+# call per float literal and nothing per other value; built once, not per body.
+_STRICT = json.JSONDecoder(parse_float=_finite_float, parse_constant=_refuse_constant)
+_MARKING = json.JSONDecoder(parse_float=_float_or_mark, parse_constant=BadNumber)
+
+
+def parse_json(raw: bytes, *, mark_bad_numbers: bool = False) -> Any:
+    """``json.loads(raw)`` for a request body, refusing one that nests deeper than MAX_JSON_DEPTH and
+    numbers JSON cannot carry (NotAJsonNumber); ``mark_bad_numbers`` leaves a BadNumber in their place instead.
+
+    Raises JsonTooDeep, NotAJsonNumber, json.JSONDecodeError or UnicodeDecodeError (all ValueErrors).
     """
     if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
         _check_depth(raw)
-    return json.loads(raw)
+    decoder = _MARKING if mark_bad_numbers else _STRICT
+    # What json.loads does with bytes, on a decoder built once.
+    return decoder.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
+
+
+def find_bad_number(value: Any, where: str) -> str | None:
+    """Where in ``value`` (named from ``where``) the first number JSON cannot carry is, and why, or None.
+
+    Finds a BadNumber, and a float that is not finite (what a parser without the hooks makes of one).
+    A loop, not recursion: a value parsed elsewhere may nest as deep as the parser's own limit.
+    """
+    stack = [(where, value)]
+    while stack:
+        place, item = stack.pop()
+        if isinstance(item, BadNumber):
+            return f"{place} is not a valid JSON number: {item.problem()}"
+        if isinstance(item, float) and not math.isfinite(item):
+            literal = BadNumber("NaN" if math.isnan(item) else "Infinity" if item > 0 else "-Infinity")
+            return f"{place} is not a valid JSON number: {literal.problem()}"
+        # Pushed last first, so that the first bad number in the text is the one named.
+        if isinstance(item, dict):
+            stack.extend((f"{place}.{key}", child) for key, child in reversed(item.items()))
+        elif isinstance(item, list):
+            stack.extend((f"{place}[{index}]", item[index]) for index in reversed(range(len(item))))
+    return None
 
 
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)

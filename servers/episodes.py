@@ -32,7 +32,7 @@ from envscaler import Bundle, EnvCodeError, EnvRuntime, Episode, Scenario, ToolO
 from envscaler.guard import Preempted, can_preempt
 from envscaler.models import CheckItem, ToolAnnotations, ToolSchema
 from envscaler.wire import MemoryStatus, Trajectory, WorkerResources
-from servers.asgi import json_bytes
+from servers.asgi import find_bad_number, json_bytes
 from servers.calls import CallRunner
 from servers.episode_ids import new_episode_id
 from servers.errors import CallAbandoned, EpisodeLost, LimitReached, OutOfMemory, UnknownEpisode, UnknownScenario
@@ -149,6 +149,16 @@ class LiveEpisode:
             calls=self.calls,
             **self.counts(),
         )
+
+
+def _bad_argument(arguments: Any) -> str | None:
+    """The first argument holding a number JSON cannot carry, named as schema errors name it, or None."""
+    if not isinstance(arguments, dict):
+        return find_bad_number(arguments, "arguments")
+    for key, value in arguments.items():
+        if (found := find_bad_number(value, f"argument {key!r}")) is not None:
+            return found
+    return None
 
 
 class EpisodeRegistry:
@@ -307,13 +317,21 @@ class EpisodeRegistry:
         self.expired += len(stale)
         return len(stale)
 
-    async def call_tool(self, live: LiveEpisode, name: str, arguments: Any) -> ToolOutcome:
-        """Run one tool; always returns an outcome, never raises for tool trouble."""
+    async def call_tool(self, live: LiveEpisode, name: str, arguments: Any, *, check_numbers: bool = False) -> ToolOutcome:
+        """Run one tool; always returns an outcome, never raises for tool trouble.
+
+        ``check_numbers``: the arguments may hold numbers JSON cannot carry (``asgi.BadNumber``, a float
+        that is not finite). A call with one is the agent's error, recorded, and runs nothing: passed on,
+        the number would reach the tool and the record as null or as invalid JSON.
+        """
+        bad_number = _bad_argument(arguments) if check_numbers else None
         async with live.lock:
             if live.stuck:
                 message = "This episode is unusable: an earlier tool call is still stuck. It must be reset or ended."
                 return ToolOutcome.failure(name, arguments, "timeout", message)
-            if live.lost is not None:  # recorded: the agent was answered
+            if bad_number is not None:
+                outcome = ToolOutcome.failure(name, arguments, "agent", f"Invalid arguments for {name!r}: {bad_number}")
+            elif live.lost is not None:  # recorded: the agent was answered
                 outcome = ToolOutcome.failure(name, arguments, "env", f"This episode is lost ({live.lost}). It must be reset or ended.")
             else:
                 outcome = await self._run_call(live, name, arguments)

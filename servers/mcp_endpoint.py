@@ -38,6 +38,7 @@ from envscaler.wire import (
     UNSUPPORTED_PROTOCOL_VERSION,
     decode_header_value,
 )
+from servers.asgi import NotAJsonNumber, find_bad_number, parse_json
 from servers.episodes import EpisodeRegistry, LiveEpisode
 
 ROUTING_HEADERS = (MCP_PROTOCOL_VERSION_HEADER.encode(), MCP_METHOD_HEADER.encode(), MCP_NAME_HEADER.encode())
@@ -54,6 +55,28 @@ def _error(request_id: Any, code: int, message: str, data: Any = None) -> dict[s
 def parse_error(problem: str) -> dict[str, Any]:
     """The reply to a body that is not JSON (sent with HTTP 400)."""
     return _error(None, PARSE_ERROR, f"parse error: {problem}")
+
+
+def parse_message(raw: bytes) -> tuple[Any, bool]:
+    """An agent's JSON-RPC message, and whether its tool arguments hold numbers JSON cannot carry.
+
+    Such numbers (NaN, Infinity, 1e400) are left as ``asgi.BadNumber`` for ``handle(..., bad_numbers=True)``,
+    which refuses the call as the agent's error and records it. Anywhere else they make the body no
+    JSON. Raises ValueError for a body that is not JSON.
+    """
+    try:
+        return parse_json(raw), False
+    except NotAJsonNumber:
+        # Parsed again, only for such a body: the common one costs a single parse.
+        message = parse_json(raw, mark_bad_numbers=True)
+    envelope = message
+    if isinstance(message, dict) and message.get("method") == "tools/call" and isinstance(message.get("params"), dict):
+        # The arguments are the call's, refused and recorded as such; the rest is the envelope.
+        envelope = {**message, "params": {key: value for key, value in message["params"].items() if key != "arguments"}}
+    problem = find_bad_number(envelope, "message")
+    if problem is not None:
+        raise ValueError(problem)
+    return message, True
 
 
 def _header_mismatch(method: str, params: dict[str, Any], headers: list[tuple[bytes, bytes]]) -> str | None:
@@ -98,10 +121,13 @@ class McpEndpoint:
         self._tools_legacy = {"tools": tools}
         self._tools_modern = {"tools": tools, "cacheScope": "private", "ttlMs": 0, "resultType": "complete"}
 
-    async def handle(self, live: LiveEpisode, message: Any, headers: list[tuple[bytes, bytes]]) -> tuple[int, dict[str, Any] | None]:
+    async def handle(
+        self, live: LiveEpisode, message: Any, headers: list[tuple[bytes, bytes]], *, bad_numbers: bool = False,
+    ) -> tuple[int, dict[str, Any] | None]:
         """One JSON-RPC message -> (HTTP status, response body or None for a notification).
 
-        ``headers`` are the request's routing headers (:data:`ROUTING_HEADERS`), names in lower case.
+        ``headers`` are the request's routing headers (:data:`ROUTING_HEADERS`), names in lower case;
+        ``bad_numbers`` is what :func:`parse_message` said of the message.
         """
         if not isinstance(message, dict) or message.get("jsonrpc") != "2.0" or not isinstance(message.get("method"), str):
             return 400, _error(message.get("id") if isinstance(message, dict) else None, INVALID_REQUEST, "expected one JSON-RPC 2.0 request object")
@@ -122,7 +148,7 @@ class McpEndpoint:
             return ERROR_CODE_HTTP_STATUS[HEADER_MISMATCH], _error(request_id, HEADER_MISMATCH, mismatch)
 
         if method == "tools/call":
-            reply = await self._call(live, request_id, params, modern)
+            reply = await self._call(live, request_id, params, modern, bad_numbers)
             return (ERROR_CODE_HTTP_STATUS.get(reply["error"]["code"], 200) if modern and "error" in reply else 200), reply
         if method == "tools/list":
             return 200, {"jsonrpc": "2.0", "id": request_id, "result": self._tools_modern if modern else self._tools_legacy}
@@ -135,11 +161,11 @@ class McpEndpoint:
         code = METHOD_NOT_FOUND
         return (ERROR_CODE_HTTP_STATUS[code] if modern else 200), _error(request_id, code, f"method {method!r} is not supported by this server")
 
-    async def _call(self, live: LiveEpisode, request_id: Any, params: dict[str, Any], modern: bool) -> dict[str, Any]:
+    async def _call(self, live: LiveEpisode, request_id: Any, params: dict[str, Any], modern: bool, bad_numbers: bool) -> dict[str, Any]:
         name = params.get("name")
         if not isinstance(name, str):
             return _error(request_id, INVALID_PARAMS, "tools/call needs params.name (a string)")
-        outcome = await self.store.call_tool(live, name, params.get("arguments"))
+        outcome = await self.store.call_tool(live, name, params.get("arguments"), check_numbers=bad_numbers)
         return {"jsonrpc": "2.0", "id": request_id, "result": _tool_result(outcome.agent_text, outcome.error is not None, modern)}
 
     def _discover(self) -> dict[str, Any]:

@@ -216,6 +216,24 @@ async def test_bad_arguments_come_back_as_tool_errors(desk):
         assert result.observation.error is None and not result.done
 
 
+async def test_numbers_json_cannot_carry_are_the_agents_error_and_reach_no_tool(desk):
+    # Raw WebSocket text: openenv-core's clients (json.dumps) would not write NaN or 1e400.
+    async with websockets.connect(desk.openenv_url.replace("http://", "ws://") + "/ws") as ws:
+        for literal in ("NaN", "-Infinity", "1e400"):
+            await ws.send(json.dumps({"type": "reset", "data": {"scenario_id": "desk_a"}}))
+            episode = json.loads(await ws.recv())["data"]["observation"]["episode_id"]
+            await ws.send('{"type":"step","data":{"type":"call_tool","tool_name":"finish_tool","arguments":{"text":%s}}}' % literal)
+            result = json.loads(await ws.recv())["data"]["observation"]["result"]
+            assert result["is_error"] is True
+            assert "argument 'text' is not a valid JSON number: " in result["content"][0]["text"], result
+            await ws.send(json.dumps({"type": "step", "data": {"type": "call_tool", "tool_name": "state_tool", "arguments": {}}}))
+            notes = json.loads(await ws.recv())["data"]["observation"]["result"]
+            assert notes["is_error"] is False and json.loads(notes["content"][0]["text"])["data"] == ["old"]
+            with desk.client() as control:
+                trajectory = control.get(f"/episodes/{episode}/trajectory").json()
+            assert trajectory["agent_errors"] == 1 and [c["name"] for c in trajectory["calls"]] == ["finish", "state"]
+
+
 async def test_session_cap_and_idle_sessions_are_reaped(desk):
     clients = [GenericEnvClient(base_url=desk.openenv_url) for _ in range(3)]
     episodes = []

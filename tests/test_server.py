@@ -362,6 +362,78 @@ def test_mcp_route_bad_input(counter_server, counter_dir):
         assert behind.status_code == 200 and len(behind.json()["result"]["tools"]) == len(EnvRuntime(load_bundle(counter_dir).spec).tools)
 
 
+NOT_JSON_NUMBERS = {
+    "NaN": "NaN is not part of JSON",
+    "Infinity": "Infinity is not part of JSON",
+    "-Infinity": "-Infinity is not part of JSON",
+    "1e400": "1e400 is out of range",
+    "-1e400": "-1e400 is out of range",
+}
+"""Number literals Python's parser takes (making NaN or an infinity) that JSON has no room for -> what the error says."""
+
+
+def raw_call(name: str, arguments: str, request_id: int = 1) -> bytes:
+    """A tools/call body with ``arguments`` as raw JSON text (json.dumps would not write NaN or 1e400)."""
+    return b'{"jsonrpc":"2.0","id":%d,"method":"tools/call","params":{"name":"%s","arguments":%s}}' % (request_id, name.encode(), arguments.encode())
+
+
+@pytest.mark.parametrize("mode", ["in-process", "worker"])
+def test_numbers_json_cannot_carry_are_the_agents_error_and_reach_no_tool(counter_dir, mode):
+    # Its own server in-process: there the tool would get the float itself, not null.
+    with serve(counter_dir, *(["--in-process"] if mode == "in-process" else [])) as server, server.client() as http:
+        episode = create(server, scenario_id="counter_001")
+        path = f"/episodes/{episode['episode_id']}"
+        for literal, problem in NOT_JSON_NUMBERS.items():
+            for name, arguments, where in (("add", f'{{"item_id":"a","amount":{literal}}}', "argument 'amount'"),
+                                           ("divide", f'{{"a":1,"b":[2,{{"c":{literal}}}]}}', "argument 'b'[1].c"),
+                                           ("divide", f'{{"a":{literal},"b":2}}', "argument 'a'")):
+                answer = http.post(episode["mcp_path"], content=raw_call(name, arguments))
+                assert answer.status_code == 200, answer.text
+                result = answer.json()["result"]
+                assert result["isError"] is True
+                assert result["content"][0]["text"] == f"Invalid arguments for {name!r}: {where} is not a valid JSON number: {problem}" + (
+                    " (a JSON number must fit a 64-bit float)" if literal[-1].isdigit() else " (it has no NaN or Infinity)")
+        assert http.get(f"{path}/state").json()["state"]["items"] == {"a": {"name": "A", "count": 0}}
+        trajectory = http.get(f"{path}/trajectory").json()
+        assert trajectory["agent_errors"] == 3 * len(NOT_JSON_NUMBERS) and trajectory["env_errors"] == 0
+        # The record keeps each number as the agent wrote it (as text), never as null.
+        assert [call["arguments"].get("amount") for call in trajectory["calls"][::3]] == list(NOT_JSON_NUMBERS)
+        assert all(call["error_kind"] == "agent" and call["diff"] is None for call in trajectory["calls"])
+        fine = http.post(episode["mcp_path"], content=raw_call("add", '{"item_id":"a","amount":3}')).json()["result"]
+        assert fine["isError"] is False and json.loads(fine["content"][0]["text"])["data"]["count"] == 3
+        # Small and huge numbers JSON carries still reach the tool, exactly as before.
+        tiny = http.post(episode["mcp_path"], content=raw_call("divide", '{"a":1e-400,"b":1e308}')).json()["result"]
+        assert json.loads(tiny["content"][0]["text"])["data"] == 0.0
+
+
+def test_numbers_json_cannot_carry_outside_tool_arguments_make_the_body_no_json(counter_server):
+    episode = create(counter_server, scenario_id="counter_001")
+    with httpx.Client(base_url=counter_server.url, timeout=30) as http:
+        for body, where in ((b'{"jsonrpc":"2.0","id":NaN,"method":"tools/call","params":{"name":"add","arguments":{"item_id":"a"}}}', "message.id"),
+                            (b'{"jsonrpc":"2.0","id":1,"method":"tools/list","params":{"cursor":1e400}}', "message.params.cursor")):
+            answer = http.post(episode["mcp_path"], content=body)
+            assert answer.status_code == 400 and answer.json()["error"]["code"] == -32700
+            assert f"{where} is not a valid JSON number" in answer.json()["error"]["message"]
+    with counter_server.client() as control:
+        refused = control.post("/episodes", content=b'{"init_config":{"items":{},"limit":Infinity}}')
+        assert refused.status_code == 400 and "not a valid JSON number: Infinity" in refused.json()["error"]
+        assert control.get(f"/episodes/{episode['episode_id']}/trajectory").json()["calls"] == []
+
+
+def test_a_number_json_cannot_carry_over_the_sse_transport_is_the_agents_error(counter_server):
+    episode = create(counter_server, scenario_id="counter_001")
+    with counter_server.client() as http, http.stream("GET", f"/episodes/{episode['episode_id']}/sse") as stream:
+        lines = stream.iter_lines()
+        assert next(lines) == "event: endpoint"
+        endpoint = next(lines).removeprefix("data: ")
+        next(lines)
+        assert http.post(f"/episodes/{episode['episode_id']}/{endpoint}", content=raw_call("add", '{"item_id":"a","amount":NaN}')).status_code == 202
+        assert next(lines) == "event: message"
+        result = json.loads(next(lines).removeprefix("data: "))["result"]
+        assert result["isError"] is True and "argument 'amount' is not a valid JSON number: NaN" in result["content"][0]["text"]
+        assert http.get(f"/episodes/{episode['episode_id']}/trajectory").json()["agent_errors"] == 1
+
+
 def test_bad_serve_options_are_named_and_exit_2(counter_dir):
     done = subprocess.run(
         [sys.executable, "-m", "envscaler.cli", "serve", str(counter_dir), "--port", "0", "--inline-budget", "-1", "--workers", "0"],

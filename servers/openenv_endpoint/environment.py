@@ -200,7 +200,8 @@ class FarmEpisodeEnvironment(Environment[Action, Observation, EpisodeState]):
             message = f"no tool named {action.tool_name!r}; list_tools lists them"
             observation = CallToolObservation(tool_name=action.tool_name, error=ToolError(error_type=ToolErrorType.TOOL_NOT_FOUND, message=message))
         else:
-            outcome = await self.context.store.call_tool(live, name, action.arguments)
+            # openenv-core parses with json.loads, which takes NaN and Infinity and makes 1e400 inf: refused here.
+            outcome = await self.context.store.call_tool(live, name, action.arguments, check_numbers=True)
             observation = self._observe(action.tool_name, outcome)
         if self._state.step_count >= self.context.max_steps:
             return await self._finish(live, observation.result, observation)
