@@ -54,24 +54,29 @@ class ChildGroup:
     def create(cls, limits: GroupLimits, owner: int | None = None) -> ChildGroup | None:
         """A new group for the processes of server ``owner`` (this process by default), or None where no
         memory controller can be written here (not root, no cgroup file system, v2 without delegation)."""
-        owner = os.getpid() if owner is None else owner
         version, parents = _writable_parents()
         if "memory" not in parents:
             return None
         _remove_stale(parents)
         paths = {}
         for controller, parent in parents.items():
-            path = parent / f"{_PREFIX}{owner}"
-            try:
+            path = parent / f"{_PREFIX}{os.getpid() if owner is None else owner}"
+            with contextlib.suppress(OSError):
                 path.mkdir(exist_ok=True)
-            except OSError:
-                continue
-            paths[controller] = path
+                paths[controller] = path
         if "memory" not in paths:
             return None
         group = cls(version, paths)
         group._limit(limits)
         return group
+
+    @classmethod
+    def find(cls, owner: int) -> ChildGroup | None:
+        """The group that server ``owner`` made (``farm status`` reads it), or None."""
+        version, parents = _writable_parents()
+        paths = {controller: parent / f"{_PREFIX}{owner}" for controller, parent in parents.items()}
+        paths = {controller: path for controller, path in paths.items() if path.is_dir()}
+        return cls(version, paths) if "memory" in paths else None
 
     def join(self) -> None:
         """Move the calling process into the group (in a child before exec: as root, before any uid change)."""

@@ -172,9 +172,11 @@ def test_threads_past_the_guard_are_bounded_by_the_tasks_limit(farm):
     assert result["isError"], result
     started = int(json.loads(result["content"][0]["text"])["error"].split(" started")[0])
     assert 0 < started < TASKS, result
-    # farm status still answers and still lists both environments.
-    status = envscaler("farm", "status", "--catalog", str(farm.catalog))
+    # farm status still answers, and shows what each environment's workers hold.
+    status = envscaler("farm", "status", "--catalog", str(farm.catalog), "--all")
     assert status.returncode == 0 and "2/2 healthy" in status.stdout, status.stdout + status.stderr
+    rogue = next(line for line in status.stdout.splitlines() if line.startswith("rogue "))
+    assert f"/{MEMORY_MB} " in rogue and int(rogue.split()[5]) >= started, status.stdout
 
 
 def test_catalog_check_runs_gates_and_checks_as_an_unprivileged_user(tmp_path):

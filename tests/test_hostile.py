@@ -161,9 +161,9 @@ FREEZES = [
     ("exit_now", {}, "SystemExit", "env"),
     ("interrupt", {}, "KeyboardInterrupt", "env"),
     ("exit_in_state", {}, "environment worker exited", "env"),
-    # A million-deep result: the C stack overflows (a crash), or making it outruns the limit on a thread,
-    # or (on a slow machine) it is still being made inline when its worker's deadline passes.
-    ("deep", {}, ["environment worker exited", "abandoned", "did not answer tool 'deep'"], ["env", "timeout"]),
+    # A million-deep result: the C stack overflows (a crash), or making it outruns the limit on a thread
+    # (stopped there, or abandoned), or (on a slow machine) it is still being made inline when its worker's deadline passes.
+    ("deep", {}, ["environment worker exited", "ran longer than 1 s", "abandoned", "did not answer tool 'deep'"], ["env", "timeout"]),
     ("nap", {"seconds": 90}, "abandoned", "timeout"),
     ("double", {}, "module global SHARED", "env"),
     ("add", {"item_id": "a", "bogus": 1}, "unexpected argument 'bogus'", "agent"),

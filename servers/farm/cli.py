@@ -18,10 +18,11 @@ from pathlib import Path
 
 from envscaler.arguments import positive_float, with_examples
 from envscaler.bundle import default_catalog, find_bundles, load_bundle
+from envscaler.cgroups import ChildGroup
 from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from envscaler.loader import precheck_class
 from envscaler.sandbox import FARM_ID_VARIABLE, UNPROTECTED, sandbox_problem
-from envscaler.wire import DEFAULT_FARM_CATALOG
+from envscaler.wire import DEFAULT_FARM_CATALOG, WorkerResources
 from servers.errors import FarmError
 from servers.farm.images import docker_answers
 from servers.farm.models import Backend, FarmPaths, FarmPlan, FarmState, Limits, read_json, write_json
@@ -175,6 +176,8 @@ def farm_status(args: argparse.Namespace) -> int:
         print(f"no farm at {paths.catalog}", file=sys.stderr)
         return EXIT_FAILED
     alive = pid_alive(state.daemon_pid)
+    if alive and state.backend == "process":
+        _read_resources(state)
     if args.json:
         print(state.model_dump_json(indent=2))
     else:
@@ -188,17 +191,29 @@ def farm_status(args: argparse.Namespace) -> int:
         # At a thousand servers the healthy ones are noise: the list is what needs a look, unless --all.
         shown = [r for r in state.envs.values() if args.all or r.status != "healthy" or r.last_exit]
         if shown:
-            print(f"{'env_id':<28} {'status':<11} {'restarts':>8}  {'url':<24} last exit")
+            print(f"{'env_id':<28} {'status':<11} {'restarts':>8}  {'url':<24} {'workers: MB':>11} {'tasks':>5}  last exit")
         for record in shown:
             oom = " (out of memory)" if record.oom_killed and "out of memory" not in (record.last_exit or "") else ""
             # Without its daemon nobody watches the servers: their last known status says nothing now.
             status = record.status if alive else "unknown"
-            print(f"{record.env_id:<28} {status:<11} {record.restarts:>8}  {record.url:<24} {record.last_exit or ''}{oom}")
+            used = record.resources or WorkerResources(counted_by="none")
+            memory = f"{used.memory_mb:.0f}/{used.memory_limit_mb:.0f}" if used.memory_mb is not None and used.memory_limit_mb else "-"
+            tasks = str(used.tasks) if used.tasks is not None else "-"
+            print(f"{record.env_id:<28} {status:<11} {record.restarts:>8}  {record.url:<24} {memory:>11} {tasks:>5}  "
+                  f"{record.last_exit or ''}{oom}")
         if not alive:
             print(f"the farm's daemon is gone: run 'envscaler farm down --catalog {args.catalog}' to stop what it left running",
                   file=sys.stderr)
     healthy = alive and all(r.status == "healthy" for r in state.envs.values())
     return EXIT_OK if healthy else EXIT_FAILED
+
+
+def _read_resources(state: FarmState) -> None:
+    """Each server's workers' use, from the cgroup the server made for them (where it could)."""
+    for record in state.envs.values():
+        group = ChildGroup.find(record.pid) if record.pid is not None else None
+        if group is not None:
+            record.resources = group.usage()
 
 
 def farm_down(args: argparse.Namespace) -> int:

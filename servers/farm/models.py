@@ -16,6 +16,7 @@ from typing import Literal, TypeVar
 from pydantic import BaseModel, Field, ValidationError
 
 from envscaler.bundle import describe_validation_error
+from envscaler.wire import WorkerResources
 from servers.errors import FarmError
 
 Backend = Literal["docker", "process", "swarm"]
@@ -113,6 +114,8 @@ class EnvStatus(BaseModel):
     last_exit: str | None = None
     oom_killed: bool = False
     healthy_at: float | None = None
+    # Process backend: what its sandboxed workers hold (read from their cgroup by ``farm status``, not kept).
+    resources: WorkerResources | None = None
 
 
 class FarmState(BaseModel):
