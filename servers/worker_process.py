@@ -122,7 +122,7 @@ class _Link(asyncio.Protocol):
 class _Child:
     """One child process, its socket, and (once the event loop has it) the link over it."""
 
-    def __init__(self, module: str, settings: BaseModel, sandbox: bool, inherited: tuple[int, ...]) -> None:
+    def __init__(self, module: str, settings: BaseModel, sandbox: bool, new_processes: bool, inherited: tuple[int, ...]) -> None:
         ours, theirs = socket.socketpair()
         self.sock = ours
         # The cgroup's OOM kills so far: one more when it is killed means the kernel's OOM killer did it.
@@ -133,7 +133,7 @@ class _Child:
         with contextlib.ExitStack() as stack:
             fds: tuple[int, ...] = ()
             if sandbox:
-                command, fds = stack.enter_context(sandboxed(command, readable=[]))
+                command, fds = stack.enter_context(sandboxed(command, readable=[], new_processes=new_processes))
             self.process = subprocess.Popen(command, pass_fds=[theirs.fileno(), *inherited, *fds], env=clean_environment())
         theirs.close()
         ours.sendall(frame(0, settings))
@@ -191,15 +191,17 @@ class WorkerProcess:
 
     The first child starts here, before any event loop: :attr:`hello` is its first frame (with
     ``lazy``, there is no first child and no hello: the first request starts one). Later ones start
-    on the loop, when a request finds the last one gone.
+    on the loop, when a request finds the last one gone. ``new_processes``: its sandbox lets it fork
+    (a zygote that runs no untrusted code itself, see ``envscaler.sandbox.sandboxed``).
     """
 
     def __init__(self, module: str, settings: BaseModel, *, role: str, sandbox: bool, on_lost: Callable[[str], None],
-                 mark: RunningMarks | None = None, lazy: bool = False) -> None:
+                 mark: RunningMarks | None = None, lazy: bool = False, new_processes: bool = False) -> None:
         self.module = module
         self.settings = settings
         self.role = role
         self.sandbox = sandbox
+        self.new_processes = new_processes
         self.on_lost = on_lost
         self.mark = mark
         self.restarts = 0
@@ -220,7 +222,7 @@ class WorkerProcess:
     def _spawn(self) -> _Child:
         if self.mark is not None:
             self.mark.clear()
-        child = _Child(self.module, self.settings, self.sandbox, () if self.mark is None else (self.mark.fd,))
+        child = _Child(self.module, self.settings, self.sandbox, self.new_processes, () if self.mark is None else (self.mark.fd,))
         self._serials += 1
         child.serial = self._serials
         return child
