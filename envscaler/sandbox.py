@@ -4,9 +4,9 @@ Where bubblewrap (``bwrap``) works, the child also runs in a sandbox (:func:`san
 user, network, PID, IPC and UTS namespaces (the network has only its own loopback: nothing of the
 host's can be reached), a read-only filesystem that holds Python, this project's packages and the
 paths the caller names (a bundle), a private ``/tmp`` and ``/dev/shm`` of bounded size, no
-capabilities, no new privileges, and a seccomp filter that refuses every new process (fork, vfork,
-clone without ``CLONE_THREAD``): threads still work, a fork bomb does not. ``ENVSCALER_SANDBOX=off``
-turns it off.
+capabilities, no new privileges, and a seccomp filter (``envscaler.seccomp``) that refuses every new
+process (fork, vfork, clone without ``CLONE_THREAD``) and namespace: threads still work, a fork bomb
+does not. ``ENVSCALER_SANDBOX=off`` turns it off.
 
 Never host root: where the caller is root, the child becomes an unprivileged user of its own
 (``CONFINED_UID_BASE`` plus its pid: no other process has it, so ``RLIMIT_NPROC`` bounds its
@@ -14,7 +14,7 @@ threads) before it starts bubblewrap, and bubblewrap maps only that user into th
 knob (``/proc/sys``, ``/proc/sysrq-trigger``) belongs to the host's root, so the child cannot write
 one. That user may not be able to reach what the sandbox shows (Python under ``/root``, a bundle
 under a private folder), so the child, still root, first binds those paths in a mount namespace of
-its own at a place it can reach (:func:`_stage_view`), and bubblewrap binds them from there.
+its own at a place it can reach (:func:`_become_unprivileged`), and bubblewrap binds them from there.
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ import dataclasses
 import functools
 import logging
 import os
-import platform
 import resource
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from envscaler.seccomp import seccomp_bpf, seccomp_problem
 
 # Variables a child needs to run Python and nothing else: no tokens, keys or proxies leak in.
 # A farm's processes carry its id in this variable: ``farm down`` finds every one by it, descendants included.
@@ -173,7 +173,8 @@ def _maybe_sandboxed(command: list[str], readable: Sequence[str | Path]) -> Iter
         warn_unprotected(problem)
         yield Launch(command)
         return
-    with sandboxed(command, readable=readable) as launch:
+    # No cgroup counts a gate's or a probe's memory: what only a cgroup could count is refused.
+    with sandboxed(command, readable=readable, memfd=False) as launch:
         yield launch
 
 
@@ -188,8 +189,9 @@ def sandbox_problem() -> str | None:
 def _bwrap_problem() -> str | None:
     if shutil.which("bwrap") is None:
         return "bubblewrap is not installed (Debian/Ubuntu: apt-get install bubblewrap)"
-    if _SECCOMP_ARCH.get(platform.machine()) is None:
-        return f"no seccomp filter for this machine ({platform.machine()})"
+    problem = seccomp_problem()
+    if problem is not None:
+        return problem
     try:
         with sandboxed(["true"], readable=()) as launch:
             done = subprocess.run(launch.argv, pass_fds=launch.fds, preexec_fn=launch.enter, capture_output=True, text=True,
@@ -208,7 +210,8 @@ def warn_unprotected(problem: str) -> None:
 
 
 @contextlib.contextmanager
-def sandboxed(command: Sequence[str], *, readable: Sequence[str | Path], tasks: int = CHILD_TASKS) -> Iterator[Launch]:
+def sandboxed(command: Sequence[str], *, readable: Sequence[str | Path], tasks: int = CHILD_TASKS, new_processes: bool = False,
+              memfd: bool = True) -> Iterator[Launch]:
     """``command`` wrapped in a bubblewrap sandbox, as a :class:`Launch`: start it with the fds it
     names and ``enter`` as (the last step of) its ``preexec_fn``, inside this block.
 
@@ -216,7 +219,9 @@ def sandboxed(command: Sequence[str], *, readable: Sequence[str | Path], tasks: 
     ``readable`` paths are visible read-only at the same place; so are Python and this project's
     packages (without the bundled catalog, unless it is named). Where this process is root, ``enter``
     makes the child an unprivileged user (see the module's doc) with at most ``tasks`` threads and
-    processes.
+    processes. ``new_processes`` lets the command fork (``envscaler.seccomp``): only for a command
+    that runs no untrusted code itself and loads ``seccomp_policy()`` into each child before the
+    child runs any. ``memfd=False`` refuses memory files: for a child whose memory no cgroup counts.
     """
     packages, named = _project_paths(), [Path(path).resolve() for path in readable]
     shown = packages + named
@@ -231,7 +236,7 @@ def sandboxed(command: Sequence[str], *, readable: Sequence[str | Path], tasks: 
     argv += _filesystem(binds[:len(packages)], binds[len(packages):])
     seccomp = os.memfd_create("envscaler-seccomp", 0)
     try:
-        os.write(seccomp, _seccomp_program())
+        os.write(seccomp, seccomp_bpf(new_processes=new_processes, memfd=memfd))
         os.lseek(seccomp, 0, os.SEEK_SET)
         argv += ["--setenv", "TMPDIR", "/tmp", "--setenv", "HOME", "/tmp", "--chdir", "/tmp", "--seccomp", str(seccomp), "--", *command]
         yield Launch(argv, (seccomp,), enter)
@@ -351,66 +356,3 @@ def _package_dir(name: str) -> Path | None:
     if spec is None or not spec.submodule_search_locations:
         return None
     return Path(next(iter(spec.submodule_search_locations))).resolve()
-
-
-# -- seccomp: no new processes ----------------------------------------------------------------------
-
-# machine -> (AUDIT_ARCH_*, syscall numbers of clone, clone3, ioctl, and of fork/vfork where they exist)
-_SECCOMP_ARCH: dict[str, tuple[int, int, int, int, tuple[int, ...]]] = {
-    "x86_64": (0xC000003E, 56, 435, 16, (57, 58)),
-    "aarch64": (0xC00000B7, 220, 435, 29, ()),
-}
-_CLONE_THREAD = 0x00010000
-# ioctls that push input into a terminal (so that the shell that started the server would run it).
-_TIOCSTI, _TIOCLINUX = 0x5412, 0x541C
-_X32_SYSCALL_BIT = 0x40000000
-_RET_ALLOW = 0x7FFF0000
-_RET_ERRNO = 0x00050000
-_EPERM, _ENOSYS = 1, 38
-# Classic BPF opcodes.
-_LD_ABS_W, _JEQ_K, _JGE_K, _JSET_K, _RET_K = 0x20, 0x15, 0x35, 0x45, 0x06
-
-
-def _seccomp_program() -> bytes:
-    """A seccomp filter (classic BPF, as bwrap's ``--seccomp`` reads it) that refuses new processes.
-
-    clone3 answers ENOSYS, so that the C library falls back to clone, whose flags a filter can read
-    (clone3 passes them in memory): clone with CLONE_THREAD (a thread) is allowed, any other clone,
-    fork and vfork get EPERM. So do the ioctls that push input into a terminal (TIOCSTI, TIOCLINUX),
-    which lets the sandbox share the caller's terminal and process group (its signals reach the
-    server; bwrap forwards none). System calls of another ABI (32-bit, x32) are refused outright.
-    """
-    arch, clone, clone3, ioctl, forks = _SECCOMP_ARCH[platform.machine()]
-
-    def op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
-        return struct.pack("=HBBI", code, jt, jf, k)
-
-    deny, enosys = _RET_ERRNO | _EPERM, _RET_ERRNO | _ENOSYS
-    program = [
-        op(_LD_ABS_W, 4),                 # seccomp_data.arch
-        op(_JEQ_K, arch, jt=1),
-        op(_RET_K, deny),
-        op(_LD_ABS_W, 0),                 # seccomp_data.nr
-        op(_JGE_K, _X32_SYSCALL_BIT, jf=1),
-        op(_RET_K, deny),
-        op(_JEQ_K, clone3, jf=1),
-        op(_RET_K, enosys),
-    ]
-    for number in forks:
-        program += [op(_JEQ_K, number, jf=1), op(_RET_K, deny)]
-    program += [
-        op(_JEQ_K, ioctl, jf=5),
-        op(_LD_ABS_W, 24),                # the low half of seccomp_data.args[1]: the ioctl's request
-        op(_JEQ_K, _TIOCSTI, jt=2),
-        op(_JEQ_K, _TIOCLINUX, jt=1),
-        op(_RET_K, _RET_ALLOW),
-        op(_RET_K, deny),
-    ]
-    program += [
-        op(_JEQ_K, clone, jf=3),
-        op(_LD_ABS_W, 16),                # the low half of seccomp_data.args[0]: clone's flags
-        op(_JSET_K, _CLONE_THREAD, jt=1),
-        op(_RET_K, deny),
-        op(_RET_K, _RET_ALLOW),
-    ]
-    return b"".join(program)

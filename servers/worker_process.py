@@ -180,8 +180,8 @@ class _Output(asyncio.Protocol):
 class _Child:
     """One child process, its socket, and (once the event loop has it) the link over it."""
 
-    def __init__(self, module: str, settings: BaseModel, sandbox: bool, inherited: tuple[int, ...], group: ChildGroup | None,
-                 tasks: int) -> None:
+    def __init__(self, module: str, settings: BaseModel, sandbox: bool, new_processes: bool, inherited: tuple[int, ...],
+                 group: ChildGroup | None, tasks: int) -> None:
         ours, theirs = socket.socketpair()
         self.sock = ours
         self.group = group
@@ -191,7 +191,8 @@ class _Child:
         # In the server's process group: whatever kills the server's group (a farm restarting or stopping
         # it) takes the child and what it forked. Whatever it reads comes over the socket: no path is readable.
         with contextlib.ExitStack() as stack:
-            launch = stack.enter_context(sandboxed(command, readable=[], tasks=tasks)) if sandbox else Launch(command)
+            launch = (stack.enter_context(sandboxed(command, readable=[], tasks=tasks, new_processes=new_processes, memfd=group is not None))
+                      if sandbox else Launch(command))
             self.process = subprocess.Popen(launch.argv, pass_fds=[theirs.fileno(), *inherited, *launch.fds], env=clean_environment(),
                                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                             preexec_fn=functools.partial(_enter_child, group, launch))
@@ -265,12 +266,13 @@ class WorkerProcess:
 
     The first child starts here, before any event loop: :attr:`hello` is its first frame (with
     ``lazy``, there is no first child and no hello: the first request starts one). Later ones start
-    on the loop, when a request finds the last one gone.
+    on the loop, when a request finds the last one gone. ``new_processes``: its sandbox lets it fork
+    (a zygote that runs no untrusted code itself, see ``envscaler.sandbox.sandboxed``).
     """
 
     def __init__(self, module: str, settings: BaseModel, *, role: str, sandbox: bool, on_lost: Callable[[str], None],
-                 mark: RunningMarks | None = None, lazy: bool = False, env_id: str = "", group: ChildGroup | None = None,
-                 tasks: int = CHILD_TASKS) -> None:
+                 mark: RunningMarks | None = None, lazy: bool = False, new_processes: bool = False, env_id: str = "",
+                 group: ChildGroup | None = None, tasks: int = CHILD_TASKS) -> None:
         self.module = module
         self.settings = settings
         self.role = role
@@ -278,6 +280,7 @@ class WorkerProcess:
         self.group = group
         self.tasks = tasks
         self.sandbox = sandbox
+        self.new_processes = new_processes
         self.on_lost = on_lost
         self.mark = mark
         self.restarts = 0
@@ -298,7 +301,8 @@ class WorkerProcess:
     def _spawn(self) -> _Child:
         if self.mark is not None:
             self.mark.clear()
-        child = _Child(self.module, self.settings, self.sandbox, () if self.mark is None else (self.mark.fd,), self.group, self.tasks)
+        child = _Child(self.module, self.settings, self.sandbox, self.new_processes, () if self.mark is None else (self.mark.fd,),
+                       self.group, self.tasks)
         self._serials += 1
         child.serial = self._serials
         return child

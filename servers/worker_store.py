@@ -6,7 +6,8 @@ the JSON of what they return) runs in a worker process (``servers.env_worker``) 
 :class:`servers.worker_process.WorkerProcess` starts, watches and replaces. The checks run in a
 second one (``servers.check_worker``) that environment code never reaches, on what the environment
 worker says the episode changed since its scenario's initial state: a call cannot patch the checker
-and so decide its own reward.
+and so decide its own reward. That worker runs each validation's checks in a process of their own,
+so that a check cannot decide another validation's reward either.
 
 When a worker is killed (it froze past a deadline, or a call outlived its limit on a thread that
 could not be stopped) or dies, nothing else is lost: each episode it held is rebuilt in the new
@@ -85,8 +86,11 @@ class WorkerEpisodeStore(EpisodeRegistry):
         shared = dict(sandbox=sandbox, env_id=self.env_id, group=self.group, tasks=tasks)
         self.worker = WorkerProcess("servers.env_worker", settings, role=ROLE, on_lost=self._worker_lost, mark=mark, **shared)
         check_mark = RunningMarks()
-        self.checker = WorkerProcess("servers.check_worker", CheckerSettings(check_timeout_s=settings.check_timeout_s, mark_fd=check_mark.fd),
-                                     role="check worker", on_lost=self._checker_lost, mark=check_mark, lazy=True, **shared)
+        # A zygote that forks a process for each validation's checks: its sandbox lets it fork, and each
+        # child takes that away from itself before any check code runs.
+        checker_settings = CheckerSettings(check_timeout_s=settings.check_timeout_s, mark_fd=check_mark.fd, child_seccomp=sandbox)
+        self.checker = WorkerProcess("servers.check_worker", checker_settings, role="check worker", on_lost=self._checker_lost,
+                                     mark=check_mark, lazy=True, new_processes=True, **shared)
         self._checking = asyncio.Lock()
         hello = decode(WorkerHello, self.worker.hello)
         self._tools, self._annotations = hello.tools, hello.annotations

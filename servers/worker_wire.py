@@ -111,6 +111,8 @@ class CheckerSettings(BaseModel):
 
     check_timeout_s: float
     mark_fd: int | None = None
+    # Each check's process loads the no-new-processes seccomp policy: the sandbox lets the worker fork.
+    child_seccomp: bool = False
 
 
 class CheckRequest(BaseModel):
@@ -180,6 +182,11 @@ class RunningMarks:
         """Empty ``slot`` (every slot when None)."""
         for index in range(self.SLOTS) if slot is None else (slot,):
             self._LENGTH.pack_into(self._memory, index * self.SLOT_BYTES, 0)
+
+    def close(self) -> None:
+        """Unmap the page and close its descriptor (a forked child that must not write it)."""
+        self._memory.close()
+        os.close(self.fd)
 
     def read(self) -> dict[int, str]:
         """The subject of every slot that names one, by slot."""

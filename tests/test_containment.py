@@ -187,8 +187,12 @@ def test_catalog_check_runs_gates_and_checks_as_an_unprivileged_user(tmp_path):
                                                        *counter_scenario()["reference_solution"]])
     by_check = counter_scenario(env_id="rogue", task_id="rogue_002",
                                 checklist_with_func=[*counter_scenario()["checklist_with_func"], writes])
-    bundle = rogue_bundle(tmp_path / "bundles", [by_solution, by_check])
+    # No cgroup counts a gate worker's memory: a memory file, which no address-space limit counts either, is refused.
+    by_memfd = counter_scenario(env_id="rogue", task_id="rogue_003",
+                                reference_solution=[{"name": "hold_memfd", "arguments": {"mb": 1}}, *counter_scenario()["reference_solution"]])
+    bundle = rogue_bundle(tmp_path / "bundles", [by_solution, by_check, by_memfd])
     done = envscaler("catalog", "check", str(bundle), timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "rogue_001: reference_runs: call 1 (rewrite_sysctl)" in done.stdout and "Permission denied" in done.stdout, done.stdout
     assert "rogue_002: checks_pass_on_reference" in done.stdout, done.stdout
+    assert "rogue_003: reference_runs: call 1 (hold_memfd)" in done.stdout and "Operation not permitted" in done.stdout, done.stdout

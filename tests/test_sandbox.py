@@ -39,6 +39,70 @@ def test_the_sandbox_refuses_new_processes_the_network_and_the_host_files(tmp_pa
     assert done.stdout.split() == ["PermissionError", "FileNotFoundError", "ConnectionRefusedError", "OSError", "allowed"], done.stderr
 
 
+# Each attempt prints the errno name it met, or "allowed".
+ATTEMPTS = """
+import ctypes, errno, os, subprocess, threading
+libc = ctypes.CDLL(None, use_errno=True)
+def attempt(f):
+    try:
+        f()
+        return "allowed"
+    except OSError as e:
+        return errno.errorcode[e.errno]
+def c_call(name, *args):
+    if getattr(libc, name)(*args) == -1:
+        raise OSError(ctypes.get_errno(), name)
+def fork_and_reap():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+def thread():
+    t = threading.Thread(target=lambda: None)
+    t.start()
+    t.join()
+results = {
+    "fork": attempt(fork_and_reap),
+    "subprocess": attempt(lambda: subprocess.run(["true"])),
+    "thread": attempt(thread),
+    "unshare": attempt(lambda: c_call("unshare", 0x10000000)),  # CLONE_NEWUSER
+    "setns": attempt(lambda: c_call("setns", os.open("/proc/self/ns/uts", os.O_RDONLY), 0)),
+    "memfd": attempt(lambda: os.close(os.memfd_create("x"))),
+}
+"""
+
+
+def probe(before: str = "", *, new_processes: bool = False) -> dict[str, str]:
+    """What the attempts meet in a sandboxed process that first runs ``before``."""
+    code = f"{before}\n{ATTEMPTS}\nimport json\nprint(json.dumps(results))"
+    with sandboxed([sys.executable, "-c", code], readable=[], new_processes=new_processes) as launch:
+        done = subprocess.run(launch.argv, pass_fds=launch.fds, preexec_fn=launch.enter, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@needs_sandbox
+def test_the_sandbox_refuses_processes_and_namespaces_and_keeps_threads():
+    assert probe() == {"fork": "EPERM", "subprocess": "EPERM", "thread": "allowed", "unshare": "EPERM", "setns": "EPERM",
+                       "memfd": "allowed"}
+
+
+@needs_sandbox
+def test_a_process_that_may_fork_takes_it_away_from_a_child_with_the_same_policy():
+    # A zygote's sandbox lets it fork, never make namespaces; what it loads into a child refuses what the sandbox does.
+    assert probe(new_processes=True) == {"fork": "allowed", "subprocess": "allowed", "thread": "allowed", "unshare": "EPERM",
+                                         "setns": "EPERM", "memfd": "allowed"}
+    load = "from envscaler.seccomp import seccomp_policy\nseccomp_policy({}).load()"
+    assert probe(load.format(""), new_processes=True) == probe()
+    assert probe(load.format("memfd=False"), new_processes=True)["memfd"] == "EPERM"
+
+
+def test_without_libseccomp_the_sandbox_says_what_to_install():
+    code = "import sys\nsys.modules['pyseccomp'] = None\nfrom envscaler.sandbox import sandbox_problem\nprint(sandbox_problem())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "libseccomp" in done.stdout and "pip install pyseccomp" in done.stdout, done.stdout + done.stderr
+
+
 @needs_sandbox
 def test_hostile_tools_fail_and_are_reported_while_other_environments_keep_answering(tmp_path):
     victim = counter_bundle(tmp_path / "victim")

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from envscaler.sandbox import sandbox_problem
 from servers.worker_process import GRACE_S
 from tests.support.bundles import COUNTER_CODE, counter_scenario, counter_spec, write_bundle
 from tests.support.server import serve
@@ -205,9 +206,48 @@ def test_a_check_that_freezes_costs_only_its_validation(bundle):
         started = time.monotonic()
         answer = http.post(f"/episodes/{episode}/validate", json={"checklist": [frozen]})
         assert answer.status_code == 504 and time.monotonic() - started < 1 + 0.5 + 0.5 + GRACE_S + 1.0, answer.text
-        # The episode and the environment worker are untouched; the next validation gets a new check worker.
+        # The episode and the environment worker are untouched; the checks' own process was killed.
         assert count_of(http, episode) == 1
         assert http.post(f"/episodes/{episode}/validate").status_code == 200
+
+
+# Checks that make every later check pass, were they run in the same process.
+POISONING_CHECKS = [
+    {"check_item": "bool", "check_func": "def check_func(final_state):\n    import builtins\n    builtins.bool = lambda *a: True\n"
+     "    return True"},
+    {"check_item": "checker", "check_func": (
+        "def check_func(final_state):\n"
+        "    import envscaler.checks\n"
+        "    from envscaler.models import CheckResult\n"
+        "    envscaler.checks.run_check = lambda item, views, limit: CheckResult(check_item=item.check_item, passed=True)\n"
+        "    envscaler.checks.check_states = lambda checklist, *args: [CheckResult(check_item=i.check_item, passed=True) for i in checklist]\n"
+        "    return True")},
+]
+
+
+@pytest.mark.parametrize("flags", [(), ("--no-sandbox",)], ids=["sandboxed", "unsandboxed"])
+def test_a_check_that_poisons_its_process_decides_no_other_validation(bundle, flags):
+    with serve(bundle, *flags) as server, server.client() as http:
+        untouched = new_episode(http)
+        poisoner = new_episode(http)
+        poisoned = http.post(f"/episodes/{poisoner}/validate", json={"checklist": POISONING_CHECKS})
+        assert poisoned.status_code == 200 and poisoned.json()["score"] == 1.0, poisoned.text
+        exits = {"check_item": "exits", "check_func": "def check_func(final_state):\n    import os\n    os._exit(3)"}
+        died = http.post(f"/episodes/{poisoner}/validate", json={"checklist": [exits]})
+        assert died.status_code == 409 and "exit code 3" in died.json()["error"], died.text
+        # The scenario's checks on its initial state: a counts 0 (fails), its name and the one item are kept.
+        validation = http.post(f"/episodes/{untouched}/validate").json()
+        assert [c["passed"] for c in validation["checks"]] == [False, True, True], validation
+        assert validation["score"] == pytest.approx(2 / 3)
+
+
+@pytest.mark.skipif(sandbox_problem() is not None, reason=f"no sandbox here: {sandbox_problem()}")
+def test_the_checks_process_cannot_start_processes_even_past_the_guard(bundle):
+    # posix.fork is the C function itself: the guard only wraps os.fork. The seccomp policy refuses it.
+    forks = {"check_item": "forks", "check_func": "def check_func(final_state):\n    import posix\n    return posix.fork() > 0"}
+    with serve(bundle) as server, server.client() as http:
+        validation = http.post(f"/episodes/{new_episode(http)}/validate", json={"checklist": [forks]}).json()
+        assert validation["checks"][0]["error"].startswith("PermissionError: [Errno 1] Operation not permitted"), validation
 
 
 def test_the_worker_holds_no_token_and_normal_episodes_score_as_without_it(bundle):

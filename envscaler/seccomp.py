@@ -1,0 +1,91 @@
+"""The seccomp policy of sandboxed processes, built with libseccomp (through ``pyseccomp``).
+
+One policy, two ways to apply it: as classic BPF for bubblewrap's ``--seccomp FD``
+(:func:`seccomp_bpf`), and loaded into the calling process (:func:`seccomp_policy`, then
+``.load()``), which is how a process that the sandbox lets fork (a check zygote) takes new processes
+away from each child before the child runs untrusted code. Filters stack: a child's filter adds to
+its parent's, and nothing can remove one.
+
+What every policy refuses:
+
+- new namespaces (``unshare``, ``setns``, and ``clone`` with any ``CLONE_NEW*`` flag) with EPERM:
+  code must not make a user namespace and hold capabilities in it;
+- ``clone3`` with ENOSYS, so that the C library falls back to ``clone``, whose flags a filter can read
+  (``clone3`` passes them in memory);
+- the ioctls that push input into a terminal (TIOCSTI, TIOCLINUX) with EPERM, which lets a sandbox
+  share its caller's terminal and process group;
+- system calls of another ABI (32-bit, x32) with EPERM.
+
+Unless ``new_processes``: fork, vfork and ``clone`` without ``CLONE_THREAD`` (a new process rather
+than a thread) with EPERM; threads still work. Unless ``memfd``: ``memfd_create`` with EPERM (memory
+that no address-space limit counts).
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+from typing import Any
+
+# clone's flags that make a new namespace (CLONE_NEWTIME, CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS,
+# CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET).
+_CLONE_NEW_NAMESPACES = (0x80, 0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
+_CLONE_THREAD = 0x00010000
+_TIOCSTI, _TIOCLINUX = 0x5412, 0x541C
+# ioctl's request is an unsigned int: the kernel ignores the upper half of the register, so must the filter.
+_LOW_HALF = 0xFFFFFFFF
+INSTALL = ("libseccomp cannot be loaded, so no sandbox can be built: install libseccomp "
+           "(Debian/Ubuntu: apt-get install libseccomp2) and its binding (pip install pyseccomp)")
+
+
+def seccomp_problem() -> str | None:
+    """Why no seccomp policy can be built here (what to install), or None when one can."""
+    try:
+        _library()
+    except OSError as e:
+        return str(e)
+    return None
+
+
+def seccomp_policy(*, new_processes: bool = False, memfd: bool = True) -> Any:
+    """The policy (see the module's doc) as a ``pyseccomp.SyscallFilter``: ``.load()`` applies it to the
+    calling process (every thread of it) and to all it starts. Raises OSError when libseccomp is missing."""
+    seccomp = _library()
+    deny = seccomp.ERRNO(errno.EPERM)
+    policy = seccomp.SyscallFilter(seccomp.ALLOW)
+    policy.set_attr(seccomp.Attr.ACT_BADARCH, deny)
+    policy.set_attr(seccomp.Attr.CTL_TSYNC, 1)
+    native = seccomp.Arch.NATIVE
+    refused = ["unshare", "setns", *(() if memfd else ("memfd_create",)), *(() if new_processes else ("fork", "vfork"))]
+    for name in refused:
+        if seccomp.resolve_syscall(native, name) >= 0:  # fork and vfork do not exist everywhere (aarch64)
+            policy.add_rule(deny, name)
+    policy.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+    for flag in _CLONE_NEW_NAMESPACES:
+        policy.add_rule(deny, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
+    if not new_processes:
+        policy.add_rule(deny, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, _CLONE_THREAD, 0))
+    for request in (_TIOCSTI, _TIOCLINUX):
+        policy.add_rule(deny, "ioctl", seccomp.Arg(1, seccomp.MASKED_EQ, _LOW_HALF, request))
+    return policy
+
+
+@functools.cache
+def seccomp_bpf(*, new_processes: bool = False, memfd: bool = True) -> bytes:
+    """The policy as classic BPF, as bubblewrap's ``--seccomp FD`` reads it. Raises OSError when
+    libseccomp is missing."""
+    with open(os.memfd_create("envscaler-seccomp-export", 0), "w+b") as program:
+        seccomp_policy(new_processes=new_processes, memfd=memfd).export_bpf(program)
+        program.seek(0)
+        return program.read()
+
+
+@functools.cache
+def _library() -> Any:
+    # Imported on first use: pyseccomp loads libseccomp when imported, and fails there when it is missing.
+    try:
+        import pyseccomp
+    except (ImportError, RuntimeError, OSError) as e:
+        raise OSError(f"{INSTALL} ({e})") from None
+    return pyseccomp
