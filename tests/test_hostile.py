@@ -7,7 +7,8 @@ a plain counter environment, with a call and check limit of 1 s. For each attack
 
 - the bad call gets an error within its limit plus the grace;
 - an episode of the same environment and one of the other keep calling while it happens, and answer
-  every call, at a median within 2x of what they took before;
+  every call correctly, each within a bound tied to the limits (the other environment's within one
+  bad call's time, the same environment's, caught up in a fall and run again, within two);
 - nothing else is lost: both bystanders end with exactly the state and the records their calls made.
 """
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -38,8 +38,9 @@ CALL_TIMEOUT_S = 1.0
 # The longest a bad call may take: its limit, the grace before it is abandoned, the grace before its
 # worker counts as frozen, and a second for the worker to be replaced.
 WITHIN_S = CALL_TIMEOUT_S + ABANDON_GRACE_S + GRACE_S + 1.0
-# Scheduling noise on a small, shared machine, on top of 2x a median of about a millisecond.
-SLACK_S = 0.003
+# The longest a bystander's call may take: one of its own environment's may be caught up in a fall and
+# run again once the worker is replaced. Bounds tied to the limits, not to how fast the machine is today.
+BYSTANDER_WITHIN_S = {"same": 2 * WITHIN_S, "other": WITHIN_S}
 
 
 @dataclass
@@ -83,9 +84,6 @@ class Bystander:
         assert json.loads(result["content"][0]["text"])["data"]["count"] == self.adds, result
         return took
 
-    def median(self, calls: int) -> float:
-        return statistics.median(self.step() for _ in range(calls))
-
 
 @dataclass
 class Farm:
@@ -93,7 +91,6 @@ class Farm:
     victim: Endpoint
     same: Bystander
     other: Bystander
-    normal: dict[str, float]
 
 
 @pytest.fixture(scope="module")
@@ -110,10 +107,7 @@ def farm(tmp_path_factory) -> Iterator[Farm]:
         with endpoints["wall"].control() as wall_http, endpoints["counter"].control() as victim_http:
             same = Bystander(endpoints["wall"], endpoints["wall"].new_episode(wall_http, "wall_001"))
             other = Bystander(endpoints["counter"], endpoints["counter"].new_episode(victim_http, "counter_001"))
-        for bystander in (same, other):
-            bystander.median(50)  # warm
-        normal = {"same": same.median(60), "other": other.median(60)}
-        yield Farm(endpoints["wall"], endpoints["counter"], same, other, normal)
+        yield Farm(endpoints["wall"], endpoints["counter"], same, other)
     finally:
         # The servers' logs stay in the test's folder for whoever reads a failure.
         shutil.copytree(root / "farm.json.farm" / "logs", root / "logs", dirs_exist_ok=True)
@@ -122,7 +116,7 @@ def farm(tmp_path_factory) -> Iterator[Farm]:
 
 def while_bystanders_call(farm: Farm, attack) -> tuple[object, float]:
     """Run ``attack()`` while both bystanders keep calling; (its result, seconds it took). Then each
-    bystander's median over the window must be within 2x of its normal one."""
+    bystander's every call must have answered within its bound (``BYSTANDER_WITHIN_S``)."""
     latencies: dict[str, list[float]] = {"same": [], "other": []}
     done = threading.Event()
 
@@ -143,8 +137,7 @@ def while_bystanders_call(farm: Farm, attack) -> tuple[object, float]:
         for loop in loops:
             loop.result()  # every call of both bystanders answered, and the counts added up
     for name, values in latencies.items():
-        median = statistics.median(values)
-        assert median <= 2 * farm.normal[name] + SLACK_S, (name, median, farm.normal[name], values)
+        assert max(values) <= BYSTANDER_WITHIN_S[name], (name, max(values), values)
     return result, took
 
 
