@@ -16,6 +16,14 @@ environment server's rates. This server does what the environment server needs a
   SIGTERM/SIGINT it stops accepting, lets requests in progress finish (up to ``graceful_s``), then
   runs the lifespan shutdown.
 
+Nothing one client sends costs more than a stated bound (:class:`Bounds`): connections in all (below
+the process's descriptor limit, with a reserve kept for its own files) and per client address,
+past which a new connection gets a 503 and is closed; a request head must arrive whole within
+``head_timeout_s`` (a connection that sends nothing is closed then too) and a body within
+``body_timeout_s`` (408); request bodies being read hold at most ``max_buffered_bytes`` in all (503
+past it); and an answer the client does not read holds up its connection: nothing more is run for
+it, and after ``write_timeout_s`` it is closed.
+
 No TLS, no WebSockets, no HTTP/2: put a proxy in front for those.
 """
 
@@ -25,6 +33,7 @@ import asyncio
 import contextlib
 import http
 import logging
+import resource
 import signal
 import socket
 import threading
@@ -35,6 +44,7 @@ from typing import Any
 from urllib.parse import unquote_to_bytes
 
 import httptools
+from pydantic import BaseModel, Field
 
 from servers.asgi import json_bytes
 
@@ -50,6 +60,27 @@ _SWEEP_S = 5.0
 _JOIN_LIMIT = 65536
 # How long a refused client may go on sending (its body) before the connection is cut.
 _LINGER_S = 2.0
+# Descriptors kept free for the process's own files (logs, state, its workers' sockets).
+FD_RESERVE = 256
+
+
+class Bounds(BaseModel):
+    """What the clients of one server may hold of it (see the module's doc)."""
+
+    max_connections: int | None = Field(default=None, ge=1)
+    """Connections in all; None: the descriptor limit less FD_RESERVE."""
+    max_connections_per_client: int = Field(default=1024, ge=1)
+    head_timeout_s: float = Field(default=10.0, gt=0)
+    body_timeout_s: float = Field(default=60.0, gt=0)
+    write_timeout_s: float = Field(default=60.0, gt=0)
+    max_buffered_bytes: int = Field(default=256 * 1024 * 1024, ge=1)
+    """Request bodies being read, all connections together."""
+
+
+def descriptor_room() -> int:
+    """Connections this process can hold and still keep FD_RESERVE descriptors for itself."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(16, (soft if soft != resource.RLIM_INFINITY else 1 << 20) - FD_RESERVE)
 
 
 class HttpServer:
@@ -66,8 +97,11 @@ class HttpServer:
         max_url_bytes: int = 8192,
         max_headers: int = 100,
         max_header_bytes: int = 65536,
+        bounds: Bounds | None = None,
     ) -> None:
         self.app = app
+        self.bounds = bounds = bounds or Bounds()
+        self.max_connections = min(bounds.max_connections or descriptor_room(), descriptor_room())
         self.max_body_bytes = max_body_bytes
         self.max_url_bytes = max_url_bytes
         self.max_headers = max_headers
@@ -78,6 +112,10 @@ class HttpServer:
         self.graceful_s = graceful_s
         self.max_pipelined = max_pipelined
         self.connections: set[_Connection] = set()
+        self.per_client: dict[str, int] = {}
+        self.buffered_bytes = 0
+        # How many connections were refused or cut, by why (``/info`` of a server, the gateway's health).
+        self.refused: dict[str, int] = {}
         # Made here, not in ``serve``: a stop asked for while the server starts is kept.
         self._stop = asyncio.Event()
 
@@ -126,13 +164,28 @@ class HttpServer:
             connection.close()
 
     async def _close_idle_forever(self) -> None:
-        # One sweep every few seconds instead of a timer per request.
+        # One sweep a second instead of a timer per request: timeouts are kept to within a second.
+        bounds = self.bounds
         while True:
-            await asyncio.sleep(min(_SWEEP_S, self.keep_alive_s))
-            cutoff = time.monotonic() - self.keep_alive_s
+            await asyncio.sleep(min(_SWEEP_S, self.keep_alive_s, 1.0))
+            now = time.monotonic()
             for connection in list(self.connections):
-                if connection.idle and connection.last_active < cutoff:
+                if connection.idle and not connection.reading and connection.last_active < now - (
+                        self.keep_alive_s if connection.served else bounds.head_timeout_s):
                     connection.close()
+                elif connection.reading and connection.in_head and connection.reading_since < now - bounds.head_timeout_s:
+                    self.count("slow head")
+                    connection.refuse(408, f"the request head did not arrive within {bounds.head_timeout_s:g} s")
+                elif connection.reading and not connection.in_head and connection.reading_since < now - bounds.body_timeout_s:
+                    self.count("slow body")
+                    connection.refuse(408, f"the request body did not arrive within {bounds.body_timeout_s:g} s")
+                elif connection.write_blocked_since is not None and connection.write_blocked_since < now - bounds.write_timeout_s:
+                    self.count("answer not read")
+                    connection.close()
+
+    def count(self, why: str) -> None:
+        """Count a connection refused or cut for ``why``."""
+        self.refused[why] = self.refused.get(why, 0) + 1
 
 
 class _Request:
@@ -161,6 +214,13 @@ class _Connection(asyncio.Protocol):
         self.disconnected: asyncio.Future[None] | None = None
         self._reading = True
         self._write_blocked = False
+        # When the answer waiting in the write buffer stopped going out (the client does not read), or None.
+        self.write_blocked_since: float | None = None
+        # A request is being read (since ``reading_since``), its head (``in_head``) or its body.
+        self.reading = False
+        self.reading_since = self.last_active
+        self.served = False  # some request was read whole
+        self._buffered = 0
         # The request being parsed.
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
@@ -179,17 +239,50 @@ class _Connection(asyncio.Protocol):
         """No request running or waiting."""
         return self.running is None and not self.queue
 
+    @property
+    def in_head(self) -> bool:
+        """The request being read has not sent its whole head yet."""
+        return self._in_head or not self.served and self._begun == 0
+
     # -- asyncio.Protocol ------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.client = _address(transport.get_extra_info("peername"))
         self.local = _address(transport.get_extra_info("sockname"))
-        self.server.connections.add(self)
+        server = self.server
+        host = self.client[0] if self.client is not None else ""
+        if len(server.connections) >= server.max_connections:
+            self._turn_away("too many connections", f"the server holds its limit of {server.max_connections} connections; try again later")
+            return
+        if server.per_client.get(host, 0) >= server.bounds.max_connections_per_client:
+            self._turn_away("too many connections from one client",
+                            f"{host} holds the limit of {server.bounds.max_connections_per_client} connections per client")
+            return
+        server.per_client[host] = server.per_client.get(host, 0) + 1
+        server.connections.add(self)
+
+    def _turn_away(self, why: str, message: str) -> None:
+        self.server.count(why)
+        self.closed = True
+        assert self.transport is not None
+        body = json_bytes({"error": message})
+        head = _head(503, [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), (b"retry-after", b"1")],
+                     keep_alive=False)
+        self.transport.write(head + body)
+        self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self.server.connections.discard(self)
+        self._release_buffered()
+        if self in self.server.connections:
+            self.server.connections.discard(self)
+            host = self.client[0] if self.client is not None else ""
+            left = self.server.per_client.get(host, 1) - 1
+            if left > 0:
+                self.server.per_client[host] = left
+            else:
+                self.server.per_client.pop(host, None)
         if self.disconnected is not None and not self.disconnected.done():
             self.disconnected.set_result(None)
 
@@ -197,6 +290,8 @@ class _Connection(asyncio.Protocol):
         if self.closed or self._head_refusal is not None:
             return  # after a refusal, what the client still sends is read and dropped
         self.last_active = time.monotonic()
+        if not self.reading and not self.served and self._begun == 0:
+            self.reading = True  # the first request's head has begun: its timeout counts from the connection's start
         in_head, begun = self._in_head, self._begun
         try:
             self.parser.feed_data(data)
@@ -213,11 +308,15 @@ class _Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._write_blocked = True
+        self.write_blocked_since = time.monotonic()
         self._update_reading()
 
     def resume_writing(self) -> None:
         self._write_blocked = False
+        self.write_blocked_since = None
         self._update_reading()
+        if self.running is None and self.queue:
+            self._next()  # what waited for the client to read its last answer
 
     def _update_reading(self) -> None:
         """Read while the client waits for nothing from us: no full write buffer, no long queue."""
@@ -232,6 +331,9 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks ---------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        if not self.reading:
+            self.reading_since = time.monotonic()
+        self.reading = True
         self._url = b""
         self._headers = []
         self._header_bytes = 0
@@ -268,6 +370,7 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self.reading_since = time.monotonic()  # the body's own timeout
         if self._head_refusal is not None:
             return
         expects_continue = False
@@ -283,14 +386,28 @@ class _Connection(asyncio.Protocol):
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, chunk: bytes) -> None:
-        if self._too_large or self._head_refusal is not None:
+        if self._too_large or self._head_refusal is not None or self.closed:
             return
         self._size += len(chunk)
         if self._size > self.server.max_body_bytes:
             self._too_large = True
             self._body = []
-        else:
-            self._body.append(chunk)
+            self._release_buffered()
+            return
+        server = self.server
+        if server.buffered_bytes + len(chunk) > server.bounds.max_buffered_bytes:
+            server.count("bodies over the memory bound")
+            self._body = []
+            self._release_buffered()
+            self.refuse(503, "the server holds as much of other requests' bodies as it may; try again later")
+            return
+        self._body.append(chunk)
+        self._buffered += len(chunk)
+        server.buffered_bytes += len(chunk)
+
+    def _release_buffered(self) -> None:
+        self.server.buffered_bytes -= self._buffered
+        self._buffered = 0
 
     def on_message_complete(self) -> None:
         if self.closed or self._head_refusal is not None:
@@ -314,6 +431,10 @@ class _Connection(asyncio.Protocol):
             "headers": self._headers,
         }
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        self._body = []
+        self._release_buffered()  # the request's own now, bounded by max_pipelined per connection
+        self.reading = False
+        self.served = True
         self.queue.append(_Request(scope, body, self.parser.should_keep_alive(), self._too_large))
         self._update_reading()
         if self.running is None:
@@ -324,8 +445,8 @@ class _Connection(asyncio.Protocol):
     def _next(self) -> None:
         if not self.queue and self._head_refusal is not None:
             self.refuse(*self._head_refusal)
-        if not self.queue or self.closed:
-            return
+        if not self.queue or self.closed or self._write_blocked:
+            return  # blocked: the next request runs once the client has read this answer (resume_writing)
         request = self.queue.popleft()
         self._update_reading()
         if request.too_large:

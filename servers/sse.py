@@ -16,11 +16,14 @@ import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
 from servers.asgi import json_bytes
+from servers.errors import ErrorReply
 
 # Idle streams get a comment this often, so that proxies (the gateway's read timeout) keep them open.
 KEEPALIVE_S = 15.0
 # Answers a stream may hold before a POST waits for the client to read.
 _OUTBOX_SIZE = 64
+MAX_STREAMS_PER_EPISODE = 4
+"""Open event streams one episode may hold: a client that keeps opening them holds no more of the server."""
 
 
 def _event(name: str, data: bytes) -> bytes:
@@ -48,7 +51,9 @@ class SseSessions:
                 pass
 
     async def stream(self, episode_id: str, receive: Any, send: Any) -> None:
-        """Serve one event stream until the client goes away."""
+        """Serve one event stream until the client goes away; ErrorReply 429 past MAX_STREAMS_PER_EPISODE."""
+        if sum(1 for owner, _ in self._outboxes.values() if owner == episode_id) >= MAX_STREAMS_PER_EPISODE:
+            raise ErrorReply(429, f"episode {episode_id} holds {MAX_STREAMS_PER_EPISODE} open event streams already: close one first")
         session_id = secrets.token_hex(16)
         outbox, inbox = anyio.create_memory_object_stream[bytes](_OUTBOX_SIZE)
         self._outboxes[session_id] = (episode_id, outbox)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
@@ -9,6 +10,8 @@ from typing import Any
 import anyio
 
 from servers.farm.models import EnvStatus, FarmPaths, FarmPlan, FarmState, write_json
+
+log = logging.getLogger("envscaler.farm")
 
 
 class Board:
@@ -28,6 +31,7 @@ class Board:
             envs={env.env_id: EnvStatus(env_id=env.env_id, url=env.url) for env in plan.envs},
         )
         self._dirty = True
+        self._write_problem: str | None = None
 
     def env(self, env_id: str) -> EnvStatus:
         """The status record of one environment."""
@@ -52,8 +56,17 @@ class Board:
         if self._dirty and self.paths.plan.exists():
             self._dirty = False
             self.state.updated_at = time.time()
-            # Unindented: a third less to write, many times a second while a farm of 1,000 starts.
-            write_json(self.paths.state, self.state, indent=None)
+            try:
+                # Unindented: a third less to write, many times a second while a farm of 1,000 starts.
+                write_json(self.paths.state, self.state, indent=None)
+            except OSError as e:
+                # Out of descriptors, a full disk: the farm runs on, and the next flush tries again.
+                self._dirty = True
+                if str(e) != self._write_problem:
+                    log.error("the farm's state file cannot be written; retrying", extra={"path": str(self.paths.state), "error": str(e)})
+                self._write_problem = str(e)
+            else:
+                self._write_problem = None
 
     async def flush_forever(self, interval_s: float = 0.1) -> None:
         """Write changes at most every ``interval_s`` so ``up`` and ``status`` see them promptly."""

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from envscaler.arguments import positive_float, with_examples
+from envscaler.arguments import positive_float, positive_int, with_examples
 from envscaler.bundle import default_catalog, find_bundles, load_bundle
 from envscaler.cgroups import ChildGroup
 from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
@@ -127,6 +127,7 @@ def farm_up(args: argparse.Namespace) -> int:
                     check_timeout_s=args.check_timeout)
     plan = plan_farm(args.env_dirs or [str(default_catalog())], backend, paths.catalog, limits, args.gateway_port, args.openenv)
     plan.allowed_origins = args.allowed_origin or []
+    plan.connections_per_client = args.connections_per_client
     if args.probe_period is not None and args.probe_period <= 0:
         raise FarmError(f"--probe-period must be more than 0 seconds, not {args.probe_period:g}")
     plan.probes.period_s = args.probe_period
@@ -264,6 +265,9 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
                     help="seconds a tool call may run in each server (default: the server's own, 10)")
     up.add_argument("--check-timeout", type=positive_float, metavar="SECONDS",
                     help="seconds one check may run in each server (default: the server's own, 5)")
+    up.add_argument("--connections-per-client", type=positive_int, default=1024, metavar="N",
+                    help="connections one client address may hold at the gateway; past it a new one is refused at once "
+                         "(a request head must also arrive within 10 s, a body within 60 s) (default: 1024)")
     up.add_argument("--allowed-origin", action="append", metavar="ORIGIN",
                     help="browser Origin the gateway answers with CORS headers (repeatable; '*' for any)")
     up.add_argument("--openenv", action="store_true",

@@ -28,7 +28,7 @@ from servers.farm.gateway import MAX_BODY, Gateway
 from servers.farm.health import Prober
 from servers.errors import FarmError
 from servers.farm.models import FarmPaths, FarmPlan, read_json, write_json
-from servers.http_server import HttpServer
+from servers.http_server import Bounds, HttpServer, descriptor_room
 from servers.serve import bind
 
 log = logging.getLogger("envscaler.farm")
@@ -147,8 +147,12 @@ async def run_daemon(paths: FarmPaths) -> None:
     routes = LiveRoutes(board)
     gateway = Gateway(routes, allowed_origins=plan.allowed_origins)
     # The daemon takes the signals: it stops its servers first, then the gateway.
-    server = HttpServer(gateway, max_body_bytes=MAX_BODY, graceful_s=3.0)
-    front, gateway_sock = _front_proxy(plan, paths, sock, routes)
+    bounds = _gateway_bounds(plan)
+    front, gateway_sock = _front_proxy(plan, paths, sock, routes, bounds)
+    if front is not None:
+        # Behind haproxy every connection comes from haproxy's address: haproxy keeps the per-client count.
+        bounds = bounds.model_copy(update={"max_connections_per_client": bounds.max_connections})
+    server = HttpServer(gateway, max_body_bytes=MAX_BODY, graceful_s=3.0, bounds=bounds)
     board.set(gateway_proxy=front.version() if front is not None else "python")
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(_stop_on_signal, server)
@@ -170,14 +174,25 @@ async def run_daemon(paths: FarmPaths) -> None:
     board.flush()
 
 
-def _front_proxy(plan: FarmPlan, paths: FarmPaths, sock: socket.socket, routes: LiveRoutes) -> tuple[FrontProxy | None, socket.socket]:
+def _gateway_bounds(plan: FarmPlan) -> Bounds:
+    """What the farm's clients may hold of the gateway. Its connections: half the descriptors the
+    daemon has left once it holds two per server (a pidfd, a start-up pipe) and its reserve, the other
+    half for the connections it opens to the servers on their behalf. Bodies being read: four of the
+    largest it forwards."""
+    return Bounds(max_connections=max(16, (descriptor_room() - 2 * len(plan.envs)) // 2),
+                  max_connections_per_client=plan.connections_per_client, max_buffered_bytes=4 * MAX_BODY)
+
+
+def _front_proxy(plan: FarmPlan, paths: FarmPaths, sock: socket.socket, routes: LiveRoutes,
+                 bounds: Bounds) -> tuple[FrontProxy | None, socket.socket]:
     """haproxy on the public socket with the Python gateway on a private one behind it, when haproxy is
     installed and takes its configuration; else none, and the Python gateway serves ``sock`` itself."""
     executable = haproxy_executable()
     if executable is None:
         return None, sock
     private = bind("127.0.0.1", 0)
-    front = FrontProxy(executable, paths.dir, plan.farm_id, sock, routes, f"http://127.0.0.1:{private.getsockname()[1]}", MAX_BODY)
+    front = FrontProxy(executable, paths.dir, plan.farm_id, sock, routes, f"http://127.0.0.1:{private.getsockname()[1]}", MAX_BODY,
+                       bounds)
     try:
         front.check()
     except RuntimeError as e:

@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 import anyio
 
 from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment, die_with_parent
+from servers.http_server import Bounds, descriptor_room
 
 log = logging.getLogger("envscaler.farm")
 
@@ -57,12 +58,18 @@ def _quoted(text: str) -> str:
 
 
 def render_config(
-    env_ids: list[str], routes: Mapping[str, str], fallback: str, listen_fd: int, routes_map: Path, admin_socket: Path, max_body: int
+    env_ids: list[str], routes: Mapping[str, str], fallback: str, listen_fd: int, routes_map: Path, admin_socket: Path, max_body: int,
+    bounds: Bounds | None = None,
 ) -> str:
     """The haproxy configuration: one backend per environment, the Python gateway as the default.
 
     ``listen_fd`` is the farm's public socket, inherited: the daemon binds it (and knows its port).
+    ``bounds`` are what the farm's clients may hold (``servers.http_server.Bounds``, the Python
+    gateway's too): connections in all and per client address (a connection past either is refused
+    at once), and the time a request head may take.
     """
+    bounds = bounds or Bounds()
+    max_connections = min(bounds.max_connections or descriptor_room(), descriptor_room())
     error_bodies = {
         503: "environment %[var(txn.env)] is not answering: no connection to its server",
         504: "environment %[var(txn.env)] did not answer in time",
@@ -72,13 +79,15 @@ def render_config(
         "global",
         f"    stats socket {admin_socket} mode 600 level admin",
         "    hard-stop-after 5s",
+        f"    maxconn {max_connections}",
         "defaults",
         "    mode http",
         "    timeout connect 5s",
-        # Tool calls are short; validation and long tool calls are bounded by the servers themselves.
-        "    timeout client 300s",
+        # A client that neither sends nor reads for this long is cut; it waits on no one while a
+        # server works (tool calls and validations are bounded by the servers themselves).
+        f"    timeout client {bounds.write_timeout_s:g}s",
         "    timeout server 300s",
-        "    timeout http-request 30s",
+        f"    timeout http-request {bounds.head_timeout_s:g}s",
         "    timeout http-keep-alive 75s",
         "    option http-keep-alive",
         "    http-reuse always",
@@ -90,6 +99,11 @@ def render_config(
     lines += [
         "frontend gateway",
         f"    bind fd@{listen_fd}",
+        f"    maxconn {max_connections}",
+        # Connections per client address, counted as they open: one client cannot hold every slot.
+        "    stick-table type ip size 1m expire 60s store conn_cur",
+        "    tcp-request connection track-sc0 src",
+        f"    tcp-request connection reject if {{ sc0_conn_cur gt {bounds.max_connections_per_client} }}",
         "    acl env_path path_beg /envs/",
         "    acl has_host req.hdr(host) -m found",
         "    acl from_browser req.hdr(origin) -m found",
@@ -120,9 +134,11 @@ class FrontProxy:
     """Runs haproxy on the farm's public socket, restarts it if it dies, follows servers that move."""
 
     def __init__(
-        self, executable: str, farm_dir: Path, farm_id: str, sock: socket.socket, routes: Mapping[str, str], fallback: str, max_body: int
+        self, executable: str, farm_dir: Path, farm_id: str, sock: socket.socket, routes: Mapping[str, str], fallback: str, max_body: int,
+        bounds: Bounds,
     ) -> None:
         self.executable = executable
+        self.bounds = bounds
         self.farm_id = farm_id
         self.sock = sock
         self.env_ids = sorted(routes)
@@ -133,7 +149,7 @@ class FrontProxy:
         routes_map.write_text(render_map(self.env_ids))
         self._sent = {env_id: routes[env_id] for env_id in self.env_ids}
         self.config.write_text(
-            render_config(self.env_ids, self._sent, fallback, sock.fileno(), routes_map, self.admin_socket, max_body)
+            render_config(self.env_ids, self._sent, fallback, sock.fileno(), routes_map, self.admin_socket, max_body, self.bounds)
         )
         self.process: subprocess.Popen[bytes] | None = None
         self._stopping = False

@@ -91,6 +91,8 @@ class FarmPlan(BaseModel):
     probes: Probes = Field(default_factory=Probes)
     # Browser origins the gateway answers with CORS headers ('*' for any).
     allowed_origins: list[str] = Field(default_factory=list)
+    # Connections one client address may hold at the gateway (haproxy's and the Python gateway's).
+    connections_per_client: int = Field(default=1024, ge=1)
     # Process backend: each server's environment code in a bubblewrap sandbox (envscaler.sandbox). Containers isolate the others.
     sandbox: bool = False
     envs: list[EnvPlan]

@@ -84,6 +84,14 @@ ROGUE_TOOLS = '''
             return {"success": False, "error": f"{started} started, then: {e}"}
         return {"success": True, "data": started}
 
+    def blob(self, kb: int) -> str:
+        """Return KB of text.
+
+        Args:
+            kb (int): How many KB.
+        """
+        return "x" * (kb * 1024)
+
     def get_item('''
 
 ROGUE_CODE = COUNTER_CODE.replace("\n    def get_item(", ROGUE_TOOLS, 1)
