@@ -19,12 +19,13 @@ import anyio
 
 from agent_client.agents import CommandAgent, OpenAIAgent, RandomAgent, ReplayAgent
 from agent_client.export import export, read_records
+from agent_client.inspect_log import write_inspect_log
 from agent_client.llm import LlmEndpoint
 from agent_client.errors import HarnessError
 from agent_client.models import load_farm_catalog
 from agent_client.remote import EnvControl, new_http_client
 from agent_client.runner import RunOptions, run
-from agent_client.summary import infra_reasons, render, summarize
+from agent_client.summary import infra_reasons, render, render_spread, summarize
 from envscaler.arguments import non_negative_float, non_negative_int, positive_float, positive_int, with_examples
 from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from envscaler.llm import check_endpoint
@@ -102,6 +103,8 @@ def _run(args: argparse.Namespace) -> int:
     anyio.run(_interruptible, partial(run, catalog, make_agent, out, patterns=args.scenario, options=options))
     records = read_records(out)
     print(render(summarize(records, args.repeats), f"agent {args.agent}, {len(records)} episode(s) in {out}"))
+    if args.repeats > 1:
+        print(render_spread(records, args.repeats))
     reasons = infra_reasons(records)
     if reasons:
         print("infra errors (rerun the same command to retry them):", file=sys.stderr)
@@ -111,9 +114,23 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    if args.format == "inspect":
+        return _export_inspect(args)
+    min_reward = 1.0 if args.min_reward is None else args.min_reward
     target = Path(args.out or Path(args.input).with_suffix(f".{args.format}.jsonl"))
-    written, read = export(Path(args.input), target, min_reward=args.min_reward, fmt=args.format)
-    print(f"wrote {written} of {read} record(s) with reward >= {args.min_reward:g} to {target} ({args.format} format)")
+    written, read = export(Path(args.input), target, min_reward=min_reward, fmt=args.format)
+    print(f"wrote {written} of {read} record(s) with reward >= {min_reward:g} to {target} ({args.format} format)")
+    return EXIT_OK
+
+
+def _export_inspect(args: argparse.Namespace) -> int:
+    source = Path(args.input)
+    target = Path(args.out or source.with_suffix(".eval"))
+    records = read_records(source)
+    if args.min_reward is not None:
+        records = [r for r in records if r.reward is not None and r.reward >= args.min_reward and not r.infra_failed]
+    write_inspect_log(records, source, target)
+    print(f"wrote {len(records)} episode(s) to {target} (Inspect log: 'inspect view --log-dir {target.parent}')")
     return EXIT_OK
 
 
@@ -296,13 +313,18 @@ def register_run(commands: argparse._SubParsersAction) -> None:
 def register_export(commands: argparse._SubParsersAction) -> None:
     """Add ``envscaler export``."""
     parser = commands.add_parser(
-        "export", help="turn run records into SFT files",
-        **with_examples("envscaler export --in runs/replay.jsonl --out sft.jsonl --min-reward 1.0")
+        "export", help="turn run records into SFT files or an Inspect AI eval log",
+        **with_examples("envscaler export --in runs/replay.jsonl --out sft.jsonl --min-reward 1.0",
+                        "envscaler export --in runs/qwen.jsonl --format inspect --out logs/qwen.eval")
     )
     parser.add_argument("--in", dest="input", required=True, metavar="FILE", help="records written by 'envscaler run'")
     parser.add_argument("--out", metavar="FILE", help="output JSONL (default: next to the input)")
-    parser.add_argument("--min-reward", type=float, default=1.0, help="keep records with at least this reward (default: 1.0)")
-    parser.add_argument("--format", choices=["openai", "sharegpt"], default="openai", help="openai chat messages + tools, or ShareGPT")
+    parser.add_argument("--min-reward", type=float,
+                        help="keep records with at least this reward (default: 1.0 for openai and sharegpt, every episode for inspect)")
+    parser.add_argument("--format", choices=["openai", "sharegpt", "inspect"], default="openai",
+                        help="openai: chat messages + tools (JSONL); sharegpt: ShareGPT (JSONL); inspect: an Inspect AI "
+                             "eval log (.eval, or .json by --out's suffix; default next to the input) with one sample per "
+                             "episode, for 'inspect view', Docent and Inspect Scout (needs the [inspect] extra)")
     parser.set_defaults(func=_export)
 
 

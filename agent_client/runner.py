@@ -14,8 +14,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
-
 import anyio
 
 from agent_client.agents import Agent, EpisodeContext
@@ -23,6 +21,7 @@ from agent_client.llm import LlmEndpoint
 from agent_client.http import LeanHttp
 from agent_client.errors import HarnessError
 from agent_client.models import AgentResult, Record
+from agent_client.progress import Progress
 from agent_client.remote import EnvControl, McpTools, new_http_client
 from envscaler.errors import InfraError
 from envscaler.jsonl import drop_lines, dumps, iter_lines
@@ -110,34 +109,6 @@ def select(scenarios: list[ScenarioSummary], patterns: list[str] | None) -> list
     if not chosen:
         raise HarnessError(f"no scenario matches {', '.join(patterns)}")
     return chosen
-
-
-class Progress:
-    """A progress bar on stderr (redrawn on a terminal, every 25 episodes in a log): done, mean reward, errors."""
-
-    def __init__(self, total: int, stream: TextIO, enabled: bool) -> None:
-        self.total, self.stream, self.enabled = total, stream, enabled
-        self.done = 0
-        self.rewards: list[float] = []
-        self.infra = 0
-        self.started = time.monotonic()
-        self.interactive = stream.isatty()
-
-    def add(self, record: Record) -> None:
-        self.done += 1
-        if record.infra_failed:
-            self.infra += 1
-        elif record.reward is not None:
-            self.rewards.append(record.reward)
-        if not self.enabled or (not self.interactive and self.done % 25 and self.done != self.total):
-            return
-        mean = sum(self.rewards) / len(self.rewards) if self.rewards else 0.0
-        filled = self.done * 24 // max(self.total, 1)
-        line = (f"[{'#' * filled}{'.' * (24 - filled)}] {self.done}/{self.total}  mean reward {mean:.3f}, "
-                f"infra errors {self.infra}, {time.monotonic() - self.started:.1f} s")
-        print(("\r" + line) if self.interactive else line, end="" if self.interactive else "\n", file=self.stream, flush=True)
-        if self.interactive and self.done == self.total:
-            print(file=self.stream)
 
 
 # How long an episode's end may take; past it the server's idle timeout ends the episode.

@@ -1,4 +1,4 @@
-"""The score table printed at the end of a run: per environment and overall."""
+"""The score table printed at the end of a run: per environment and overall, then the spread over repeats."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from math import comb
 from pydantic import BaseModel
 
 from agent_client.models import Record
+from agent_client.spread import run_spread, scenario_spread
 
 
 class Row(BaseModel):
@@ -80,4 +81,27 @@ def render(rows: list[Row], title: str = "") -> str:
         else:
             scores = f"{r.mean_reward:>7.3f} {r.success_rate:>8.1%} {r.pass_k:>7.3f} {r.mean_steps:>6.1f}"
         lines.append(f"{r.name:<24} {r.episodes:>8} {scores} {r.tokens:>8} {r.env_errors:>7} {r.tool_errors:>8} {r.infra_errors:>6}")
+    return "\n".join(lines)
+
+
+def pass_curve(records: list[Record], repeats: int) -> list[float]:
+    """pass^k for k = 1..``repeats`` over the judged episodes (the chance that k repeats all succeed)."""
+    judged = [r for r in records if not r.infra_failed and r.reward is not None]
+    return [pass_hat_k(judged, k) for k in range(1, repeats + 1)]
+
+
+def render_spread(records: list[Record], repeats: int, limit: int = 10) -> str:
+    """pass^k for every k, and the scenarios whose repeats disagree (at most ``limit`` of them), as text."""
+    spread = scenario_spread(records)
+    summary = run_spread(spread)
+    curve = ", ".join(f"pass^{k} {value:.3f}" for k, value in enumerate(pass_curve(records, repeats), start=1))
+    lines = [f"over {repeats} repeats: {curve}",
+             f"{summary.flaky} of {summary.repeated} repeated scenario(s) succeed in some repeats and fail in others; "
+             f"mean reward deviation between repeats {summary.mean_reward_sd:.3f}"]
+    flaky = sorted((s for s in spread if s.flaky), key=lambda s: (s.success_rate, s.env_id, s.task_id))
+    for item in flaky[:limit]:
+        lines.append(f"  {item.env_id}/{item.task_id}: {item.successes}/{item.runs} succeeded, "
+                     f"reward {item.mean_reward:.3f} +- {item.reward_sd:.3f}")
+    if len(flaky) > limit:
+        lines.append(f"  ... and {len(flaky) - limit} more ('envscaler report' lists them all)")
     return "\n".join(lines)
