@@ -97,7 +97,7 @@ def _run(args: argparse.Namespace) -> int:
         raise HarnessError(f"--out {out} is a folder; give a file in it, such as {out / 'run.jsonl'}")
     options = RunOptions(repeats=args.repeats, concurrency=args.concurrency, max_steps=args.max_steps,
                          time_limit_s=args.time_limit, user_endpoint=_user_endpoint(args), progress=not args.quiet,
-                         rerun_infra_errors=not args.keep_infra_errors)
+                         rerun_infra_errors=not args.keep_infra_errors, lease_s=args.lease)
     make_agent = _agent_factory(args)
     catalog = load_farm_catalog(args.farm)
     anyio.run(_interruptible, partial(run, catalog, make_agent, out, patterns=args.scenario, options=options))
@@ -289,6 +289,9 @@ def register_run(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--concurrency", type=positive_int, default=8, help="episodes at once (default: 8)")
     parser.add_argument("--max-steps", type=positive_int, default=30, help="tool calls per episode at most (default: 30)")
     parser.add_argument("--time-limit", type=positive_float, default=300.0, help="seconds per episode (default: 300)")
+    parser.add_argument("--lease", type=positive_float, default=60.0, metavar="SECONDS",
+                        help="servers end an episode of this run once unused for this long; the run renews its live "
+                             "episodes' leases, so those of a run that was killed end within about that long (default: 60)")
     parser.add_argument("--base-url", help="OpenAI-compatible endpoint of the agent model (key: $OPENAI_API_KEY)")
     parser.add_argument("--model", help="the agent model (--agent openai)")
     parser.add_argument("--temperature", type=float, help="sampling temperature of the agent model")

@@ -3,7 +3,9 @@
 Part of the tree drawn in ``envscaler.errors``; the exit code applies when one reaches a command::
 
     EnvScalerError (envscaler.errors)
-    ├── HarnessError            2   the harness cannot start: bad catalog, unknown scenario, bad flags
+    ├── HarnessError            2   the harness cannot start: bad catalog, unknown scenario, bad flags,
+    │                               another run writing the same --out
+    ├── RecordsUnwritable       1   the run file cannot be written (a full disk): the run stopped cleanly
     └── InfraError (envscaler)  1   a server, the network or an LLM endpoint failed: the episode cannot be judged
         ├── TransportError      1   an HTTP request could not be sent, or no complete response came back
         └── EnvServerError      1/2 an environment server (or the gateway) answered with an error status;
@@ -19,6 +21,13 @@ from envscaler.errors import EXIT_FAILED, EXIT_USAGE, EnvScalerError, InfraError
 
 class HarnessError(EnvScalerError):
     """The harness cannot start (bad catalog, unknown scenario, bad flags)."""
+
+
+class RecordsUnwritable(EnvScalerError):
+    """The run file cannot be written (a full disk, a quota): the run stopped, its episodes in flight
+    were ended, and the file holds whole records only; the same command finishes it once there is room."""
+
+    exit_code = EXIT_FAILED
 
 
 class TransportError(InfraError):

@@ -81,9 +81,18 @@ class EnvControl:
         """One whole scenario, reference solution and checklist included."""
         return await self._request(Scenario, "GET", f"/scenarios/{quote(task_id, safe='')}")
 
-    async def create(self, task_id: str) -> EpisodeCreated:
-        """A new episode of scenario ``task_id``."""
-        return await self._request(EpisodeCreated, "POST", "/episodes", EpisodeStart(scenario_id=task_id))
+    async def create(self, task_id: str, lease_s: float | None = None) -> EpisodeCreated:
+        """A new episode of scenario ``task_id``; with ``lease_s``, the server ends it after that long
+        unused unless :meth:`renew` keeps it (a harness that dies leaves nothing behind for long)."""
+        return await self._request(EpisodeCreated, "POST", "/episodes", EpisodeStart(scenario_id=task_id, lease_s=lease_s))
+
+    async def renew(self, episode_id: str) -> None:
+        """Keep the episode for its lease again; a failure is ignored (the next renewal, or the agent's
+        next call, renews it too)."""
+        try:
+            await self.http.request("POST", self.base + f"/episodes/{episode_id}/lease", None, self.headers)
+        except TransportError:
+            pass
 
     async def validate(self, episode_id: str) -> EpisodeValidation:
         """The scenario's checklist run on the episode's state now, with the server's error counts."""

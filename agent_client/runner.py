@@ -8,10 +8,13 @@ the output are skipped, so an interrupted run resumes where it stopped.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 import anyio
@@ -19,7 +22,7 @@ import anyio
 from agent_client.agents import Agent, EpisodeContext
 from agent_client.llm import LlmEndpoint
 from agent_client.http import LeanHttp
-from agent_client.errors import HarnessError
+from agent_client.errors import HarnessError, RecordsUnwritable
 from agent_client.models import AgentResult, Record
 from agent_client.progress import Progress
 from agent_client.remote import EnvControl, McpTools, new_http_client
@@ -39,6 +42,9 @@ class RunOptions:
     progress: bool = True
     # Records of episodes that could not be judged (infra errors) count as not done: a rerun redoes them.
     rerun_infra_errors: bool = True
+    # How long a server keeps an episode of this run unused: renewed every third of it while the episode
+    # runs, so the episodes of a run that was killed end within about that long.
+    lease_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -133,7 +139,9 @@ async def run_episode(http: LeanHttp, control: EnvControl, scenario: ScenarioSum
 async def _episode(http: LeanHttp, control: EnvControl, scenario: ScenarioSummary, repeat: int, agent: Agent,
                    options: RunOptions, record: Record) -> None:
     try:
-        info = await control.create(scenario.task_id)
+        # Shielded: a run stopped now (Ctrl-C, a full disk) still learns the episode's id, and ends it below.
+        with anyio.CancelScope(shield=True):
+            info = await control.create(scenario.task_id, lease_s=options.lease_s)
     except InfraError as e:
         record.error = str(e)
         return
@@ -144,12 +152,22 @@ async def _episode(http: LeanHttp, control: EnvControl, scenario: ScenarioSummar
     ctx = EpisodeContext(env_id=scenario.env_id, task_id=scenario.task_id, info=info, tools=McpTools(http, info.mcp_url),
                          control=control, max_steps=options.max_steps, user=user, seed=repeat)
     try:
-        await _play_and_score(ctx, agent, control, info.episode_id, record, options)
+        async with anyio.create_task_group() as renewing:
+            renewing.start_soon(_renew_forever, control, info.episode_id, options.lease_s)
+            await _play_and_score(ctx, agent, control, info.episode_id, record, options)
+            renewing.cancel_scope.cancel()
     finally:
         # Shielded: an interrupted run (Ctrl-C) still ends its live episodes rather than leave them to
         # the servers' idle timeout.
         with anyio.CancelScope(shield=True), anyio.move_on_after(_END_TIMEOUT_S):
             await control.end(info.episode_id)
+
+
+async def _renew_forever(control: EnvControl, episode_id: str, lease_s: float) -> None:
+    """Renew the episode's lease while its agent works (thinking for minutes between calls, say)."""
+    while True:
+        await anyio.sleep(lease_s / 3)
+        await control.renew(episode_id)
 
 
 async def _play_and_score(ctx: EpisodeContext, agent: Agent, control: EnvControl, episode_id: str, record: Record,
@@ -203,6 +221,35 @@ async def run(catalog: FarmCatalog, make_agent: Callable[[], Agent], out: Path, 
     """Run every selected scenario ``repeats`` times; append records to ``out``; return this run's records."""
     options = options or RunOptions()
     out.parent.mkdir(parents=True, exist_ok=True)
+    with _only_writer(out):
+        return await _run(catalog, make_agent, out, patterns, options)
+
+
+@contextlib.contextmanager
+def _only_writer(out: Path) -> Iterator[None]:
+    """Hold ``out`` for this run alone (a lock beside it, released when the run ends or dies): two runs
+    appending to one file would interleave their records and run the same episodes twice."""
+    lock_path = out.with_name(f".{out.name}.lock")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            raise HarnessError(f"another run (pid {holder or '?'}) is writing {out}: wait for it to end, or give another --out") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(lock_path)
+    finally:
+        os.close(fd)
+
+
+async def _run(catalog: FarmCatalog, make_agent: Callable[[], Agent], out: Path, patterns: list[str] | None,
+               options: RunOptions) -> list[Record]:
     agent = make_agent()
     identity = RunIdentity(agent.name, agent.model, frozenset(catalog.envs))
     done = read_done(out, identity, rerun_infra_errors=options.rerun_infra_errors)
@@ -217,18 +264,44 @@ async def run(catalog: FarmCatalog, make_agent: Callable[[], Agent], out: Path, 
         if len(done):
             print(f"resuming: {len(done)} record(s) already in {out}, {len(jobs)} to run", file=sys.stderr)
         limiter = anyio.Semaphore(options.concurrency)
-        with out.open("a", encoding="utf-8") as sink:
-
-            async def one(scenario: ScenarioSummary, repeat: int) -> None:
-                async with limiter:
-                    record = await run_episode(http, controls[scenario.env_id], scenario, repeat, agent, options)
-                # Written and flushed per episode: a killed run loses at most the episodes in flight.
-                sink.write(record_line(record) + "\n")
-                sink.flush()
-                records.append(record)
-                progress.add(record)
-
+        sink = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        unwritable: list[str] = []
+        try:
             async with anyio.create_task_group() as tasks:
+
+                async def one(scenario: ScenarioSummary, repeat: int) -> None:
+                    async with limiter:
+                        record = await run_episode(http, controls[scenario.env_id], scenario, repeat, agent, options)
+                    # Written per episode: a killed run loses at most the episodes in flight.
+                    problem = _append(sink, (record_line(record) + "\n").encode())
+                    if problem is not None:
+                        # No room for this record: stop, ending the episodes in flight; rerunning finishes the run.
+                        unwritable.append(problem)
+                        tasks.cancel_scope.cancel()
+                        return
+                    records.append(record)
+                    progress.add(record)
+
                 for scenario, repeat in jobs:
                     tasks.start_soon(one, scenario, repeat)
+        finally:
+            os.close(sink)
+    if unwritable:
+        raise RecordsUnwritable(f"cannot write {out}: {unwritable[0]}; {len(records)} record(s) of this run are in it, whole. "
+                                "Make room and run the same command again to finish")
     return records
+
+
+def _append(fd: int, line: bytes) -> str | None:
+    """Append ``line`` whole, or not at all: None, or why it could not be written (what was written
+    of it is cut off again, so that the file ends with a whole record)."""
+    end = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        written = 0
+        while written < len(line):
+            written += os.write(fd, line[written:])
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, end)
+        return e.strerror or str(e)
+    return None

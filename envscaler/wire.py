@@ -43,6 +43,17 @@ class EpisodeStart(_Body):
 
     scenario_id: str | None = None
     init_config: dict[str, Any] | None = None
+    lease_s: float | None = Field(default=None, gt=0)
+    """``POST /episodes``: end the episode once nothing has used it for this long (the server's idle
+    timeout when not given, and never longer). A harness sets a short one and renews it
+    (``POST /episodes/{id}/lease``) while it runs, so that the episodes of one that died are reaped soon."""
+
+
+class EpisodeLease(BaseModel):
+    """Reply of ``POST /episodes/{id}/lease``: the episode is kept for ``lease_s`` more seconds of disuse."""
+
+    episode_id: str
+    lease_s: float
 
 
 class ValidationRequest(_Body):

@@ -24,6 +24,7 @@ from envscaler.wire import (
     EpisodeEnded,
     EpisodeIds,
     EpisodeReset,
+    EpisodeLease,
     EpisodeStart,
     EpisodeState,
     EpisodeValidation,
@@ -155,7 +156,8 @@ class EnvServerApp:
         await send({"type": "lifespan.shutdown.complete"})
 
     async def _expire_idle_forever(self) -> None:
-        interval = min(max(self.config.idle_ttl_s / 4, 0.5), 60.0)
+        # Often enough for short leases (a harness's, a minute or two) to end within seconds of running out.
+        interval = min(max(self.config.idle_ttl_s / 4, 0.5), 5.0)
         while True:
             await anyio.sleep(interval)
             self.store.expire_idle()
@@ -220,6 +222,9 @@ class EnvServerApp:
             self._check_episode_start(request)
             await self._guard(self.store.reset(live, request.scenario_id, request.init_config))
             return EpisodeReset(episode_id=live.episode_id, scenario_id=request.scenario_id, task=live.scenario.task if live.scenario else "")
+        if action == "lease" and method == "POST":
+            # ``_live`` has renewed it: what the harness asks for while its agent works.
+            return EpisodeLease(episode_id=live.episode_id, lease_s=min(live.lease_s or self.config.idle_ttl_s, self.config.idle_ttl_s))
         if action == "validate" and method == "POST":
             checklist = (await self._body(receive, ValidationRequest)).checklist
             try:
@@ -233,7 +238,8 @@ class EnvServerApp:
             except EnvScalerError as e:
                 raise ErrorReply(500, f"environment error: {e}") from None
             return EpisodeValidation(**dict(result), **live.counts())
-        raise ErrorReply(404 if action not in (None, "state", "trajectory", "reset", "validate") else 405, f"no route {method} /episodes/{{id}}/{action or ''}")
+        raise ErrorReply(404 if action not in (None, "state", "trajectory", "reset", "validate", "lease") else 405,
+                         f"no route {method} /episodes/{{id}}/{action or ''}")
 
     # -- control handlers ------------------------------------------------------------------------
 
@@ -291,6 +297,7 @@ class EnvServerApp:
     async def _create(self, scope: Scope, request: EpisodeStart) -> EpisodeCreated:
         self._check_episode_start(request)
         live = await self._guard(self.store.create(request.scenario_id, request.init_config))
+        live.lease_s = request.lease_s
         path = f"/episodes/{live.episode_id}/mcp"
         return EpisodeCreated(
             episode_id=live.episode_id,

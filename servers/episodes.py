@@ -87,6 +87,8 @@ class LiveEpisode:
         self.lock = asyncio.Lock()
         self.calls: list[ToolOutcome] = []
         self.last_used = time.monotonic()
+        # Disuse after which it ends (``EpisodeStart.lease_s``); None: the server's idle timeout.
+        self.lease_s: float | None = None
         self.stuck = False
         # Characters of results and arguments the trajectory holds (capped: ``keep``).
         self.kept_chars = 0
@@ -308,9 +310,10 @@ class EpisodeRegistry:
         return live
 
     def expire_idle(self) -> int:
-        """End episodes idle for longer than the TTL; returns how many."""
-        cutoff = time.monotonic() - self.idle_ttl_s
-        stale = [eid for eid, live in self.episodes.items() if live.last_used < cutoff and not live.lock.locked()]
+        """End episodes idle for longer than their lease (else the TTL); returns how many."""
+        now = time.monotonic()
+        stale = [eid for eid, live in self.episodes.items()
+                 if live.last_used < now - min(live.lease_s or self.idle_ttl_s, self.idle_ttl_s) and not live.lock.locked()]
         for episode_id in stale:
             self._release(self.episodes.pop(episode_id))
             log.info("episode expired", extra={"env": self.env_id, "episode": episode_id})
