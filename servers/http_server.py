@@ -47,6 +47,7 @@ import httptools
 from pydantic import BaseModel, Field
 
 from servers.asgi import json_bytes
+from servers.memory import release_free_memory
 
 log = logging.getLogger("envscaler.http")
 
@@ -62,6 +63,8 @@ _JOIN_LIMIT = 65536
 _LINGER_S = 2.0
 # Descriptors kept free for the process's own files (logs, state, its workers' sockets).
 FD_RESERVE = 256
+# Bodies dropped since the most held: past this, the allocator's free pages go back to the kernel.
+_TRIM_AFTER_BYTES = 16 * 1024 * 1024
 
 
 class Bounds(BaseModel):
@@ -114,6 +117,7 @@ class HttpServer:
         self.connections: set[_Connection] = set()
         self.per_client: dict[str, int] = {}
         self.buffered_bytes = 0
+        self.buffered_peak = 0
         # How many connections were refused or cut, by why (``/info`` of a server, the gateway's health).
         self.refused: dict[str, int] = {}
         # Made here, not in ``serve``: a stop asked for while the server starts is kept.
@@ -182,6 +186,9 @@ class HttpServer:
                 elif connection.write_blocked_since is not None and connection.write_blocked_since < now - bounds.write_timeout_s:
                     self.count("answer not read")
                     connection.close()
+            if self.buffered_peak - self.buffered_bytes > _TRIM_AFTER_BYTES:
+                release_free_memory()  # what a flood of bodies held goes back, not only to this process's heap
+                self.buffered_peak = self.buffered_bytes
 
     def count(self, why: str) -> None:
         """Count a connection refused or cut for ``why``."""
@@ -274,6 +281,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        # Now, not when the cyclic collector gets round to this connection (its parser refers back to it).
+        self._body = []
+        self.queue.clear()
         self._release_buffered()
         if self in self.server.connections:
             self.server.connections.discard(self)
@@ -404,6 +414,7 @@ class _Connection(asyncio.Protocol):
         self._body.append(chunk)
         self._buffered += len(chunk)
         server.buffered_bytes += len(chunk)
+        server.buffered_peak = max(server.buffered_peak, server.buffered_bytes)
 
     def _release_buffered(self) -> None:
         self.server.buffered_bytes -= self._buffered

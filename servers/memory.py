@@ -8,6 +8,7 @@ reason instead (``507``), and ``/info`` reports it.
 
 from __future__ import annotations
 
+import ctypes
 import resource
 from pathlib import Path
 
@@ -28,6 +29,15 @@ def memory_status() -> MemoryStatus:
         if status.headroom_mb is None or headroom < status.headroom_mb:
             status.limit_mb, status.used_mb, status.headroom_mb, status.limited_by = limit, used, headroom, source
     return status
+
+
+def release_free_memory() -> None:
+    """Give the allocator's free pages back to the kernel (glibc keeps freed heap pages otherwise): after a
+    start-up's garbage, or after bodies that a flood of clients made a server hold were dropped."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: its allocator keeps what it keeps
 
 
 def oom_kills() -> int | None:

@@ -29,6 +29,7 @@ from servers.app import EnvServerApp, ServerConfig
 from servers.calls import share_the_interpreter
 from servers.event_loop import loop_factory
 from servers.http_server import HttpServer
+from servers.memory import release_free_memory
 
 log = logging.getLogger("envscaler.server")
 
@@ -134,7 +135,7 @@ def serve(
         listener = listener_class(app, config.openenv, openenv_sock)
 
     def announce() -> None:
-        _release_free_memory()
+        release_free_memory()  # loading a bundle left garbage: about 1.7 MB of a farm server's 12 MB
         # Only once SIGTERM stops us gracefully: a supervisor may stop us right after this line.
         print(json.dumps(ready), flush=True)
         _notify_supervisor(json.dumps({key: value for key, value in ready.items() if key != "token"}))
@@ -151,15 +152,6 @@ def serve(
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         runner.run(serve_all())
     sys.stdout.flush()
-
-
-def _release_free_memory() -> None:
-    """Give the allocator's free pages back to the kernel: loading a bundle parses and builds much that
-    is garbage once the server listens (about 1.7 MB of a farm server's 12 MB of its own memory)."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: its allocator keeps what it keeps
 
 
 def _notify_supervisor(line: str) -> None:
