@@ -19,5 +19,5 @@ ENV PATH=/opt/envscaler/bin:/usr/local/bin:/usr/bin:/bin \
 # An unprivileged user with no home; the farm also drops every capability and mounts / read-only.
 USER 10001:10001
 EXPOSE 8000
-ENTRYPOINT ["python3", "-m", "servers.launch"]
+ENTRYPOINT ["python3", "-m", "servers.cli"]
 CMD ["/bundle", "--host", "0.0.0.0", "--port", "8000"]

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.processes import process_tree  # noqa: E402
 from envscaler import default_catalog, load_bundles, save_bundle  # noqa: E402
-from servers.farm.images import docker_answers  # noqa: E402
+from servers.farm.backends.images import docker_answers  # noqa: E402
 
 RSS_TARGET_MB = 45.0
 USS_TARGET_MB = 12.0

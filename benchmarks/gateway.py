@@ -6,7 +6,7 @@ keep-alive HTTP/1.1 client (``agent_client.http``):
 
 - direct: to the environment server's own URL (``/episodes/{id}/mcp``);
 - gateway: to the farm's one URL (``/envs/{env_id}/episodes/{id}/mcp``): haproxy in front of the
-  daemon's Python gateway when haproxy is installed (``servers.farm.front``), else the Python gateway.
+  daemon's Python gateway when haproxy is installed (``servers.farm.gateway.front``), else the Python gateway.
 
 Each round measures sequential latencies, then throughput with 16 concurrent clients, for one target
 and then the other, so that a shared machine whose speed drifts moves both sides alike. The ratio is
@@ -36,7 +36,7 @@ from pathlib import Path
 from agent_client.http import LeanHttp
 from envscaler import default_catalog
 from envscaler.wire import FarmCatalog
-from servers.farm.front import GATEWAY_VARIABLE
+from servers.farm.gateway.front import GATEWAY_VARIABLE
 from servers.farm.teardown import farm_processes
 
 CONCURRENCY = 16

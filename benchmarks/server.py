@@ -264,7 +264,7 @@ async def run(args: argparse.Namespace) -> int:
         legacy = Target("baseline-handshake", process, ready["url"], "/mcp", legacy=True)
         targets += [base, legacy]
         env = {**os.environ, "ENVSCALER_TOKEN": TOKEN}
-        command = [sys.executable, "-m", "servers.launch", args.env, "--port", "0", "--log-level", "warning"]
+        command = [sys.executable, "-m", "servers.cli", args.env, "--port", "0", "--log-level", "warning"]
         process, ready = start(command, env)
         ours = Target("ours", process, ready["url"], "")
         process, ready = start([*command, "--in-process", "--no-sandbox"], env)

@@ -4,7 +4,7 @@ Starts N servers (copies of the bundled catalog, cycling) with no farm daemon ar
 numbers are the spawner's alone: the time until every server has said it listens (its ready pipe),
 and USS (Private_Clean + Private_Dirty), PSS and RSS per server from /proc/PID/smaps_rollup, one
 second after the last one listens. The "popen" side is what the process backend did before the
-zygote: ``python -m servers.launch`` per server, with the same limits.
+zygote: ``python -m servers.cli`` per server, with the same limits.
 
     python benchmarks/spawn.py [--envs 200]
 
@@ -31,8 +31,9 @@ from farm import Memory, describe_memory, memory
 from envscaler import default_catalog
 from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment
 from servers.farm.models import EnvPlan
-from servers.farm.process import _child_setup, server_command
-from servers.farm.zygote import ZygoteSpawner
+from servers.farm.backends.process import _child_setup
+from servers.farm.backends.spawning import server_command
+from servers.farm.backends.zygote import ZygoteSpawner
 from servers.serve import READY_FD_VARIABLE
 
 LISTEN_TARGET_S = 30.0

@@ -56,7 +56,7 @@ class Server:
         scenario = {**shop_scenario(users_for(state_bytes)), "env_id": f"shop_{label}", "checklist_with_func": CHECKS}
         bundle = write_bundle(root, shop_spec(f"shop_{label}"), [scenario])
         env = {**os.environ, "ENVSCALER_TOKEN": TOKEN}
-        command = [sys.executable, "-m", "servers.launch", str(bundle), "--port", "0", "--log-level", "warning",
+        command = [sys.executable, "-m", "servers.cli", str(bundle), "--port", "0", "--log-level", "warning",
                    "--max-episodes", "100000"]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
                                         start_new_session=True)

@@ -12,7 +12,7 @@ attacker connects from 127.0.0.2; a bystander agent calls a read-only tool throu
 
 It prints the connections held, the daemon's (or server's) descriptors and resident memory before,
 during and after, and the bystander's p50 before and during. The bounds checked are the stated ones
-(servers.http_server.Bounds): the attacker holds at most --per-client connections, the memory held
+(servers.transport.http_server.Bounds): the attacker holds at most --per-client connections, the memory held
 stays under the bound for what is being read, and every bystander call answers correctly. Exits 1
 when one is missed.
 
@@ -39,7 +39,7 @@ from pathlib import Path
 import httpx
 
 from envscaler import default_catalog
-from servers.farm.front import GATEWAY_VARIABLE
+from servers.farm.gateway.front import GATEWAY_VARIABLE
 
 ATTACKER = "127.0.0.2"
 MB = 1024 * 1024

@@ -45,6 +45,7 @@ _KEPT_ENV = ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "TMPDIR", "HOME", "MALLOC_A
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_SET_DUMPABLE = 4
+_PR_SET_NO_NEW_PRIVS = 38
 
 log = logging.getLogger("envscaler.sandbox")
 
@@ -115,6 +116,18 @@ def make_undumpable() -> None:
 
 CHILD_TASKS = 256
 """Threads and processes a sandboxed child may have when it runs as a user of its own (``RLIMIT_NPROC``)."""
+
+
+def no_new_privileges() -> None:
+    """Make this process and its children unable to gain privileges (setuid binaries, file capabilities).
+
+    Docker sets this for the docker backend's containers; Swarm before API 1.46 cannot, so a server
+    sets it on itself. Without prctl (not Linux) there is nothing to do.
+    """
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def start_module(

@@ -34,10 +34,10 @@ from envscaler.wire import (
     ServerInfo,
     ValidationRequest,
 )
-from servers.asgi import json_bytes, parse_json, read_body, send_json
-from servers.cors import CorsPolicy, request_origin
-from servers.episode_ids import REPLICA_ID_PATTERN
-from servers.episodes import EpisodeRegistry, EpisodeStore, LiveEpisode
+from servers.transport.asgi import json_bytes, parse_json, read_body, send_json
+from servers.transport.cors import CorsPolicy, request_origin
+from servers.episodes.ids import REPLICA_ID_PATTERN
+from servers.episodes.store import EpisodeRegistry, EpisodeStore, LiveEpisode
 from servers.errors import (
     CallAbandoned,
     EpisodeLost,
@@ -47,12 +47,12 @@ from servers.errors import (
     UnknownEpisode,
     UnknownScenario,
 )
-from servers.mcp_endpoint import ROUTING_HEADERS, McpEndpoint, parse_error, parse_message
+from servers.protocols.mcp import ROUTING_HEADERS, McpEndpoint, parse_error, parse_message
 from servers.memory import memory_status
-from servers.openenv_endpoint.config import OpenEnvConfig
-from servers.sse import SseSessions
-from servers.worker_store import WorkerEpisodeStore
-from servers.worker_wire import WorkerSettings
+from servers.protocols.openenv.config import OpenEnvConfig
+from servers.protocols.sse import SseSessions
+from servers.workers.store import WorkerEpisodeStore
+from servers.workers.wire import WorkerSettings
 
 log = logging.getLogger("envscaler.server")
 
@@ -84,9 +84,9 @@ class ServerConfig(BaseModel):
     max_trajectory_chars: int = Field(default=16_000_000, ge=1)
     # The OpenEnv listener (``--openenv-port``), off unless asked for.
     openenv: OpenEnvConfig | None = None
-    # Set when this server is one replica of many: episode ids then name it (servers.episode_ids).
+    # Set when this server is one replica of many: episode ids then name it (servers.episodes.ids).
     replica_id: str | None = Field(default=None, pattern=REPLICA_ID_PATTERN)
-    # Environment code in a worker process that is killed and replaced when it freezes (servers.worker_store),
+    # Environment code in a worker process that is killed and replaced when it freezes (servers.workers.store),
     # inside the bubblewrap sandbox when ``worker_sandbox``; else in this process (``serve --in-process``).
     worker_process: bool = True
     worker_sandbox: bool = False

@@ -1,10 +1,16 @@
-"""``envscaler serve``: the command-line face of one environment server."""
+"""``envscaler serve``: the command-line face of one environment server.
+
+``python -m servers.cli ENV_DIR [serve's flags]`` runs the same command without loading every other
+subcommand (``envscaler`` loads them all, and their imports, before it runs one): a farm starts
+hundreds of servers this way (the process backend, its zygote, the Dockerfile's ENTRYPOINT).
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
 import secrets
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +18,10 @@ from pydantic import ValidationError
 
 from envscaler import EnvScalerError, logs
 from envscaler.arguments import with_examples
-from envscaler.sandbox import sandbox_problem, warn_unprotected
+from envscaler.sandbox import no_new_privileges, sandbox_problem, warn_unprotected
 from servers.app import ServerConfig
-from servers.episode_ids import new_replica_id
-from servers.openenv_endpoint.config import OpenEnvConfig
+from servers.episodes.ids import new_replica_id
+from servers.protocols.openenv.config import OpenEnvConfig
 
 # ServerConfig field -> the flag that sets it, so that a bad value is reported in the user's words.
 _FLAGS = {
@@ -191,3 +197,16 @@ def register_serve(commands: Any) -> None:
                         "bwrap works: no network, a read-only view of only Python and the bundle, no new processes)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.set_defaults(func=_serve)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``serve`` arguments (ENV_DIR, --port, ...; the token from $ENVSCALER_TOKEN or --token-file) and serve."""
+    no_new_privileges()
+    parser = argparse.ArgumentParser(prog="envscaler-serve")
+    register_serve(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -26,9 +26,9 @@ from envscaler import EnvScalerError, load_bundle, logs
 from envscaler.guard import keep_alarm_handler, protect_time_limits
 from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment, sandboxed
 from servers.app import EnvServerApp, ServerConfig
-from servers.calls import share_the_interpreter
-from servers.event_loop import loop_factory
-from servers.http_server import HttpServer
+from servers.episodes.calls import share_the_interpreter
+from servers.transport.event_loop import loop_factory
+from servers.transport.http_server import HttpServer
 from servers.memory import release_free_memory
 
 log = logging.getLogger("envscaler.server")

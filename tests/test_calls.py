@@ -8,7 +8,7 @@ import time
 import anyio
 import pytest
 
-from servers.calls import CallRunner
+from servers.episodes.calls import CallRunner
 from servers.errors import CallAbandoned
 
 pytestmark = pytest.mark.anyio

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from envscaler import default_catalog, load_bundle
-from servers.farm.images import LABEL_ENV, LABEL_FARM, LABEL_HASH, docker_answers, env_image_tag
+from servers.farm.backends.images import LABEL_ENV, LABEL_FARM, LABEL_HASH, docker_answers, env_image_tag
 from tests.support.bundles import counter_scenario, counter_spec, write_bundle
 from tests.support.cli import envscaler
 from tests.support.farm import read_state

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from envscaler import default_catalog, load_bundle
-from servers.farm.front import GATEWAY_VARIABLE
+from servers.farm.gateway.front import GATEWAY_VARIABLE
 from servers.farm.teardown import farm_processes
 from tests.support.cli import envscaler
 from tests.support.farm import bundled_farm, read_state

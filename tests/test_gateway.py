@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from envscaler import default_catalog, load_bundle
-from servers.farm.gateway import MAX_BODY, Gateway
-from servers.http_server import HttpServer
+from servers.farm.gateway.app import MAX_BODY, Gateway
+from servers.transport.http_server import HttpServer
 from servers.serve import bind
 from tests.support.server import TOKEN, serve
 

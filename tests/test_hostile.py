@@ -26,8 +26,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from servers.episodes import ABANDON_GRACE_S
-from servers.worker_process import GRACE_S
+from servers.episodes.store import ABANDON_GRACE_S
+from servers.workers.process import GRACE_S
 from tests.support.bundles import counter_bundle, counter_scenario
 from tests.support.cli import envscaler
 from tests.support.hostile import wall_bundle

@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from servers.http_server import Bounds
-from servers.sse import MAX_STREAMS_PER_EPISODE
+from servers.transport.http_server import Bounds
+from servers.protocols.sse import MAX_STREAMS_PER_EPISODE
 from tests.support.bundles import counter_bundle
 from tests.support.cli import envscaler
 from tests.support.farm import read_state

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from servers.http_server import HttpServer
+from servers.transport.http_server import HttpServer
 from servers.serve import bind
 
 

@@ -22,10 +22,10 @@ import httpx
 import pytest
 
 from envscaler import default_catalog, load_bundle
-from servers.episode_ids import replica_of
-from servers.farm.gateway import Gateway
-from servers.farm.routing import ReplicaRouter
-from servers.http_server import HttpServer
+from servers.episodes.ids import replica_of
+from servers.farm.gateway.app import Gateway
+from servers.farm.gateway.routing import ReplicaRouter
+from servers.transport.http_server import HttpServer
 from servers.serve import bind
 from tests.support.server import TOKEN, RunningServer, serve
 
@@ -195,7 +195,7 @@ def test_an_unknown_replica_is_gone_and_a_new_one_is_found_on_demand():
 def test_the_gateway_service_process_serves_and_stops_on_sigterm(tmp_path):
     routes = tmp_path / "routes.json"
     routes.write_text(json.dumps({"services": {ENV: "no-such-service.invalid"}, "port": 8000}))
-    process = subprocess.Popen([sys.executable, "-m", "servers.farm.swarm_gateway", str(routes), "--port", "0"],
+    process = subprocess.Popen([sys.executable, "-m", "servers.farm.gateway.swarm", str(routes), "--port", "0"],
                                stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         assert process.stdout is not None
@@ -215,7 +215,7 @@ def test_the_gateway_service_process_serves_and_stops_on_sigterm(tmp_path):
 def test_a_bad_routes_file_is_one_clear_line(tmp_path):
     routes = tmp_path / "routes.json"
     routes.write_text(json.dumps({"services": "nope"}))
-    done = subprocess.run([sys.executable, "-m", "servers.farm.swarm_gateway", str(routes)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-m", "servers.farm.gateway.swarm", str(routes)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and str(routes) in done.stderr and "Traceback" not in done.stderr
 
 

@@ -33,7 +33,7 @@ from envscaler.wire import (
     ServerInfo,
     Trajectory,
 )
-from servers import episodes
+from servers.episodes import store as episodes
 from servers.serve import READY_FD_VARIABLE
 from tests.support.bundles import (
     counter_bundle,
@@ -610,7 +610,7 @@ def test_a_server_out_of_memory_refuses_episodes_with_507_and_keeps_serving(tmp_
 def test_a_server_tells_its_supervisor_it_listens_through_the_ready_pipe(tmp_path):
     bundle = default_catalog() / "library_circulation"
     read_end, write_end = os.pipe()
-    command = [sys.executable, "-m", "servers.launch", str(bundle), "--port", "0", "--log-level", "warning"]
+    command = [sys.executable, "-m", "servers.cli", str(bundle), "--port", "0", "--log-level", "warning"]
     environment = {**os.environ, READY_FD_VARIABLE: str(write_end), "ENVSCALER_TOKEN": "t"}
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=environment, pass_fds=[write_end],
                                start_new_session=True)

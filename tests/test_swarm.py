@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from envscaler import default_catalog, load_bundle
-from servers.episode_ids import replica_of
-from servers.farm.images import LABEL_ENV, LABEL_FARM
+from servers.episodes.ids import replica_of
+from servers.farm.backends.images import LABEL_ENV, LABEL_FARM
 from tests.support.swarm import Swarm, find_swarm, kill_node, restore_nodes
 
 pytestmark = pytest.mark.swarm

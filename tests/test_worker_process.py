@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from envscaler.sandbox import sandbox_problem
-from servers.worker_process import GRACE_S
+from servers.workers.process import GRACE_S
 from tests.support.bundles import COUNTER_CODE, counter_scenario, counter_spec, write_bundle
 from tests.support.server import serve
 
@@ -276,7 +276,7 @@ def test_a_lone_surrogate_crosses_the_worker_socket_both_ways_and_costs_no_episo
         assert not call(http, bystander, "get_item", {"item_id": "a"})["isError"]
 
 
-@pytest.mark.parametrize("module", ["servers.env_worker", "servers.check_worker"])
+@pytest.mark.parametrize("module", ["servers.workers.env_worker", "servers.workers.check_worker"])
 def test_a_worker_started_by_hand_says_how_it_is_started(module):
     for argv in ([], ["not-a-fd"], ["3", "4"]):
         started = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=60)

@@ -20,7 +20,7 @@ from envscaler import default_catalog, load_bundle
 from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment
 from servers.farm.models import EnvPlan
 from servers.farm.teardown import farm_processes, pid_alive
-from servers.farm.zygote import ZygoteSpawner
+from servers.farm.backends.zygote import ZygoteSpawner
 from tests.support.bundles import counter_scenario, counter_spec, write_bundle
 from tests.support.cli import envscaler
 from tests.support.farm import farm_members, parent_of
@@ -110,7 +110,7 @@ async def test_a_killed_server_reports_minus_nine_and_a_broken_one_its_exit(spaw
 
     broken = await spawner.spawn(plan(tmp_path / "missing", "missing", "t"), environment("t"), tmp_path / "b.log", 256)
     assert not await broken.wait_ready()
-    assert await broken.wait_exit() == 1  # as `python -m servers.launch` exits on an uncaught error
+    assert await broken.wait_exit() == 1  # as `python -m servers.cli` exits on an uncaught error
     assert "missing" in (tmp_path / "b.log").read_text()
 
 

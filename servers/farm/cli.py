@@ -24,10 +24,10 @@ from envscaler.loader import precheck_class
 from envscaler.sandbox import FARM_ID_VARIABLE, UNPROTECTED, sandbox_problem
 from envscaler.wire import DEFAULT_FARM_CATALOG, WorkerResources
 from servers.errors import FarmError
-from servers.farm.images import docker_answers
+from servers.farm.backends.images import docker_answers
 from servers.farm.models import Backend, FarmPaths, FarmPlan, FarmState, Limits, read_json, write_json
 from servers.farm.plan import plan_farm
-from servers.farm.process import describe_exit
+from servers.farm.backends.process import describe_exit
 from servers.farm.teardown import pid_alive, tear_down
 
 DEFAULT_CATALOG = DEFAULT_FARM_CATALOG
@@ -138,7 +138,7 @@ def farm_up(args: argparse.Namespace) -> int:
             print(f"farm: warning: {UNPROTECTED} ({problem}); the docker backend isolates every server", file=sys.stderr)
     print(f"farm: starting {len(plan.envs)} environment(s) with the {backend} backend (farm {plan.farm_id})", file=sys.stderr)
     if backend == "swarm":
-        from servers.farm.swarm_backend import swarm_up
+        from servers.farm.backends.swarm import swarm_up
 
         return swarm_up(args, paths, plan)
     try:
@@ -169,7 +169,7 @@ def farm_status(args: argparse.Namespace) -> int:
     paths = FarmPaths(args.catalog)
     plan = read_json(paths.plan, FarmPlan)
     if plan and plan.backend == "swarm":
-        from servers.farm.swarm_backend import swarm_status
+        from servers.farm.backends.swarm import swarm_status
 
         return swarm_status(paths, args.json)
     state = _state(paths)
@@ -308,7 +308,7 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from servers.farm.images import build_images
+    from servers.farm.backends.images import build_images
 
     bundle_dirs = [Path(d) for root in (args.env_dirs or []) for d in find_bundles(root)]
     if not bundle_dirs and not args.runtime_only:

@@ -23,12 +23,12 @@ import anyio
 from envscaler import logs
 from envscaler.wire import EnvEndpoint, FarmCatalog
 from servers.farm.board import Board
-from servers.farm.front import FrontProxy, haproxy_executable
-from servers.farm.gateway import MAX_BODY, Gateway
+from servers.farm.gateway.front import FrontProxy, haproxy_executable
+from servers.farm.gateway.app import MAX_BODY, Gateway
 from servers.farm.health import Prober
 from servers.errors import FarmError
 from servers.farm.models import FarmPaths, FarmPlan, read_json, write_json
-from servers.http_server import Bounds, HttpServer, descriptor_room
+from servers.transport.http_server import Bounds, HttpServer, descriptor_room
 from servers.serve import bind
 
 log = logging.getLogger("envscaler.farm")
@@ -73,10 +73,10 @@ class LiveRoutes(Mapping[str, str]):
 
 def _backend(plan: FarmPlan, paths: FarmPaths, board: Board) -> FarmBackend:
     if plan.backend == "docker":
-        from servers.farm.docker_backend import DockerBackend
+        from servers.farm.backends.docker import DockerBackend
 
         return DockerBackend(plan, paths, board)
-    from servers.farm.process import ProcessBackend
+    from servers.farm.backends.process import ProcessBackend
 
     return ProcessBackend(plan, paths, board)
 

@@ -72,11 +72,11 @@ def tear_down(paths: FarmPaths) -> int:
                 continue
         backend = (plan.backend if plan else None) or (state.backend if state else None)
         if backend == "docker":
-            from servers.farm.docker_backend import remove_farm_resources
+            from servers.farm.backends.docker import remove_farm_resources
 
             removed += remove_farm_resources(farm_id)
         if backend == "swarm":
-            from servers.farm.swarm_backend import remove_swarm_farm
+            from servers.farm.backends.swarm import remove_swarm_farm
 
             removed += remove_swarm_farm(paths, farm_id)
     paths.catalog.unlink(missing_ok=True)

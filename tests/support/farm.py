@@ -100,7 +100,7 @@ def farm_members(state: dict[str, Any]) -> dict[str, list[int]]:
             kind = "server"
         elif servers & set(ancestors):
             kind = "under a server"
-        elif b"servers.farm.zygote" in command:
+        elif b"servers.farm.backends.zygote" in command:
             kind = "zygote"
         elif b"haproxy" in command:
             kind = "haproxy"

@@ -1,7 +1,7 @@
 """haproxy in front of the farm's gateway: tool calls go to the servers without a Python hop.
 
 Every agent that uses the farm's one URL sends every tool call through the gateway, so its cost per
-call caps the whole farm. The Python gateway (``servers.farm.gateway``) costs ~230 us of CPU per
+call caps the whole farm. The Python gateway (``servers.farm.gateway.app``) costs ~230 us of CPU per
 call on a 2-core machine, about as much as the tool call itself; haproxy costs ~60-100 us. When
 ``haproxy`` is installed, the daemon runs it on the farm's public socket and keeps the Python
 gateway on a private loopback port behind it:
@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 import anyio
 
 from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment, die_with_parent
-from servers.http_server import Bounds, descriptor_room
+from servers.transport.http_server import Bounds, descriptor_room
 
 log = logging.getLogger("envscaler.farm")
 
@@ -64,7 +64,7 @@ def render_config(
     """The haproxy configuration: one backend per environment, the Python gateway as the default.
 
     ``listen_fd`` is the farm's public socket, inherited: the daemon binds it (and knows its port).
-    ``bounds`` are what the farm's clients may hold (``servers.http_server.Bounds``, the Python
+    ``bounds`` are what the farm's clients may hold (``servers.transport.http_server.Bounds``, the Python
     gateway's too): connections in all and per client address (a connection past either is refused
     at once), and the time a request head may take.
     """

@@ -2,7 +2,7 @@
 
 Every server gets a clean environment (no host secrets), an address-space limit, no core dumps, its
 own process group, and death with the daemon (PR_SET_PDEATHSIG). A server runs its environment's
-code in worker processes (``servers.worker_store``); with the plan's ``sandbox`` (the default where
+code in worker processes (``servers.workers.store``); with the plan's ``sandbox`` (the default where
 bubblewrap works) they run in the sandbox (``envscaler.sandbox``): no network, nothing of the host's
 files but Python, no new processes. CPU limits need the docker backend.
 
@@ -28,6 +28,8 @@ from typing import Protocol
 import anyio
 
 from envscaler.sandbox import FARM_ID_VARIABLE, adopt_orphans, clean_environment, die_with_parent, limit_resources
+from servers.farm.backends.spawning import ADDRESS_SPACE_FACTOR, ServerProcess, Spawner, read_ready_line, server_command
+from servers.farm.backends.zygote import zygote_spawner
 from servers.farm.board import Board
 from servers.farm.models import EnvPlan, FarmPaths, FarmPlan
 from servers.serve import READY_FD_VARIABLE
@@ -36,8 +38,6 @@ log = logging.getLogger("envscaler.farm")
 
 # A server that dies this many times before it was ever healthy is broken, not unlucky.
 _STARTUP_ATTEMPTS = 3
-# Address space is not resident memory: thread stacks and allocator arenas reserve far more than they use.
-ADDRESS_SPACE_FACTOR = 4
 # A server that neither listens nor exits within this long after its start is stuck in its start-up.
 _LISTEN_TIMEOUT_S = 60.0
 _STOP_POLL_S = 0.05
@@ -97,71 +97,6 @@ def _child_setup(memory_mb: int) -> None:
     (SIGKILL: a sandboxed server's bubblewrap ignores SIGTERM, see ``servers.serve.serve_in_sandbox``)."""
     limit_resources(memory_mb * ADDRESS_SPACE_FACTOR)
     die_with_parent(signal.SIGKILL)
-
-
-def server_command(env: EnvPlan, flags: list[str]) -> list[str]:
-    """The command line of one environment server on its loopback port (and OpenEnv port, if planned),
-    with the plan's ``flags`` (``FarmPlan.server_flags``: limits, ``--no-sandbox``)."""
-    command = [
-        sys.executable, "-m", "servers.launch", env.bundle_dir,
-        "--host", "127.0.0.1", "--port", str(env.port), "--public-url", env.url, "--log-level", "warning", *flags,
-    ]
-    if env.openenv_port is not None:
-        command += ["--openenv-port", str(env.openenv_port)]
-    return command
-
-
-class ServerProcess(Protocol):
-    """One running environment server, however it was started."""
-
-    pid: int
-
-    async def wait_ready(self) -> bool:
-        """True once the server listens (its ready pipe said so); False if it exited first."""
-
-    async def wait_exit(self) -> int:
-        """Its exit status, in Popen.returncode's convention (negative: killed by that signal)."""
-
-    def send_signal(self, signum: int) -> None:
-        """Signal the server's whole process group (it is a group leader): what it forked dies with it."""
-
-
-class Spawner(Protocol):
-    """Starts environment servers for the process backend."""
-
-    # How many servers per core may be starting at once: what a start costs the CPU decides it.
-    starts_per_core: int
-
-    async def spawn(self, env: EnvPlan, environment: dict[str, str], log_path: Path, memory_mb: int) -> ServerProcess:
-        """Start ``env``'s server with exactly ``environment`` as its environment variables, stdout and
-        stderr appended to ``log_path``, its address space limited from ``memory_mb``, no core dumps,
-        its own process group, and death when the farm goes away."""
-
-    async def aclose(self) -> None:
-        """Stop what the spawner itself runs (not the servers: the backend stops those first)."""
-
-
-async def read_ready_line(fd: int) -> bool:
-    """Read the ready pipe ``fd`` to its first line or EOF, close it; whether the server said it
-    listens. EOF first means the server exited (or closed the pipe) before it listened."""
-    data = b""
-    try:
-        os.set_blocking(fd, False)
-        while b"\n" not in data:
-            await anyio.wait_readable(fd)
-            try:
-                chunk = os.read(fd, 4096)
-            except BlockingIOError:
-                continue
-            if not chunk:
-                break
-            data += chunk
-    finally:
-        os.close(fd)
-    try:
-        return json.loads(data.split(b"\n", 1)[0]).get("event") == "listening"
-    except (ValueError, AttributeError):
-        return False
 
 
 class PopenServer:
@@ -256,8 +191,6 @@ def default_spawner(plan: FarmPlan) -> Spawner:
     zygote where fork works, unless ``ENVSCALER_SPAWNER=popen``; otherwise an interpreter per server.
     A server runs no environment code (its workers do, in the sandbox when the plan says so), so a
     sandboxed farm forks its servers too."""
-    from servers.farm.zygote import zygote_spawner
-
     return zygote_spawner(plan) or PopenSpawner(plan.server_flags())
 
 

@@ -39,7 +39,7 @@ from openenv.core.env_server.types import Action, EnvironmentMetadata, Observati
 from pydantic import Field
 
 from envscaler import Scenario, ToolOutcome, ToolSchema, ValidationResult
-from servers.episodes import EpisodeRegistry, LiveEpisode
+from servers.episodes.store import EpisodeRegistry, LiveEpisode
 from servers.errors import CallAbandoned, OpenEnvSessionError, UnknownEpisode
 
 FINISH_TOOL = "finish"

@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
-from servers.asgi import json_bytes
+from servers.transport.asgi import json_bytes
 from servers.errors import ErrorReply
 
 # Idle streams get a comment this often, so that proxies (the gateway's read timeout) keep them open.

@@ -7,7 +7,7 @@ host refuses new connections coming from it and the container's default route is
 container can answer but never call out, not even to the host or a sibling (no inter-container
 traffic on the bridge). A container stops itself when the daemon's heartbeat file goes stale, so a
 killed daemon leaves no running server behind. Docker publishes no ports from an
-internal network, so the daemon publishes each one on 127.0.0.1 itself (``servers.farm.publish``).
+internal network, so the daemon publishes each one on 127.0.0.1 itself (``servers.farm.backends.publish``).
 Containers and the network carry the farm's label: ``remove_farm_resources`` finds them all, also
 after the daemon was killed.
 """
@@ -27,9 +27,9 @@ import docker.errors
 
 from servers.farm.board import Board
 from servers.farm.health import answers_healthz
-from servers.farm.images import LABEL_ENV, LABEL_FARM, build_env_image, docker_client, current_runtime
+from servers.farm.backends.images import LABEL_ENV, LABEL_FARM, build_env_image, docker_client, current_runtime
 from servers.farm.models import EnvPlan, FarmPaths, FarmPlan
-from servers.farm.publish import LoopbackPort
+from servers.farm.backends.publish import LoopbackPort
 
 log = logging.getLogger("envscaler.farm")
 

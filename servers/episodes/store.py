@@ -4,7 +4,7 @@ A tool call first runs right on the event loop with a small budget (``inline_bud
 every call of a synthesized environment takes microseconds, and handing each one to another thread
 costs more than the call (two thread wake-ups across CPUs). A call that outruns the budget is
 preempted, what it changed undone (``Episode.call``), and it runs again on a call thread
-(``servers.calls``) where it can take its full limit without stalling anyone; its tool goes to the
+(``servers.episodes.calls``) where it can take its full limit without stalling anyone; its tool goes to the
 call thread directly for a while (``THREADED_RETRY_S``, longer each time it is still slow), then is
 tried inline again: one call slowed down by a busy machine does not cost a tool its speed for good.
 Constructors and checks always run on a call thread; an episode of a scenario whose state is
@@ -32,9 +32,9 @@ from envscaler import Bundle, EnvCodeError, EnvRuntime, Episode, Scenario, ToolO
 from envscaler.guard import Preempted, can_preempt
 from envscaler.models import CheckItem, ToolAnnotations, ToolSchema
 from envscaler.wire import MemoryStatus, Trajectory, WorkerResources
-from servers.asgi import find_bad_number, json_bytes
-from servers.calls import CallRunner
-from servers.episode_ids import new_episode_id
+from servers.transport.asgi import find_bad_number, json_bytes
+from servers.episodes.calls import CallRunner
+from servers.episodes.ids import new_episode_id
 from servers.errors import CallAbandoned, EpisodeLost, LimitReached, OutOfMemory, UnknownEpisode, UnknownScenario
 from servers.memory import memory_status
 
@@ -65,7 +65,7 @@ class CallStats(BaseModel):
     capacity_problem: str | None = None
     # Memory where the episodes live, when that is not the server's own process (a worker's).
     memory: MemoryStatus | None = None
-    # With a worker process (servers.worker_store): its replacements, and the episodes rebuilt or lost.
+    # With a worker process (servers.workers.store): its replacements, and the episodes rebuilt or lost.
     worker_restarts: int | None = None
     episodes_rebuilt: int | None = None
     episodes_lost: int | None = None
@@ -79,7 +79,7 @@ class LiveEpisode:
                  init_config: dict[str, Any] | None) -> None:
         self.episode_id = episode_id
         self.env_id = env_id
-        # None when the episode's state lives in a worker process (servers.worker_store).
+        # None when the episode's state lives in a worker process (servers.workers.store).
         self.episode = episode
         self.scenario = scenario
         # A raw episode's state (no scenario): what a reset with no body goes back to.
@@ -167,7 +167,7 @@ class EpisodeRegistry:
     """Every live episode of one environment, keyed by an unguessable id: ids, limits, records, logs.
 
     Where the environment's code runs is up to a subclass: :class:`EpisodeStore` runs it in this
-    process, ``servers.worker_store.WorkerEpisodeStore`` in a worker process. They fill in the
+    process, ``servers.workers.store.WorkerEpisodeStore`` in a worker process. They fill in the
     hooks below (building an episode, one call, the checks, letting go of a state).
     """
 
@@ -184,7 +184,7 @@ class EpisodeRegistry:
     ) -> None:
         self.bundle = bundle
         self.env_id = bundle.env_id
-        # Prefixes every episode id when this server is one replica of many (servers.episode_ids).
+        # Prefixes every episode id when this server is one replica of many (servers.episodes.ids).
         self.replica_id = replica_id
         self.max_episodes = max_episodes
         self.idle_ttl_s = idle_ttl_s

@@ -46,7 +46,7 @@ from urllib.parse import unquote_to_bytes
 import httptools
 from pydantic import BaseModel, Field
 
-from servers.asgi import json_bytes
+from servers.transport.asgi import json_bytes
 from servers.memory import release_free_memory
 
 log = logging.getLogger("envscaler.http")

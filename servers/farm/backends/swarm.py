@@ -15,7 +15,7 @@ local engine, or ``DOCKER_HOST``) and:
 4. waits until the gateway sees every replica healthy and writes the catalog.
 
 Nothing of the farm runs on this machine once ``up`` returns: Swarm restarts and reschedules
-replicas, and the gateway finds them (``servers.farm.routing``). Every object carries the farm's
+replicas, and the gateway finds them (``servers.farm.gateway.routing``). Every object carries the farm's
 label, so ``down`` removes them all, also after an interrupted ``up``.
 """
 
@@ -39,10 +39,10 @@ from pydantic import BaseModel, ValidationError
 from envscaler.errors import EXIT_FAILED, EXIT_OK
 from envscaler.wire import EnvEndpoint, FarmCatalog, GatewayHealth
 from servers.errors import FarmError
-from servers.farm.docker_backend import SERVER_PORT, SERVER_USER
-from servers.farm.images import LABEL_ENV, LABEL_FARM, build_env_image, current_runtime, docker_client
+from servers.farm.backends.docker import SERVER_PORT, SERVER_USER
+from servers.farm.backends.images import LABEL_ENV, LABEL_FARM, build_env_image, current_runtime, docker_client
 from servers.farm.models import EnvPlan, FarmPaths, FarmPlan, read_json, write_json
-from servers.farm.swarm_gateway import GATEWAY_PORT, GatewayRoutes
+from servers.farm.gateway.swarm import GATEWAY_PORT, GatewayRoutes
 
 PublishMode = Literal["ingress", "host"]
 
@@ -192,7 +192,7 @@ def create_gateway_service(client: Any, plan: FarmPlan, image: str, name: str, r
     labels = {LABEL_FARM: plan.farm_id}
     config = client.configs.create(name=name, data=routes.model_dump_json().encode(), labels=labels)
     spec = _hardened(
-        image, command=["python3", "-m", "servers.farm.swarm_gateway"], args=[ROUTES_PATH, "--port", str(GATEWAY_PORT)],
+        image, command=["python3", "-m", "servers.farm.gateway.swarm"], args=[ROUTES_PATH, "--port", str(GATEWAY_PORT)],
         labels=labels, configs=[ConfigReference(config.id, name, filename=ROUTES_PATH, uid="10001", gid="10001", mode=0o440)],
         # Replicas are looked up every second: a lookup must fail fast, never hang a poll or a stop.
         dns_config=DNSConfig(options=["timeout:1", "attempts:1"]),

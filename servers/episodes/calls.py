@@ -1,6 +1,6 @@
 """Environment code off the event loop: one worker thread that hands over when a call is slow.
 
-Constructors, checks and tool calls too slow for the event loop (see ``servers.episodes``) are
+Constructors, checks and tool calls too slow for the event loop (see ``servers.episodes.store``) are
 synchronous, untrusted code that may block (``time.sleep``) or loop, while the event loop must keep
 answering every other episode. Sending each call to a pool thread costs two thread wake-ups and two
 GIL hand-overs per call (~70 us when the threads sit on different CPUs). Instead the calls that reach

@@ -1,9 +1,9 @@
-"""The farm's gateway as a replicated service: ``python -m servers.farm.swarm_gateway ROUTES_FILE [--port 8080]``.
+"""The farm's gateway as a replicated service: ``python -m servers.farm.gateway.swarm ROUTES_FILE [--port 8080]``.
 
 The swarm backend runs this in the runtime image, one or more replicas published on the swarm's
 ingress (or on every node's port), as the farm's one URL. ROUTES_FILE (a Docker config) names each
 environment's service; every gateway replica finds that service's replicas by itself
-(``servers.farm.routing``) and shares nothing with the others, so any of them serves any request. It
+(``servers.farm.gateway.routing``) and shares nothing with the others, so any of them serves any request. It
 holds no tokens: the caller's Authorization header passes through to the environment.
 """
 
@@ -19,11 +19,11 @@ from pydantic import BaseModel, Field, ValidationError
 
 from envscaler import logs
 from envscaler.bundle import describe_validation_error
-from servers.farm.gateway import MAX_BODY, Gateway
-from servers.farm.routing import ReplicaRouter, dns_discovery
-from servers.http_server import HttpServer
-from servers.launch import no_new_privileges
-from servers.event_loop import loop_factory
+from servers.farm.gateway.app import MAX_BODY, Gateway
+from servers.farm.gateway.routing import ReplicaRouter, dns_discovery
+from servers.transport.http_server import HttpServer
+from envscaler.sandbox import no_new_privileges
+from servers.transport.event_loop import loop_factory
 from servers.serve import bind
 
 GATEWAY_PORT = 8080

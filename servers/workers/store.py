@@ -2,9 +2,9 @@
 
 The server keeps what has to outlive the environment's code: the HTTP and MCP surface, the token, the
 episode ids and their trajectories. The environment's code (loading, constructors, tool calls, and
-the JSON of what they return) runs in a worker process (``servers.env_worker``) that a
-:class:`servers.worker_process.WorkerProcess` starts, watches and replaces. The checks run in a
-second one (``servers.check_worker``) that environment code never reaches, on what the environment
+the JSON of what they return) runs in a worker process (``servers.workers.env_worker``) that a
+:class:`servers.workers.process.WorkerProcess` starts, watches and replaces. The checks run in a
+second one (``servers.workers.check_worker``) that environment code never reaches, on what the environment
 worker says the episode changed since its scenario's initial state: a call cannot patch the checker
 and so decide its own reward. That worker runs each validation's checks in a process of their own,
 so that a check cannot decide another validation's reward either.
@@ -35,10 +35,10 @@ from envscaler.errors import ChecklistError
 from envscaler.models import CheckItem, ToolAnnotations, ToolSchema
 from envscaler.sandbox import CHILD_TASKS
 from envscaler.wire import WorkerResources
-from servers.episodes import ABANDON_GRACE_S, CallStats, EpisodeRegistry, LiveEpisode, checks_limit_s
+from servers.episodes.store import ABANDON_GRACE_S, CallStats, EpisodeRegistry, LiveEpisode, checks_limit_s
 from servers.errors import CallAbandoned, EpisodeLost, UnknownEpisode
-from servers.worker_process import WorkerGone, WorkerProcess
-from servers.worker_wire import (
+from servers.workers.process import WorkerGone, WorkerProcess
+from servers.workers.wire import (
     CheckerSettings,
     CheckRequest,
     CheckResults,
@@ -84,12 +84,12 @@ class WorkerEpisodeStore(EpisodeRegistry):
         self.group = ChildGroup.create(group) if sandbox and group is not None else None
         tasks = group.pids if group is not None else CHILD_TASKS
         shared = dict(sandbox=sandbox, env_id=self.env_id, group=self.group, tasks=tasks)
-        self.worker = WorkerProcess("servers.env_worker", settings, role=ROLE, on_lost=self._worker_lost, mark=mark, **shared)
+        self.worker = WorkerProcess("servers.workers.env_worker", settings, role=ROLE, on_lost=self._worker_lost, mark=mark, **shared)
         check_mark = RunningMarks()
         # A zygote that forks a process for each validation's checks: its sandbox lets it fork, and each
         # child takes that away from itself before any check code runs.
         checker_settings = CheckerSettings(check_timeout_s=settings.check_timeout_s, mark_fd=check_mark.fd, child_seccomp=sandbox)
-        self.checker = WorkerProcess("servers.check_worker", checker_settings, role="check worker", on_lost=self._checker_lost,
+        self.checker = WorkerProcess("servers.workers.check_worker", checker_settings, role="check worker", on_lost=self._checker_lost,
                                      mark=check_mark, lazy=True, new_processes=True, **shared)
         self._checking = asyncio.Lock()
         hello = decode(WorkerHello, self.worker.hello)

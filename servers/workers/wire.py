@@ -7,7 +7,7 @@ untrusted code, so its frames are parsed as JSON into the models below, with a s
 anything else is a broken worker.
 
 Any text an agent sends crosses, a lone surrogate (``"\udfff"``) included: it is written as its JSON
-escape (``servers.asgi.json_bytes``) and read back by :func:`decode`.
+escape (``servers.transport.asgi.json_bytes``) and read back by :func:`decode`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from envscaler.models import Bundle, CheckItem, CheckResult, StateChange, ToolAnnotations, ToolOutcome, ToolSchema
-from servers.asgi import json_bytes
+from servers.transport.asgi import json_bytes
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -42,7 +42,7 @@ Operation = Literal["create", "call", "replay", "final", "initial", "state", "en
 EXIT_FOREIGN_THREAD = 70
 """The worker's exit status when a thread that environment code started runs on after its call."""
 EXIT_REASONS = {EXIT_FOREIGN_THREAD: "a thread started by environment code ran on after its call"}
-"""Why a worker ends itself, by exit status (``servers.worker_process`` names it in the error)."""
+"""Why a worker ends itself, by exit status (``servers.workers.process`` names it in the error)."""
 
 
 class WorkerSettings(BaseModel):
@@ -158,7 +158,7 @@ class RunningMarks:
     """A page of memory the server shares with its worker: which episode's code each of the worker's
     threads runs right now (slot 0: its event loop's thread). The worker writes a thread's slot around
     every call that thread runs; when the worker freezes or dies, the server reads the page to know
-    which request brought it down (``servers.worker_process``).
+    which request brought it down (``servers.workers.process``).
     """
 
     SLOTS = 64

@@ -1,4 +1,4 @@
-"""The check worker: ``python -m servers.check_worker FD``, started by a server (``servers.worker_store``).
+"""The check worker: ``python -m servers.workers.check_worker FD``, started by a server (``servers.workers.store``).
 
 It runs an environment's checks where the environment's code never runs: that code can patch, in
 its own process, anything a checker there would use, and so decide its own reward. The checks get
@@ -33,10 +33,10 @@ from envscaler.guard import keep_alarm_handler, protect_time_limits
 from envscaler.sandbox import die_with_parent
 from envscaler.seccomp import seccomp_policy
 from envscaler.state import apply_changes
-from servers.asgi import json_bytes
-from servers.episodes import checks_limit_s
-from servers.worker_process import child_main
-from servers.worker_wire import (
+from servers.transport.asgi import json_bytes
+from servers.episodes.store import checks_limit_s
+from servers.workers.process import child_main
+from servers.workers.wire import (
     FAILED,
     HEADER,
     HELLO_ID,
@@ -221,8 +221,8 @@ def run_checker(sock: socket.socket) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: ``python -m servers.check_worker FD`` (FD: the server's end of a socket pair)."""
-    return child_main("servers.check_worker", run_checker, argv)
+    """Entry point: ``python -m servers.workers.check_worker FD`` (FD: the server's end of a socket pair)."""
+    return child_main("servers.workers.check_worker", run_checker, argv)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,8 @@ from openenv.core.env_server.types import ConcurrencyConfig
 from starlette.websockets import WebSocketDisconnect
 
 from servers.app import EnvServerApp
-from servers.openenv_endpoint.config import OpenEnvConfig
-from servers.openenv_endpoint.environment import EndpointContext, FarmEpisodeEnvironment
+from servers.protocols.openenv.config import OpenEnvConfig
+from servers.protocols.openenv.environment import EndpointContext, FarmEpisodeEnvironment
 
 log = logging.getLogger("envscaler.openenv")
 

@@ -5,7 +5,7 @@ in its own memory. Every gateway replica finds an environment's replicas by itse
 gives their addresses (by default DNS, ``tasks.<service>``: one address per running task) and each
 replica's ``/healthz`` gives its replica id and live episode count, polled every ``poll_s``. Then:
 
-- a request about an episode goes to the replica that its id names (``servers.episode_ids``), so any
+- a request about an episode goes to the replica that its id names (``servers.episodes.ids``), so any
   gateway replica routes it, and the gateways share nothing;
 - creating an episode goes to the replica with the fewest live episodes (as last reported, plus the
   ones this gateway created since); a replica that cannot be connected to is skipped;
@@ -30,8 +30,8 @@ import httpx
 from pydantic import ValidationError
 
 from envscaler.wire import Health
-from servers.episode_ids import replica_of
-from servers.farm.upstream import UpstreamConnectError, UpstreamError, UpstreamResponse, UpstreamTimeout
+from servers.episodes.ids import replica_of
+from servers.farm.gateway.upstream import UpstreamConnectError, UpstreamError, UpstreamResponse, UpstreamTimeout
 
 log = logging.getLogger("envscaler.farm")
 

@@ -6,6 +6,6 @@ a step is then one round trip to the process that runs the tool, like a direct M
 process in front of the farm would add a second round trip per step, past the 0.3 ms the protocol
 may add (measured in ``benchmarks/openenv_step.py``).
 
-Only :mod:`servers.openenv_endpoint.config` is imported by the server itself; the rest imports
+Only :mod:`servers.protocols.openenv.config` is imported by the server itself; the rest imports
 ``openenv-core`` (the ``[openenv]`` extra) and is loaded only when the listener is asked for.
 """

@@ -1,7 +1,7 @@
 """Episode ids: unguessable capabilities that, on a replicated environment, also name their replica.
 
 An episode lives in the memory of one server process. When an environment runs as several replicas
-behind gateways that share nothing (``servers.farm.routing``), the id itself says which replica holds
+behind gateways that share nothing (``servers.farm.gateway.routing``), the id itself says which replica holds
 the episode: ``<replica_id>.<secret>``. A server started without a replica id hands out the bare
 secret, as it always did. The secret alone is the capability; the replica id is not a secret.
 """

@@ -1,11 +1,11 @@
-"""The environment worker: ``python -m servers.env_worker FD``, started by a server (``servers.worker_store``).
+"""The environment worker: ``python -m servers.workers.env_worker FD``, started by a server (``servers.workers.store``).
 
 Everything the environment's code does happens in this process: loading the class, constructors,
 tool calls, and turning what they return into JSON. It runs the same engine as a server without a
-worker (``servers.episodes``: calls inline on the event loop within a budget, slow ones on call
+worker (``servers.episodes.store``: calls inline on the event loop within a budget, slow ones on call
 threads, each under its limit), but keeps no trajectory, holds no token, listens on no socket and
-runs no checks (``servers.check_worker`` does, on what this process says an episode changed): it
-answers the server's requests on the inherited socket FD (``servers.worker_wire``).
+runs no checks (``servers.workers.check_worker`` does, on what this process says an episode changed): it
+answers the server's requests on the inherited socket FD (``servers.workers.wire``).
 
 The server kills this process (its whole process group) when an answer is overdue, or when a call
 outlived its limit on a thread that cannot be stopped, and starts a new one, where it rebuilds the
@@ -27,13 +27,13 @@ from typing import Any, TypeVar
 from envscaler import EnvCodeError, EnvRuntime, ToolOutcome
 from envscaler.errors import ChecklistError
 from envscaler.guard import guard_thread_ids, keep_alarm_handler, protect_time_limits
-from servers.calls import share_the_interpreter
-from servers.episodes import EpisodeStore, LiveEpisode
-from servers.event_loop import loop_factory
+from servers.episodes.calls import share_the_interpreter
+from servers.episodes.store import EpisodeStore, LiveEpisode
+from servers.transport.event_loop import loop_factory
 from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, UnknownEpisode, UnknownScenario
 from servers.memory import memory_status
-from servers.worker_process import child_main
-from servers.worker_wire import (
+from servers.workers.process import child_main
+from servers.workers.wire import (
     EXIT_FOREIGN_THREAD,
     FAILED,
     HELLO_ID,
@@ -301,8 +301,8 @@ def run_worker(sock: socket.socket) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: ``python -m servers.env_worker FD`` (FD: the server's end of a socket pair)."""
-    return child_main("servers.env_worker", run_worker, argv)
+    """Entry point: ``python -m servers.workers.env_worker FD`` (FD: the server's end of a socket pair)."""
+    return child_main("servers.workers.env_worker", run_worker, argv)
 
 
 if __name__ == "__main__":

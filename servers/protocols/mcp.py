@@ -38,8 +38,8 @@ from envscaler.wire import (
     UNSUPPORTED_PROTOCOL_VERSION,
     decode_header_value,
 )
-from servers.asgi import NotAJsonNumber, find_bad_number, parse_json
-from servers.episodes import EpisodeRegistry, LiveEpisode
+from servers.transport.asgi import NotAJsonNumber, find_bad_number, parse_json
+from servers.episodes.store import EpisodeRegistry, LiveEpisode
 
 ROUTING_HEADERS = (MCP_PROTOCOL_VERSION_HEADER.encode(), MCP_METHOD_HEADER.encode(), MCP_NAME_HEADER.encode())
 """The request headers (lower case) the endpoint reads; the application hands over these only."""

@@ -2,7 +2,7 @@
 
 The server keeps what has to outlive untrusted code (the HTTP and MCP surface, the token, the
 episode ids, the trajectories) and asks a :class:`WorkerProcess` for the rest: the environment's code
-(``servers.env_worker``) or the checks (``servers.check_worker``). The process is started in the
+(``servers.workers.env_worker``) or the checks (``servers.workers.check_worker``). The process is started in the
 server's process group (a farm that kills the server's group kills it and what it forked), in the
 bubblewrap sandbox where asked, with a clean environment; its settings arrive as its first frame,
 never through argv or the environment, and the server is made undumpable so that the child cannot
@@ -18,7 +18,7 @@ ignored and a loop, the GIL held by a C loop, a catastrophic regex), and one who
 died (``SystemExit`` at the top, a crash). Either way its process group is killed, what waits on it
 fails with :class:`WorkerGone`, the owner is told (``on_lost``), and the next request starts a new
 child. The request to blame is the one the child was running on its event loop, else the only one it
-was running on a thread (it says which in a shared page of memory, :class:`servers.worker_wire.RunningMarks`),
+was running on a thread (it says which in a shared page of memory, :class:`servers.workers.wire.RunningMarks`),
 else the only one it had; the others were only caught up in its fall.
 """
 
@@ -45,7 +45,7 @@ from envscaler.errors import ChecklistError
 from envscaler.sandbox import CHILD_TASKS, Launch, clean_environment, confined_uid, die_with_parent, make_undumpable, sandboxed
 from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, UnknownEpisode, UnknownScenario
 from servers.memory import oom_kills
-from servers.worker_wire import (
+from servers.workers.wire import (
     EXIT_REASONS,
     FAILED,
     HELLO_ID,

@@ -1,9 +1,9 @@
 """The farm's one base URL: ``/envs/{env_id}/...`` is proxied to that environment's server.
 
-A raw ASGI application over a pool of keep-alive upstream connections (``servers.farm.upstream``),
-served by ``servers.http_server``: it sits on every tool call. It sets ``X-Envscaler-Base-Url`` so
+A raw ASGI application over a pool of keep-alive upstream connections (``servers.farm.gateway.upstream``),
+served by ``servers.transport.http_server``: it sits on every tool call. It sets ``X-Envscaler-Base-Url`` so
 the servers hand out MCP URLs that go through the gateway too. The farm daemon serves it over fixed
-routes, the swarm's gateway service (``servers.farm.swarm_gateway``) over a ``ReplicaRouter``.
+routes, the swarm's gateway service (``servers.farm.gateway.swarm``) over a ``ReplicaRouter``.
 
 An answer with a length of at most the body cap is read whole before it is passed on, so a server
 that dies halfway through it is answered 502. Any other answer (an event stream, a chunked body)
@@ -21,10 +21,10 @@ from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 
 from envscaler.wire import GatewayHealth
-from servers.asgi import json_bytes, read_body, send_json
-from servers.cors import CorsPolicy, request_origin
-from servers.farm.routing import ReplicaRouter, RouteError
-from servers.farm.upstream import UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
+from servers.transport.asgi import json_bytes, read_body, send_json
+from servers.transport.cors import CorsPolicy, request_origin
+from servers.farm.gateway.routing import ReplicaRouter, RouteError
+from servers.farm.gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
 
 log = logging.getLogger("envscaler.farm")
 

@@ -1,6 +1,6 @@
 """The zygote: one process per farm that imports a server's code once and forks every server from it.
 
-A server started as ``python -m servers.launch`` spends about a second of CPU importing and holds
+A server started as ``python -m servers.cli`` spends about a second of CPU importing and holds
 about 30 MB of its own memory. Forked from a parent that has already imported everything, it starts
 in milliseconds and shares the imported code and objects copy-on-write with its siblings.
 
@@ -16,7 +16,7 @@ passed with SCM_RIGHTS):
 The server's environment (its token among it) travels in a pipe that only the forked child reads,
 so the zygote never holds one server's secrets in memory that the next server is forked from.
 
-``python -m servers.farm.zygote CONTROL_FD DAEMON_PID [MODULE ...]`` runs the zygote itself; the
+``python -m servers.farm.backends.zygote CONTROL_FD DAEMON_PID [MODULE ...]`` runs the zygote itself; the
 daemon uses ``ZygoteSpawner``.
 """
 
@@ -42,12 +42,12 @@ import anyio
 from pydantic import BaseModel
 
 from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment, die_with_parent, limit_resources
+from servers.farm.backends.spawning import ADDRESS_SPACE_FACTOR, read_ready_line, server_command
 from servers.farm.models import EnvPlan, FarmPlan
-from servers.farm.process import read_ready_line
 
-# Imported before the first fork: what ``servers.launch`` needs to serve a bundle, and its event loop.
+# Imported before the first fork: what ``servers.cli`` needs to serve a bundle, and its event loop.
 PRELOAD = (
-    "servers.launch", "servers.serve", "servers.app", "servers.http_server", "servers.mcp_endpoint", "uvloop",
+    "servers.cli", "servers.serve", "servers.app", "servers.transport.http_server", "servers.protocols.mcp", "uvloop",
     "anyio._backends._asyncio", "anyio.to_thread", "encodings.idna",
 )
 # Also preloaded when a server of the farm serves OpenEnv (``farm up --openenv``).
@@ -69,7 +69,7 @@ class ZygoteError(OSError):
 
 
 class SpawnRequest(BaseModel):
-    """Fork one server: ``python -m servers.launch ARGV`` without the interpreter's start-up."""
+    """Fork one server: ``python -m servers.cli ARGV`` without the interpreter's start-up."""
 
     argv: list[str]
     address_space_mb: int
@@ -208,8 +208,6 @@ class ZygoteSpawner:
         """Fork ``env``'s server with exactly ``environment`` as its environment variables, stdout and
         stderr appended to ``log_path``, its address space limited from ``memory_mb``, no core dumps,
         its own process group, and death when the zygote (and so the farm) goes away."""
-        from servers.farm.process import ADDRESS_SPACE_FACTOR, server_command
-
         request = SpawnRequest(argv=server_command(env, self.flags)[3:], address_space_mb=memory_mb * ADDRESS_SPACE_FACTOR)
         for attempt in range(2):
             server = await self._spawn_once(request, environment, log_path)
@@ -272,7 +270,7 @@ class ZygoteSpawner:
         control.setblocking(False)
         with theirs:
             process = subprocess.Popen(
-                [sys.executable, "-m", "servers.farm.zygote", str(theirs.fileno()), str(os.getpid()), *self.preload],
+                [sys.executable, "-m", "servers.farm.backends.zygote", str(theirs.fileno()), str(os.getpid()), *self.preload],
                 stdin=subprocess.DEVNULL, env=self.environment, pass_fds=[theirs.fileno()],
             )
         return _Zygote(process, os.pidfd_open(process.pid), control)
@@ -434,8 +432,8 @@ def _become_server(request: SpawnRequest, log_fd: int, ready_fd: int, environ_fd
         os.environ[READY_FD_VARIABLE] = "3"
         limit_resources(request.address_space_mb)
         random.seed()
-        sys.argv = ["servers.launch", *request.argv]
-        from servers.launch import main
+        sys.argv = ["servers.cli", *request.argv]
+        from servers.cli import main
 
         status = main(request.argv)
     except SystemExit as e:
@@ -479,10 +477,10 @@ def _exit_code(code: object) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: ``python -m servers.farm.zygote CONTROL_FD DAEMON_PID [MODULE ...]``."""
+    """Entry point: ``python -m servers.farm.backends.zygote CONTROL_FD DAEMON_PID [MODULE ...]``."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) < 2:
-        print("usage: python -m servers.farm.zygote CONTROL_FD DAEMON_PID [MODULE ...]", file=sys.stderr)
+        print("usage: python -m servers.farm.backends.zygote CONTROL_FD DAEMON_PID [MODULE ...]", file=sys.stderr)
         return 2
     control = socket.socket(fileno=int(args[0]))
     die_with_parent(signal.SIGKILL)

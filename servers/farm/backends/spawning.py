@@ -1,0 +1,83 @@
+"""How a process-backend server is started and heard from, whoever starts it: an interpreter of its own
+(``servers.farm.backends.process``) or a fork of the farm's zygote (``servers.farm.backends.zygote``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Protocol
+
+import anyio
+
+from servers.farm.models import EnvPlan
+
+# Address space is not resident memory: thread stacks and allocator arenas reserve far more than they use.
+ADDRESS_SPACE_FACTOR = 4
+
+
+def server_command(env: EnvPlan, flags: list[str]) -> list[str]:
+    """The command line of one environment server on its loopback port (and OpenEnv port, if planned),
+    with the plan's ``flags`` (``FarmPlan.server_flags``: limits, ``--no-sandbox``)."""
+    command = [
+        sys.executable, "-m", "servers.cli", env.bundle_dir,
+        "--host", "127.0.0.1", "--port", str(env.port), "--public-url", env.url, "--log-level", "warning", *flags,
+    ]
+    if env.openenv_port is not None:
+        command += ["--openenv-port", str(env.openenv_port)]
+    return command
+
+
+class ServerProcess(Protocol):
+    """One running environment server, however it was started."""
+
+    pid: int
+
+    async def wait_ready(self) -> bool:
+        """True once the server listens (its ready pipe said so); False if it exited first."""
+
+    async def wait_exit(self) -> int:
+        """Its exit status, in Popen.returncode's convention (negative: killed by that signal)."""
+
+    def send_signal(self, signum: int) -> None:
+        """Signal the server's whole process group (it is a group leader): what it forked dies with it."""
+
+
+class Spawner(Protocol):
+    """Starts environment servers for the process backend."""
+
+    # How many servers per core may be starting at once: what a start costs the CPU decides it.
+    starts_per_core: int
+
+    async def spawn(self, env: EnvPlan, environment: dict[str, str], log_path: Path, memory_mb: int) -> ServerProcess:
+        """Start ``env``'s server with exactly ``environment`` as its environment variables, stdout and
+        stderr appended to ``log_path``, its address space limited from ``memory_mb``, no core dumps,
+        its own process group, and death when the farm goes away."""
+
+    async def aclose(self) -> None:
+        """Stop what the spawner itself runs (not the servers: the backend stops those first)."""
+
+
+async def read_ready_line(fd: int) -> bool:
+    """Read the ready pipe ``fd`` to its first line or EOF, close it; whether the server said it
+    listens. EOF first means the server exited (or closed the pipe) before it listened."""
+    data = b""
+    try:
+        os.set_blocking(fd, False)
+        while b"\n" not in data:
+            await anyio.wait_readable(fd)
+            try:
+                chunk = os.read(fd, 4096)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(fd)
+    try:
+        return json.loads(data.split(b"\n", 1)[0]).get("event") == "listening"
+    except (ValueError, AttributeError):
+        return False
