@@ -6,8 +6,9 @@ rlimit bounds the threads of one environment. A memory cgroup charges shared mem
 to the group whose process touched them, a pids cgroup bounds its threads and processes together, and
 a cpu cgroup gives it one share of the CPU beside the other environments.
 
-:meth:`ChildGroup.create` makes ``envscaler-<pid>`` (``pid``: the server that owns it) below this
-process's own group in each controller it can write: cgroup v1 (``memory``, ``pids``, ``cpu``, each
+:meth:`ChildGroup.create` makes ``envscaler-<pid>-<role>`` (``pid``: the server that owns it; one
+group per worker role, so that an environment worker that fills its memory cannot starve the checks
+of the same environment) below this process's own group in each controller it can write: cgroup v1 (``memory``, ``pids``, ``cpu``, each
 its own hierarchy) or v2 (one hierarchy, where this process's group already delegates the
 controllers to its children). A child joins it between fork and exec (:meth:`ChildGroup.join`, as
 root, before it drops its privileges), so that everything it starts is counted from its first page.
@@ -51,16 +52,16 @@ class ChildGroup:
         self._procs = [str(path / "cgroup.procs") for path in dict.fromkeys(paths.values())]
 
     @classmethod
-    def create(cls, limits: GroupLimits, owner: int | None = None) -> ChildGroup | None:
-        """A new group for the processes of server ``owner`` (this process by default), or None where no
-        memory controller can be written here (not root, no cgroup file system, v2 without delegation)."""
+    def create(cls, limits: GroupLimits, role: str, owner: int | None = None) -> ChildGroup | None:
+        """A new group for the ``role`` processes of server ``owner`` (this process by default), or None
+        where no memory controller can be written here (not root, no cgroup file system, v2 without delegation)."""
         version, parents = _writable_parents()
         if "memory" not in parents:
             return None
         _remove_stale(parents)
         paths = {}
         for controller, parent in parents.items():
-            path = parent / f"{_PREFIX}{os.getpid() if owner is None else owner}"
+            path = parent / f"{_PREFIX}{os.getpid() if owner is None else owner}-{role}"
             with contextlib.suppress(OSError):
                 path.mkdir(exist_ok=True)
                 paths[controller] = path
@@ -71,12 +72,17 @@ class ChildGroup:
         return group
 
     @classmethod
-    def find(cls, owner: int) -> ChildGroup | None:
-        """The group that server ``owner`` made (``farm status`` reads it), or None."""
+    def find(cls, owner: int) -> list[ChildGroup]:
+        """The groups that server ``owner`` made (``farm status`` reads them)."""
         version, parents = _writable_parents()
-        paths = {controller: parent / f"{_PREFIX}{owner}" for controller, parent in parents.items()}
-        paths = {controller: path for controller, path in paths.items() if path.is_dir()}
-        return cls(version, paths) if "memory" in paths else None
+        memory = parents.get("memory")
+        if memory is None:
+            return []
+        groups = []
+        for entry in sorted(memory.glob(f"{_PREFIX}{owner}-*")):
+            paths = {controller: parent / entry.name for controller, parent in parents.items() if (parent / entry.name).is_dir()}
+            groups.append(cls(version, paths))
+        return groups
 
     def join(self) -> None:
         """Move the calling process into the group (in a child before exec: as root, before any uid change)."""
@@ -109,6 +115,15 @@ class ChildGroup:
             usage_us = _read_field(memory / "cpu.stat", "usage_usec")
             usage.cpu_s = usage_us / 1e6 if usage_us is not None else None
         return usage
+
+    def memory_files(self) -> dict[str, Path]:
+        """The group's memory limit and use, by where a process inside a sandbox reads its own
+        (``servers.memory``): so that a worker refuses an episode before the kernel kills it for one."""
+        memory = self.paths["memory"]
+        if self.version == "v1":
+            names = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+            return {f"{_ROOT}/memory/{name}": memory / name for name in names}
+        return {f"{_ROOT}/{name}": memory / name for name in ("memory.max", "memory.current")}
 
     def oom_kills(self) -> int | None:
         """How many of the group's processes the kernel's OOM killer has killed."""
@@ -181,7 +196,7 @@ def _remove_stale(parents: dict[str, Path]) -> None:
     for parent in set(parents.values()):
         with contextlib.suppress(OSError):
             for entry in os.scandir(parent):
-                owner = entry.name[len(_PREFIX):]
+                owner = entry.name[len(_PREFIX):].split("-", 1)[0]
                 if entry.name.startswith(_PREFIX) and owner.isdigit() and not Path(f"/proc/{owner}").exists():
                     with contextlib.suppress(OSError):
                         os.rmdir(entry.path)  # refused while it holds a process: then it is not stale
@@ -216,3 +231,17 @@ def _read_field(path: Path, name: str) -> int | None:
 def _mb(value: int | None) -> float | None:
     # v1 reports "no limit" as a number near 2**63.
     return None if value is None or value >= 1 << 60 else round(value / _MB, 1)
+
+
+def combined(groups: list[ChildGroup]) -> WorkerResources | None:
+    """What several groups (one environment's workers) hold together, and may hold; None for none."""
+    if not groups:
+        return None
+    usages = [group.usage() for group in groups]
+
+    def total(field: str) -> float | None:
+        values = [getattr(usage, field) for usage in usages]
+        return None if any(value is None for value in values) else sum(values)
+
+    return WorkerResources(counted_by=usages[0].counted_by, memory_mb=total("memory_mb"), memory_limit_mb=total("memory_limit_mb"),
+                           tasks=total("tasks"), tasks_limit=total("tasks_limit"), cpu_s=total("cpu_s"), oom_kills=total("oom_kills"))

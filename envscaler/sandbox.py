@@ -30,7 +30,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -223,29 +223,32 @@ def warn_unprotected(problem: str) -> None:
 
 
 @contextlib.contextmanager
-def sandboxed(command: Sequence[str], *, readable: Sequence[str | Path], tasks: int = CHILD_TASKS, new_processes: bool = False,
-              memfd: bool = True) -> Iterator[Launch]:
+def sandboxed(command: Sequence[str], *, readable: Sequence[str | Path], placed: Mapping[str, Path] | None = None,
+              tasks: int = CHILD_TASKS, new_processes: bool = False, memfd: bool = True) -> Iterator[Launch]:
     """``command`` wrapped in a bubblewrap sandbox, as a :class:`Launch`: start it with the fds it
     names and ``enter`` as (the last step of) its ``preexec_fn``, inside this block.
 
     The fd (the seccomp program, which bwrap reads at start) is closed when the block ends.
-    ``readable`` paths are visible read-only at the same place; so are Python and this project's
-    packages (without the bundled catalog, unless it is named). Where this process is root, ``enter``
-    makes the child an unprivileged user (see the module's doc) with at most ``tasks`` threads and
-    processes. ``new_processes`` lets the command fork (``envscaler.seccomp``): only for a command
-    that runs no untrusted code itself and loads ``seccomp_policy()`` into each child before the
-    child runs any. ``memfd=False`` refuses memory files: for a child whose memory no cgroup counts.
+    ``readable`` paths are visible read-only at the same place, and ``placed`` ones (place inside ->
+    path here) at their place; so are Python and this project's packages (without the bundled
+    catalog, unless it is named). Where this process is root, ``enter`` makes the child an
+    unprivileged user (see the module's doc) with at most ``tasks`` threads and processes.
+    ``new_processes`` lets the command fork (``envscaler.seccomp``): only for a command that runs no
+    untrusted code itself and loads ``seccomp_policy()`` into each child before the child runs any.
+    ``memfd=False`` refuses memory files: for a child whose memory no cgroup counts.
     """
-    packages, named = _project_paths(), [Path(path).resolve() for path in readable]
+    packages = [(path, str(path)) for path in _project_paths()]
+    named = [(Path(path).resolve(), str(Path(path).resolve())) for path in readable]
+    named += [(Path(source), inside) for inside, source in (placed or {}).items()]
     shown = packages + named
     argv = ["bwrap", "--unshare-all", "--die-with-parent", "--cap-drop", "ALL"]
-    sources = [str(path) for path in shown]
+    sources = [str(path) for path, _ in shown]
     enter: Callable[[], None] = _stay
     if os.geteuid() == 0:
         argv.insert(2, "--unshare-user")  # the one user it runs as, and nobody else, inside
         sources = [f"{_VIEW}/{index}" for index in range(len(shown))]
-        enter = functools.partial(_become_unprivileged, [(str(path), path.is_dir()) for path in shown], tasks, _libc())
-    binds = list(zip(sources, (str(path) for path in shown)))
+        enter = functools.partial(_become_unprivileged, [(str(path), path.is_dir()) for path, _ in shown], tasks, _libc())
+    binds = list(zip(sources, (inside for _, inside in shown)))
     argv += _filesystem(binds[:len(packages)], binds[len(packages):])
     seccomp = os.memfd_create("envscaler-seccomp", 0)
     try:

@@ -162,11 +162,11 @@ def register_serve(commands: Any) -> None:
         "are refused with 507 and a reason rather than the server being killed (default: 32)",
     )
     parser.add_argument("--worker-memory-mb", type=int, default=1024,
-                        help="memory in MB that the environment's sandboxed workers may hold together, shared memory and "
-                        "their private /tmp included, where the server can make a memory cgroup (as root); elsewhere "
-                        "what it cannot count is refused (default: 1024)")
+                        help="memory in MB that each of the environment's sandboxed workers (its code's, its checks') may "
+                        "hold, shared memory and its private /tmp included, where the server can make a memory cgroup "
+                        "(as root); elsewhere what it cannot count is refused (default: 1024)")
     parser.add_argument("--worker-tasks", type=int, default=256,
-                        help="threads and processes the sandboxed workers may have (a pids cgroup, and a user of their own "
+                        help="threads and processes each sandboxed worker may have (a pids cgroup, and a user of its own "
                         "when the server runs as root) (default: 256)")
     parser.add_argument("--worker-cpus", type=float, default=1.0,
                         help="the workers' share of the CPU against other environments' (a cpu cgroup): 1.0 is one "

@@ -134,7 +134,8 @@ def test_kernel_knobs_cannot_be_written(farm, knob):
 def test_every_resource_is_counted_in_the_environments_cgroup(farm):
     resources = farm.rogue.info()["worker_resources"]
     assert resources["counted_by"].startswith("cgroup"), resources
-    assert resources["memory_limit_mb"] == MEMORY_MB and resources["tasks_limit"] == TASKS, resources
+    # Each worker (the environment's, the checks') in a group of its own with the environment's limits.
+    assert resources["memory_limit_mb"] == 2 * MEMORY_MB and resources["tasks_limit"] == 2 * TASKS, resources
     assert 0 < resources["memory_mb"] < MEMORY_MB and 0 < resources["tasks"] <= TASKS, resources
 
 
@@ -176,7 +177,7 @@ def test_threads_past_the_guard_are_bounded_by_the_tasks_limit(farm):
     status = envscaler("farm", "status", "--catalog", str(farm.catalog), "--all")
     assert status.returncode == 0 and "2/2 healthy" in status.stdout, status.stdout + status.stderr
     rogue = next(line for line in status.stdout.splitlines() if line.startswith("rogue "))
-    assert f"/{MEMORY_MB} " in rogue and int(rogue.split()[5]) >= started, status.stdout
+    assert f"/{2 * MEMORY_MB} " in rogue and int(rogue.split()[5]) >= started, status.stdout
 
 
 def test_catalog_check_runs_gates_and_checks_as_an_unprivileged_user(tmp_path):

@@ -586,7 +586,9 @@ def test_a_server_out_of_memory_refuses_episodes_with_507_and_keeps_serving(tmp_
         url = json.loads(process.stdout.readline())["url"]
         with httpx.Client(base_url=url, headers={"Authorization": "Bearer t"}, timeout=60) as http:
             memory = http.get("/info").json()["memory"]
-            assert memory["limited_by"] == "address space" and memory["limit_mb"] == 1536 and memory["headroom_mb"] > 32
+            # The workers' memory cgroup where the server can make one (as root), else the address space it gave them.
+            assert (memory["limited_by"], memory["limit_mb"]) in {("cgroup", 1024), ("address space", 1536)}, memory
+            assert memory["headroom_mb"] > 32
             first = http.post("/episodes", json={"scenario_id": "move_1"})
             assert first.status_code == 201
             config = {"seed": 3, "user_count": 2400}  # raw episodes: each builds its own ~2.5 MB of JSON state

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from envscaler.arguments import positive_float, positive_int, with_examples
 from envscaler.bundle import default_catalog, find_bundles, load_bundle
-from envscaler.cgroups import ChildGroup
+from envscaler.cgroups import ChildGroup, combined
 from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from envscaler.loader import precheck_class
 from envscaler.sandbox import FARM_ID_VARIABLE, UNPROTECTED, sandbox_problem
@@ -212,9 +212,8 @@ def farm_status(args: argparse.Namespace) -> int:
 def _read_resources(state: FarmState) -> None:
     """Each server's workers' use, from the cgroup the server made for them (where it could)."""
     for record in state.envs.values():
-        group = ChildGroup.find(record.pid) if record.pid is not None else None
-        if group is not None:
-            record.resources = group.usage()
+        if record.pid is not None:
+            record.resources = combined(ChildGroup.find(record.pid))
 
 
 def farm_down(args: argparse.Namespace) -> int:

@@ -191,7 +191,10 @@ class _Child:
         # In the server's process group: whatever kills the server's group (a farm restarting or stopping
         # it) takes the child and what it forked. Whatever it reads comes over the socket: no path is readable.
         with contextlib.ExitStack() as stack:
-            launch = (stack.enter_context(sandboxed(command, readable=[], tasks=tasks, new_processes=new_processes, memfd=group is not None))
+            # The group's memory files where the child reads its own: it refuses an episode before the kernel kills it.
+            placed = group.memory_files() if group is not None else None
+            launch = (stack.enter_context(sandboxed(command, readable=[], placed=placed, tasks=tasks, new_processes=new_processes,
+                                                    memfd=group is not None))
                       if sandbox else Launch(command))
             self.process = subprocess.Popen(launch.argv, pass_fds=[theirs.fileno(), *inherited, *launch.fds], env=clean_environment(),
                                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -29,7 +29,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from envscaler import Bundle, EnvCodeError, Episode, Scenario, ToolOutcome, ValidationResult
-from envscaler.cgroups import ChildGroup, GroupLimits
+from envscaler.cgroups import ChildGroup, GroupLimits, combined
 from envscaler.checks import score
 from envscaler.errors import ChecklistError
 from envscaler.models import CheckItem, ToolAnnotations, ToolSchema
@@ -80,17 +80,19 @@ class WorkerEpisodeStore(EpisodeRegistry):
         super().__init__(bundle, **limits)
         mark = RunningMarks()
         self.settings = settings = settings.model_copy(update={"mark_fd": mark.fd})
-        # Both workers in one control group: the environment's memory, tasks and CPU share, counted together.
-        self.group = ChildGroup.create(group) if sandbox and group is not None else None
+        # A control group per worker, each with the environment's limits: its memory, tasks and CPU share
+        # counted, and an environment worker that fills its memory cannot starve the checks.
+        self.groups = [ChildGroup.create(group, role) for role in ("env", "checks")] if sandbox and group is not None else [None, None]
         tasks = group.pids if group is not None else CHILD_TASKS
-        shared = dict(sandbox=sandbox, env_id=self.env_id, group=self.group, tasks=tasks)
-        self.worker = WorkerProcess("servers.workers.env_worker", settings, role=ROLE, on_lost=self._worker_lost, mark=mark, **shared)
+        shared = dict(sandbox=sandbox, env_id=self.env_id, tasks=tasks)
+        self.worker = WorkerProcess("servers.workers.env_worker", settings, role=ROLE, on_lost=self._worker_lost, mark=mark,
+                                    group=self.groups[0], **shared)
         check_mark = RunningMarks()
         # A zygote that forks a process for each validation's checks: its sandbox lets it fork, and each
         # child takes that away from itself before any check code runs.
         checker_settings = CheckerSettings(check_timeout_s=settings.check_timeout_s, mark_fd=check_mark.fd, child_seccomp=sandbox)
         self.checker = WorkerProcess("servers.workers.check_worker", checker_settings, role="check worker", on_lost=self._checker_lost,
-                                     mark=check_mark, lazy=True, new_processes=True, **shared)
+                                     mark=check_mark, lazy=True, new_processes=True, group=self.groups[1], **shared)
         self._checking = asyncio.Lock()
         hello = decode(WorkerHello, self.worker.hello)
         self._tools, self._annotations = hello.tools, hello.annotations
@@ -233,8 +235,8 @@ class WorkerEpisodeStore(EpisodeRegistry):
                                         "episodes_lost": self.lost, "worker_resources": self.resources()})
 
     def resources(self) -> WorkerResources:
-        """What the workers hold together (their control group's count), and the user they run as."""
-        usage = self.group.usage() if self.group is not None else WorkerResources(counted_by="none")
+        """What the workers hold together (their control groups' counts), and the user the environment worker runs as."""
+        usage = combined([group for group in self.groups if group is not None]) or WorkerResources(counted_by="none")
         return usage.model_copy(update={"uid": self.worker.uid})
 
     async def state(self, live: LiveEpisode) -> dict[str, Any]:
@@ -317,5 +319,6 @@ class WorkerEpisodeStore(EpisodeRegistry):
         """Stop the workers (the server is shutting down)."""
         self.worker.close()
         self.checker.close()
-        if self.group is not None:
-            self.group.remove()
+        for group in self.groups:
+            if group is not None:
+                group.remove()
