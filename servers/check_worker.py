@@ -68,7 +68,10 @@ _EXIT_UNANSWERED = 70
 # A request this large is decoded once, here, and its child forked with it in memory: a ready child would
 # decode it again, at about 32 us a KB (a 1.3 MB state: 42 ms), where a fork on the path costs about 7 ms.
 INHERITED_REQUEST_BYTES = 256 * 1024
-# The ready child answers this request of ours before it waits for one: the pages that answering writes (the
+# Children kept ready. With two, the one a request gets was forked a whole request earlier, and is warm
+# even when requests come back to back: the fork after an answer then overlaps the next request's way here.
+READY_CHILDREN = 2
+# A ready child answers this request of ours before it waits for one: the pages that answering writes (the
 # parser's, the guard's timer, the compiler's, the overlays', pydantic's) are its own by then.
 _WARM_UP_STATE = {"warm": [1]}
 _WARM_UP_REQUEST = json_bytes(CheckRequest(
@@ -100,12 +103,16 @@ class _Child:
             self.requests = None
         return True
 
-    def kill(self) -> None:
-        """Kill the child (nothing it still does counts) and close its pipes."""
+    def close(self) -> None:
+        """Close this side of its pipes."""
         for fd in (self.requests, self.answers):
             if fd is not None:
                 os.close(fd)
         self.requests = None
+
+    def kill(self) -> None:
+        """Kill the child (nothing it still does counts) and close its pipes."""
+        self.close()
         os.kill(self.pid, signal.SIGKILL)
 
     def reap(self, wait: bool = True) -> int | None:
@@ -120,10 +127,11 @@ class _Child:
 class Checker:
     """The initial states held, and a child forked for the checks of each request.
 
-    One child is kept ready between requests (forked, confined, warmed up, waiting on its pipe), so
-    that a request only hands it its payload; the next one is forked once the answer is sent. A ready
-    child holds every initial state this process holds: it is forked after each request, and only
-    requests send new ones (in their payload, or in memory to a child forked for them).
+    Children are kept ready between requests (forked, confined, warmed up, waiting on their pipes), so
+    that a request only hands one its payload; the next one is forked once the answer is sent. A ready
+    child holds every initial state this process holds: when a request brings a new one, it goes in
+    the payload to the child that gets the request (or in memory to a child forked for it), and the
+    other ready children are ended.
     """
 
     def __init__(self, settings: CheckerSettings, sock: socket.socket) -> None:
@@ -133,31 +141,32 @@ class Checker:
         self.initials: OrderedDict[str, dict[str, Any]] = OrderedDict()
         # Built once here; each child only loads it.
         self.policy = seccomp_policy() if settings.child_seccomp else None
-        self.ready: _Child | None = None
-        # Children killed but not reaped yet: the kernel takes a while to free a process's memory, so that
-        # is waited for between requests, not on their path.
+        self.ready: list[_Child] = []  # oldest first
+        # Children killed but not reaped yet.
         self.killed: list[_Child] = []
         self.pid = os.getpid()
 
     def prepare(self) -> None:
-        """Fork the next request's child if none is ready: between requests, off their path."""
-        if self.ready is None:
-            self.ready = self._fork(None)
+        """Fork ready children until there are enough or a request waits: between requests, off their path."""
+        while len(self.ready) < READY_CHILDREN and not select.select([self.sock], [], [], 0)[0]:
+            self.ready.append(self._fork(None))
         self.killed = [child for child in self.killed if child.reap(wait=False) is None]
 
     def close(self) -> None:
-        """End the ready child (the server closed the socket)."""
-        if self.ready is not None:
-            self.ready.kill()
-            self.ready.reap()
-            self.ready = None
+        """End the ready children (the server closed the socket)."""
+        for child in self.ready:
+            child.kill()
+            child.reap()
+        self.ready = []
 
     def check(self, request: CheckRequest, payload: bytes) -> tuple[int, bytes]:
         """(status, payload) of the answer to ``request`` (``payload``, as read): each check's verdict on its
         states, CheckResults with ``missing_initial`` when its initial state is not held, or a WorkerFailure."""
         initial = request.initial
+        kept = False
         if request.initial_key is not None:
             if initial is not None:
+                kept = True
                 self.initials[request.initial_key] = initial
                 if len(self.initials) > KEPT_INITIALS:
                     self.initials.popitem(last=False)
@@ -171,27 +180,37 @@ class Checker:
         if self.mark is not None:
             self.mark.set(0, request.episode_id)
         try:
-            child = self._child_for(request, initial, payload)
+            child = self._child_for(request, initial, payload, kept)
             return self._answer(child, checks_limit_s(request.checklist, self.settings.check_timeout_s))
         finally:
             if self.mark is not None:
                 self.mark.clear(0)
 
-    def _child_for(self, request: CheckRequest, initial: dict[str, Any], payload: bytes) -> _Child:
-        """The ready child, handed ``payload``; else (a large request, or a ready child that died while it
-        waited) a child forked now with the request in memory."""
-        ready, self.ready = self.ready, None
-        if ready is not None:
-            if len(payload) <= INHERITED_REQUEST_BYTES and ready.hand(payload):
-                return ready
-            # Its fds must not reach the child forked next; and it may lack an initial state just kept.
-            ready.kill()
-            self.killed.append(ready)
+    def _child_for(self, request: CheckRequest, initial: dict[str, Any], payload: bytes, kept: bool) -> _Child:
+        """The oldest ready child, handed ``payload``; else (a large request, or ready children that ended while
+        they waited) a child forked now with the request in memory. ``kept``: the request's initial state
+        was just kept here, so the ready children lack it."""
+        small = len(payload) <= INHERITED_REQUEST_BYTES
+        if kept:
+            # Only a child handed the initial state in the payload can use it.
+            for child in self.ready[1 if small else 0:]:
+                self._discard(child)
+            self.ready = self.ready[:1] if small else []
+        while small and self.ready:
+            child = self.ready.pop(0)
+            if child.hand(payload):
+                return child
+            self._discard(child)  # it ended while it waited: no fault of this request's
         return self._fork((request, initial))
+
+    def _discard(self, child: _Child) -> None:
+        """Kill ``child``; it is reaped between requests (the kernel takes a while to free its memory)."""
+        child.kill()
+        self.killed.append(child)
 
     def _fork(self, request: tuple[CheckRequest, dict[str, Any]] | None) -> _Child:
         """A child for ``request`` (the request and its initial state), or (None) a ready one that reads it
-        from a pipe. No other child's pipe is open here: a child inherits none."""
+        from a pipe."""
         # (read end, write end): the zygote writes the request and reads the answer, the child the other way round.
         request_in, request_out = os.pipe() if request is None else (None, None)
         answer_in, answer_out = os.pipe()
@@ -203,6 +222,10 @@ class Checker:
             # Nothing the checks do may return here: this is a copy of the zygote's loop.
             exit_now = os._exit
             try:
+                # The other ready children's pipes are the zygote's alone: a child that could write one could
+                # choose another validation's checks.
+                for other in self.ready:
+                    other.close()
                 for fd in (request_out, answer_in):
                     if fd is not None:
                         os.close(fd)
@@ -221,8 +244,7 @@ class Checker:
             data, ended = _read_until_closed(child.answers, time.monotonic() + limit_s)
         finally:
             # Its answer is in (or its time is up): nothing it still does counts.
-            child.kill()
-            self.killed.append(child)
+            self._discard(child)
         if not ended:
             raise _Abandoned(f"the checks did not finish within {limit_s:g} s; their process was killed")
         reader = FrameReader()

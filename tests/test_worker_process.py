@@ -241,12 +241,18 @@ def test_a_check_that_poisons_its_process_decides_no_other_validation(bundle, fl
         assert validation["score"] == pytest.approx(2 / 3)
 
 
-# A check that finds its process untouched by any earlier check, marks it, and reports which process it is.
+# A check that finds its process untouched by any earlier check, marks it, and reports which process it is
+# and how many files it holds open besides stdin, stdout and stderr.
 FRESH_PROCESS_CHECKS = [
     {"check_item": "fresh", "check_func": "def check_func(final_state):\n    import builtins\n"
      "    fresh = not hasattr(builtins, 'earlier_check')\n    builtins.earlier_check = True\n    return fresh"},
-    {"check_item": "which process", "check_func": "def check_func(final_state):\n    with open('/proc/self/stat') as stat:\n"
-     "        fields = stat.read().split()\n    raise RuntimeError(fields[0] + ' started at ' + fields[21])"},
+    {"check_item": "which process", "check_func": (
+        "def check_func(final_state):\n"
+        "    import os\n"
+        "    with open('/proc/self/stat') as stat:\n"
+        "        fields = stat.read().split()\n"
+        "    fds = [fd for fd in os.listdir('/proc/self/fd') if int(fd) > 2 and os.path.exists('/proc/self/fd/' + fd)]\n"
+        "    raise RuntimeError(f'{fields[0]} started at {fields[21]} holds {len(fds)} files')")},
 ]
 
 
@@ -264,6 +270,8 @@ def test_each_validation_runs_its_checks_in_a_process_of_its_own(bundle, flags):
             fresh, which = validation.json()["checks"]
             assert fresh["passed"] and fresh["error"] is None, validation.text
             processes.append(which["error"])
+        # Its answer's pipe only: not the pipe of a process kept ready for a later validation.
+        assert all(process.endswith(" holds 1 files (check line 6)") for process in processes), processes
         assert len(set(processes)) == len(processes), processes
 
 
