@@ -15,9 +15,9 @@ killed here (the request gets CallAbandoned), one that ends before it answers co
 only (ChecklistError). The server kills this process when an answer is overdue all the same (it runs
 one request at a time, and marks the episode whose checks it runs).
 
-A child costs milliseconds to start (the fork, then a copy of each page it first writes), so the next
-request's child is forked as soon as an answer is sent: it confines itself, warms up on a request of
-ours, and waits on a pipe, where the request only has to be written.
+A child costs milliseconds to start (the fork, then a copy of each page it first writes), so children
+for the next requests are forked ahead, between requests: each confines itself, warms up on a request
+of ours, and waits on a pipe, where a request only has to be written.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class _Child:
     """A forked process that runs one request's checks: its pid, where it reads the request (None when it
     was forked with it) and where it writes its answer."""
 
-    def __init__(self, pid: int, requests: int | None, answers: int) -> None:
+    def __init__(self, pid: int, requests: int | None, answers: int | None) -> None:
         self.pid = pid
         self.requests = requests
         self.answers = answers
@@ -104,11 +104,11 @@ class _Child:
         return True
 
     def close(self) -> None:
-        """Close this side of its pipes."""
+        """Close this side of its pipes (once)."""
         for fd in (self.requests, self.answers):
             if fd is not None:
                 os.close(fd)
-        self.requests = None
+        self.requests = self.answers = None
 
     def kill(self) -> None:
         """Kill the child (nothing it still does counts) and close its pipes."""
