@@ -241,6 +241,40 @@ def test_a_check_that_poisons_its_process_decides_no_other_validation(bundle, fl
         assert validation["score"] == pytest.approx(2 / 3)
 
 
+# A check that finds its process untouched by any earlier check, marks it, and reports which process it is
+# and how many files it holds open besides stdin, stdout and stderr.
+FRESH_PROCESS_CHECKS = [
+    {"check_item": "fresh", "check_func": "def check_func(final_state):\n    import builtins\n"
+     "    fresh = not hasattr(builtins, 'earlier_check')\n    builtins.earlier_check = True\n    return fresh"},
+    {"check_item": "which process", "check_func": (
+        "def check_func(final_state):\n"
+        "    import os\n"
+        "    with open('/proc/self/stat') as stat:\n"
+        "        fields = stat.read().split()\n"
+        "    fds = [fd for fd in os.listdir('/proc/self/fd') if int(fd) > 2 and os.path.exists('/proc/self/fd/' + fd)]\n"
+        "    raise RuntimeError(f'{fields[0]} started at {fields[21]} holds {len(fds)} files')")},
+]
+
+
+@pytest.mark.parametrize("flags", [(), ("--no-sandbox",)], ids=["sandboxed", "unsandboxed"])
+def test_each_validation_runs_its_checks_in_a_process_of_its_own(bundle, flags):
+    with serve(bundle, *flags) as server, server.client() as http:
+        episodes = [new_episode(http), new_episode(http)]
+        # A private episode whose states are too large to hand to a waiting process: one is forked for it.
+        large = http.post("/episodes", json={"init_config": {"items": {"a": {"name": "A" * 300_000, "count": 0}}}})
+        assert large.status_code == 201, large.text
+        processes = []
+        for episode in [*episodes, episodes[0], large.json()["episode_id"], episodes[1]]:
+            validation = http.post(f"/episodes/{episode}/validate", json={"checklist": FRESH_PROCESS_CHECKS})
+            assert validation.status_code == 200, validation.text
+            fresh, which = validation.json()["checks"]
+            assert fresh["passed"] and fresh["error"] is None, validation.text
+            processes.append(which["error"])
+        # Its answer's pipe only: not the pipe of a process kept ready for a later validation.
+        assert all(process.endswith(" holds 1 files (check line 6)") for process in processes), processes
+        assert len(set(processes)) == len(processes), processes
+
+
 @pytest.mark.skipif(sandbox_problem() is not None, reason=f"no sandbox here: {sandbox_problem()}")
 def test_the_checks_process_cannot_start_processes_even_past_the_guard(bundle):
     # posix.fork is the C function itself: the guard only wraps os.fork. The seccomp policy refuses it.

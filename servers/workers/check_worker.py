@@ -6,18 +6,23 @@ the states as data: the server asks the environment worker for what an episode c
 it here with the checklist; this process keeps each scenario's initial state (by its hash, sent once).
 
 Check code is untrusted too, and can patch its own process as well (``builtins.bool``, the checker's
-functions), so this process is a zygote that never runs it: for each request it forks a child that
-builds the final state, takes new processes away from itself (the seccomp policy of
-``envscaler.seccomp``: the sandbox lets this process fork), runs the checks, each under its time
-limit, sends the verdicts back through a pipe and exits. Whatever a check changed dies with its
-child, so no validation sees another's. A child that runs past the checks' limit is killed here (the
-request gets CallAbandoned), one that ends before it answers costs its validation only
-(ChecklistError). The server kills this process when an answer is overdue all the same (it runs one
-request at a time, and marks the episode whose checks it runs).
+functions), so this process is a zygote that never runs it: each request's checks run in a child
+forked for that request alone, which takes new processes away from itself (the seccomp policy of
+``envscaler.seccomp``: the sandbox lets this process fork), builds the final state, runs the checks,
+each under its time limit, sends the verdicts back through a pipe and exits. Whatever a check changed
+dies with its child, so no validation sees another's. A child that runs past the checks' limit is
+killed here (the request gets CallAbandoned), one that ends before it answers costs its validation
+only (ChecklistError). The server kills this process when an answer is overdue all the same (it runs
+one request at a time, and marks the episode whose checks it runs).
+
+A child costs milliseconds to start (the fork, then a copy of each page it first writes), so children
+for the next requests are forked ahead, between requests: each confines itself, warms up on a request
+of ours, and waits on a pipe, where a request only has to be written.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import select
 import signal
@@ -30,6 +35,7 @@ from typing import Any
 from envscaler.checks import check_states
 from envscaler.errors import ChecklistError
 from envscaler.guard import keep_alarm_handler, protect_time_limits
+from envscaler.models import CheckItem, StateChange
 from envscaler.sandbox import die_with_parent
 from envscaler.seccomp import seccomp_policy
 from envscaler.state import apply_changes
@@ -59,10 +65,74 @@ from servers.workers.wire import (
 KEPT_INITIALS = 32
 # A child's exit status when it could not send its answer (its checks broke its own process).
 _EXIT_UNANSWERED = 70
+# A request this large is decoded once, here, and its child forked with it in memory: a ready child would
+# decode it again, at about 32 us a KB (a 1.3 MB state: 42 ms), where a fork on the path costs about 7 ms.
+INHERITED_REQUEST_BYTES = 256 * 1024
+# Children kept ready. With two, the one a request gets was forked a whole request earlier, and is warm
+# even when requests come back to back: the fork after an answer then overlaps the next request's way here.
+READY_CHILDREN = 2
+# A ready child answers this request of ours before it waits for one: the pages that answering writes (the
+# parser's, the guard's timer, the compiler's, the overlays', pydantic's) are its own by then.
+_WARM_UP_STATE = {"warm": [1]}
+_WARM_UP_REQUEST = json_bytes(CheckRequest(
+    episode_id="warm-up", changes=[StateChange(path=["warm", 0], after=2)],
+    checklist=[CheckItem(check_item="warm-up", check_func="def check_func(final_state):\n    return final_state != initial_state")]))
+
+
+class _Child:
+    """A forked process that runs one request's checks: its pid, where it reads the request (None when it
+    was forked with it) and where it writes its answer."""
+
+    def __init__(self, pid: int, requests: int | None, answers: int | None) -> None:
+        self.pid = pid
+        self.requests = requests
+        self.answers = answers
+        self.status: int | None = None
+
+    def hand(self, payload: bytes) -> bool:
+        """Write ``payload`` (a CheckRequest) and close the pipe; False when the child ended before it read it."""
+        assert self.requests is not None
+        view = memoryview(payload)
+        try:
+            while view:
+                view = view[os.write(self.requests, view):]
+        except BrokenPipeError:
+            return False
+        finally:
+            os.close(self.requests)
+            self.requests = None
+        return True
+
+    def close(self) -> None:
+        """Close this side of its pipes (once)."""
+        for fd in (self.requests, self.answers):
+            if fd is not None:
+                os.close(fd)
+        self.requests = self.answers = None
+
+    def kill(self) -> None:
+        """Kill the child (nothing it still does counts) and close its pipes."""
+        self.close()
+        os.kill(self.pid, signal.SIGKILL)
+
+    def reap(self, wait: bool = True) -> int | None:
+        """The killed child's wait status, once it has ended (None when not yet and not ``wait``)."""
+        if self.status is None:
+            pid, status = os.waitpid(self.pid, 0 if wait else os.WNOHANG)
+            if pid:
+                self.status = status
+        return self.status
 
 
 class Checker:
-    """The initial states held, and a child forked for the checks of each request."""
+    """The initial states held, and a child forked for the checks of each request.
+
+    Children are kept ready between requests (forked, confined, warmed up, waiting on their pipes), so
+    that a request only hands one its payload; the next one is forked once the answer is sent. A ready
+    child holds every initial state this process holds: when a request brings a new one, it goes in
+    the payload to the child that gets the request (or in memory to a child forked for it), and the
+    other ready children are ended.
+    """
 
     def __init__(self, settings: CheckerSettings, sock: socket.socket) -> None:
         self.settings = settings
@@ -71,13 +141,32 @@ class Checker:
         self.initials: OrderedDict[str, dict[str, Any]] = OrderedDict()
         # Built once here; each child only loads it.
         self.policy = seccomp_policy() if settings.child_seccomp else None
+        self.ready: list[_Child] = []  # oldest first
+        # Children killed but not reaped yet.
+        self.killed: list[_Child] = []
+        self.pid = os.getpid()
 
-    def check(self, request: CheckRequest) -> tuple[int, bytes]:
-        """(status, payload) of the answer: each check's verdict on the request's states, CheckResults with
-        ``missing_initial`` when its initial state is not held, or a WorkerFailure."""
+    def prepare(self) -> None:
+        """Fork ready children until there are enough or a request waits: between requests, off their path."""
+        while len(self.ready) < READY_CHILDREN and not select.select([self.sock], [], [], 0)[0]:
+            self.ready.append(self._fork(None))
+        self.killed = [child for child in self.killed if child.reap(wait=False) is None]
+
+    def close(self) -> None:
+        """End the ready children (the server closed the socket)."""
+        for child in self.ready:
+            child.kill()
+            child.reap()
+        self.ready = []
+
+    def check(self, request: CheckRequest, payload: bytes) -> tuple[int, bytes]:
+        """(status, payload) of the answer to ``request`` (``payload``, as read): each check's verdict on its
+        states, CheckResults with ``missing_initial`` when its initial state is not held, or a WorkerFailure."""
         initial = request.initial
+        kept = False
         if request.initial_key is not None:
             if initial is not None:
+                kept = True
                 self.initials[request.initial_key] = initial
                 if len(self.initials) > KEPT_INITIALS:
                     self.initials.popitem(last=False)
@@ -91,31 +180,71 @@ class Checker:
         if self.mark is not None:
             self.mark.set(0, request.episode_id)
         try:
-            return self._in_child(request, initial)
+            child = self._child_for(request, initial, payload, kept)
+            return self._answer(child, checks_limit_s(request.checklist, self.settings.check_timeout_s))
         finally:
             if self.mark is not None:
                 self.mark.clear(0)
 
-    def _in_child(self, request: CheckRequest, initial: dict[str, Any]) -> tuple[int, bytes]:
-        limit_s = checks_limit_s(request.checklist, self.settings.check_timeout_s)
-        answers, answer_end = os.pipe()
+    def _child_for(self, request: CheckRequest, initial: dict[str, Any], payload: bytes, kept: bool) -> _Child:
+        """The oldest ready child, handed ``payload``; else (a large request, or ready children that ended while
+        they waited) a child forked now with the request in memory. ``kept``: the request's initial state
+        was just kept here, so the ready children lack it."""
+        small = len(payload) <= INHERITED_REQUEST_BYTES
+        if kept:
+            # Only a child handed the initial state in the payload can use it.
+            for child in self.ready[1 if small else 0:]:
+                self._discard(child)
+            self.ready = self.ready[:1] if small else []
+        while small and self.ready:
+            child = self.ready.pop(0)
+            if child.hand(payload):
+                return child
+            self._discard(child)  # it ended while it waited: no fault of this request's
+        return self._fork((request, initial))
+
+    def _discard(self, child: _Child) -> None:
+        """Kill ``child``; it is reaped between requests (the kernel takes a while to free its memory)."""
+        child.kill()
+        self.killed.append(child)
+
+    def _fork(self, request: tuple[CheckRequest, dict[str, Any]] | None) -> _Child:
+        """A child for ``request`` (the request and its initial state), or (None) a ready one that reads it
+        from a pipe."""
+        # (read end, write end): the zygote writes the request and reads the answer, the child the other way round.
+        request_in, request_out = os.pipe() if request is None else (None, None)
+        answer_in, answer_out = os.pipe()
+        # The heap so far is the garbage collector's no more: a child's collections do not write (and so
+        # copy) every page of it, nor do this process's own. Objects freed by reference counting still are.
+        gc.freeze()
         pid = os.fork()
         if pid == 0:
             # Nothing the checks do may return here: this is a copy of the zygote's loop.
             exit_now = os._exit
             try:
-                os.close(answers)
-                self._run_child(request, initial, answer_end)
+                # The other ready children's pipes are the zygote's alone: a child that could write one could
+                # choose another validation's checks.
+                for other in self.ready:
+                    other.close()
+                for fd in (request_out, answer_in):
+                    if fd is not None:
+                        os.close(fd)
+                self._run_child(request or request_in, answer_out)
             finally:
                 exit_now(_EXIT_UNANSWERED)
-        os.close(answer_end)
+        for fd in (request_in, answer_out):
+            if fd is not None:
+                os.close(fd)
+        return _Child(pid, request_out, answer_in)
+
+    def _answer(self, child: _Child, limit_s: float) -> tuple[int, bytes]:
+        """The answer ``child`` writes within ``limit_s``; CallAbandoned past it, ChecklistError when it
+        ends without one."""
         try:
-            data, ended = _read_until_closed(answers, time.monotonic() + limit_s)
+            data, ended = _read_until_closed(child.answers, time.monotonic() + limit_s)
         finally:
-            os.close(answers)
-        # Its answer is in (or its time is up): nothing it still does counts.
-        os.kill(pid, signal.SIGKILL)
-        _, status = os.waitpid(pid, 0)
+            # Its answer is in (or its time is up): nothing it still does counts.
+            self._discard(child)
         if not ended:
             raise _Abandoned(f"the checks did not finish within {limit_s:g} s; their process was killed")
         reader = FrameReader()
@@ -124,37 +253,79 @@ class Checker:
         except FrameTooLarge as e:
             raise ChecklistError(f"the checks' process answered {e}") from None
         if len(frames) != 1 or reader.buffer:
-            raise ChecklistError(f"the checks' process ended without an answer ({_how_it_ended(status)})")
-        _, answer_status, payload = frames[0]
+            raise ChecklistError(f"the checks' process ended without an answer ({_how_it_ended(child.reap())})")
+        _, answer_status, answer = frames[0]
         if answer_status != OK:
             # Only ever a checklist error: checks must not pass for the server's other errors (a lost episode).
             try:
-                message = decode(WorkerFailure, payload).message
+                message = decode(WorkerFailure, answer).message
             except (ValueError, RecursionError):
                 message = "the checks' process answered with a malformed error"
             raise ChecklistError(message)
-        return OK, payload
+        return OK, answer
 
-    def _run_child(self, request: CheckRequest, initial: dict[str, Any], answer_end: int) -> None:
-        """The child's whole life: confine itself, run the checks, write the answer to ``answer_end``, exit."""
-        die_with_parent(signal.SIGKILL)
+    def _run_child(self, request: tuple[CheckRequest, dict[str, Any]] | int | None, answer_out: int) -> None:
+        """The child's whole life: confine itself, get its request (``request``, or read from that fd after
+        a warm-up), run the checks, write the answer to ``answer_out``, exit."""
+        if not self.settings.child_seccomp:
+            # Unsandboxed, nothing else ends this process if the zygote dies. In the sandbox (where the child
+            # loads the policy) the zygote is the first process of bubblewrap's PID namespace, whose end ends
+            # every process in it: no need to spend half a millisecond here.
+            die_with_parent(signal.SIGKILL)
+            if os.getppid() != self.pid:
+                os._exit(0)  # the zygote died before the kernel was asked to end this process with it
         # The server's socket and the marks page are the zygote's: the checks reach neither.
         self.sock.close()
         if self.mark is not None:
             self.mark.close()
+        problem = self._confine()
+        if not isinstance(request, tuple):
+            if problem is None:
+                self._warm_up()
+            request = self._read_request(request)
         try:
-            if self.policy is not None:
-                try:
-                    self.policy.load()
-                except OSError as e:
-                    raise ChecklistError(f"the checks' process could not take new processes away from itself: {e}") from None
-            answer: Any = CheckResults(checks=self._checks(request, initial))
+            if problem is not None:
+                raise ChecklistError(problem)
+            answer: Any = CheckResults(checks=self._checks(*request))
             status = OK
         except ChecklistError as e:
             answer, status = WorkerFailure(error="ChecklistError", message=str(e)), FAILED
-        with open(answer_end, "wb") as out:
+        with open(answer_out, "wb") as out:
             out.write(frame(0, answer, status))
         os._exit(0)
+
+    def _confine(self) -> str | None:
+        """Load the no-new-processes policy, if any; why it could not be, or None."""
+        if self.policy is not None:
+            try:
+                self.policy.load()
+            except OSError as e:
+                return f"the checks' process could not take new processes away from itself: {e}"
+        return None
+
+    def _warm_up(self) -> None:
+        """Answer a request of ours (none of it kept), then write what a change to the initial state used
+        last writes: the reference counts of its top-level containers' items, which a change below one
+        copies. The fork shares those pages and each first write copies one: on a 1.3 MB state, about
+        5 ms that a validation would wait for otherwise."""
+        request = decode(CheckRequest, _WARM_UP_REQUEST)
+        frame(0, CheckResults(checks=self._checks(request, _WARM_UP_STATE)))
+        if self.initials:
+            for value in self.initials[next(reversed(self.initials))].values():
+                if isinstance(value, (dict, list)):
+                    value.copy()
+
+    def _read_request(self, request_in: int) -> tuple[CheckRequest, dict[str, Any]]:
+        """The request the zygote writes to ``request_in``, and its initial state (sent with it, else held
+        here since the fork); ends the process quietly when the zygote closes the pipe with none."""
+        with open(request_in, "rb") as pipe:
+            payload = pipe.read()
+        if not payload:
+            os._exit(0)
+        request = decode(CheckRequest, payload)
+        # The zygote found the request's initial state in the payload or held it, so this process holds it too.
+        initial = request.initial if request.initial is not None else self.initials[str(request.initial_key)]
+        return request, initial
 
     def _checks(self, request: CheckRequest, initial: dict[str, Any]) -> list[Any]:
         try:
@@ -205,19 +376,29 @@ def run_checker(sock: socket.socket) -> None:
     checker = Checker(settings, sock)
     sock.sendall(frame(HELLO_ID, {}))
     while True:
-        try:
-            request_id, _, payload = recv_frame(sock)
-        except EOFError:
+        checker.prepare()
+        if not _answer_one(checker, sock):
+            checker.close()
             return
-        try:
-            status, answer = checker.check(decode(CheckRequest, payload))
-        except ChecklistError as e:
-            status, answer = FAILED, json_bytes(WorkerFailure(error="ChecklistError", message=str(e)))
-        except _Abandoned as e:
-            status, answer = FAILED, json_bytes(WorkerFailure(error="CallAbandoned", message=str(e)))
-        except (ValueError, RecursionError) as e:
-            status, answer = FAILED, json_bytes(WorkerFailure(error="ChecklistError", message=f"unreadable check request: {e}"))
-        sock.sendall(HEADER.pack(len(answer), request_id, status) + answer)
+
+
+def _answer_one(checker: Checker, sock: socket.socket) -> bool:
+    """Read one request and answer it; False when the server closed the socket instead. A function of its
+    own so that nothing of the request outlives it: the child forked next holds no other episode's data."""
+    try:
+        request_id, _, payload = recv_frame(sock)
+    except EOFError:
+        return False
+    try:
+        status, answer = checker.check(decode(CheckRequest, payload), payload)
+    except ChecklistError as e:
+        status, answer = FAILED, json_bytes(WorkerFailure(error="ChecklistError", message=str(e)))
+    except _Abandoned as e:
+        status, answer = FAILED, json_bytes(WorkerFailure(error="CallAbandoned", message=str(e)))
+    except (ValueError, RecursionError) as e:
+        status, answer = FAILED, json_bytes(WorkerFailure(error="ChecklistError", message=f"unreadable check request: {e}"))
+    sock.sendall(HEADER.pack(len(answer), request_id, status) + answer)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
