@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from skyrl_gym.envs import register, registry
+from skyrl_gym.envs.registration import register, registry
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
 from agent_client.errors import HarnessError
