@@ -24,81 +24,27 @@ the model as ``object`` / ``array``; the server still validates every call again
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import inspect
 import keyword
 import re
-import threading
 import weakref
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar, Union
+from typing import Any, ClassVar, Literal, Union
 
-from agent_client.agents import SYSTEM_PROMPT
 from agent_client.errors import HarnessError
-from agent_client.http import LeanHttp
-from agent_client.models import load_farm_catalog
-from agent_client.remote import EnvControl, McpTools, new_http_client
+from agent_client.remote import EnvControl, McpTools
+from agent_client.training.session import Background, FarmConnection, FarmEnvDescription, describe_environment, scenario_prompt
 from envscaler.errors import InfraError
 from envscaler.models import ToolSchema
-from envscaler.wire import EnvEndpoint, FarmCatalog
+from envscaler.wire import FarmCatalog
 
-T = TypeVar("T")
+__all__ = ["FarmEnvironment", "TrainingFarm", "environment_class"]
 
 _RESERVED = {"reset", "get_reward"}
 _OMITTED: Any = type("Omitted", (), {"__repr__": lambda self: "<omitted>"})()
 _JSON_TYPES: dict[str, Any] = {"string": str, "integer": int, "number": float, "boolean": bool, "object": dict, "null": type(None)}
-
-
-@dataclass(frozen=True)
-class FarmScenario:
-    """One scored scenario of a farm environment."""
-
-    env_id: str
-    scenario_id: str
-    task: str
-
-
-@dataclass(frozen=True)
-class FarmEnvDescription:
-    """What training needs to know about one farm environment."""
-
-    env_id: str
-    endpoint: EnvEndpoint
-    introduction: str
-    tools: list[ToolSchema]
-    scenarios: list[FarmScenario]
-
-
-class _Background:
-    """One event loop on a daemon thread, running the harness's async clients for TRL's synchronous calls.
-
-    Every environment instance shares it and its pooled HTTP client; TRL may call from several threads.
-    """
-
-    _lock = threading.Lock()
-    _loop: ClassVar[asyncio.AbstractEventLoop | None] = None
-    _http: ClassVar[LeanHttp | None] = None
-
-    @classmethod
-    def http(cls) -> LeanHttp:
-        with cls._lock:
-            if cls._loop is None:
-                loop = asyncio.new_event_loop()
-                threading.Thread(target=loop.run_forever, name="envscaler-training", daemon=True).start()
-                cls._loop = loop
-                cls._http = new_http_client()
-            assert cls._http is not None
-            return cls._http
-
-    @classmethod
-    def run(cls, work: Coroutine[Any, Any, T]) -> T:
-        """``work`` run to its end on the background loop; its exception is raised here."""
-        cls.http()
-        assert cls._loop is not None
-        return asyncio.run_coroutine_threadsafe(work, cls._loop).result()
 
 
 # -- the environment classes ----------------------------------------------------------------------
@@ -113,7 +59,7 @@ class FarmEnvironment:
 
     def __init__(self) -> None:
         description = self._description
-        self._control = EnvControl(_Background.http(), description.env_id, description.endpoint)
+        self._control = EnvControl(Background.http(), description.env_id, description.endpoint)
         self._episode_id: str | None = None
         self._tools: McpTools | None = None
         _live_instances.add(self)
@@ -131,7 +77,7 @@ class FarmEnvironment:
         if row.get("env_id", env_id) != env_id:
             raise HarnessError(f"row for {row['env_id']!r} given to the {env_id!r} environment; pass the dict from environment_factory()")
         self._end_episode()
-        created = _Background.run(self._control.create(scenario_id))
+        created = Background.run(self._control.create(scenario_id))
         self._episode_id = created.episode_id
         self._tools = McpTools(self._control.http, created.mcp_url)
         if "prompt" in row:
@@ -143,20 +89,20 @@ class FarmEnvironment:
         episode_id = self._episode_id
         if episode_id is None:
             raise HarnessError(f"{self._description.env_id}: get_reward before reset: no episode to score")
-        return _Background.run(self._control.validate(episode_id)).score
+        return Background.run(self._control.validate(episode_id)).score
 
     def _call(self, name: str, arguments: dict[str, Any]) -> str:
         """The text the model sees: the tool's result, or its error message, as on MCP."""
         tools = self._tools
         if tools is None:
             raise HarnessError(f"{self._description.env_id}: tool {name} called before reset")
-        text, _is_error = _Background.run(tools.call(name, arguments))
+        text, _is_error = Background.run(tools.call(name, arguments))
         return text
 
     def _end_episode(self) -> None:
         episode_id, self._episode_id, self._tools = self._episode_id, None, None
         if episode_id is not None:
-            _Background.run(self._control.end(episode_id))
+            Background.run(self._control.end(episode_id))
 
 
 @atexit.register
@@ -254,26 +200,6 @@ def environment_class(description: FarmEnvDescription) -> type[FarmEnvironment]:
 # -- the farm ---------------------------------------------------------------------------------------
 
 
-def describe_environment(env_id: str, endpoint: EnvEndpoint) -> FarmEnvDescription:
-    """Ask one server for its scored scenarios, tools and introduction.
-
-    Tool schemas come with an episode (``POST /episodes``), so one is opened on the first scenario
-    and ended at once.
-    """
-
-    async def describe() -> FarmEnvDescription:
-        control = EnvControl(_Background.http(), env_id, endpoint)
-        scenarios = [FarmScenario(env_id, s.task_id, s.task) for s in await control.scenarios() if s.checks > 0]
-        if not scenarios:
-            raise HarnessError(f"{env_id} has no scored scenarios (with a checklist) to train on")
-        created = await control.create(scenarios[0].scenario_id)
-        await control.end(created.episode_id)
-        tools = [ToolSchema.model_validate(t.get("function", t)) for t in created.tools]
-        return FarmEnvDescription(env_id, endpoint, created.env_introduction, tools, scenarios)
-
-    return _Background.run(describe())
-
-
 class TrainingFarm:
     """A running farm seen by a trainer: its environments' classes, and its scenarios as a dataset."""
 
@@ -286,25 +212,26 @@ class TrainingFarm:
     @classmethod
     def connect(cls, catalog: str | Path | FarmCatalog, env_ids: list[str] | None = None) -> TrainingFarm:
         """The farm that ``catalog`` (a file written by ``envscaler farm up``, or its model) describes."""
-        farm = catalog if isinstance(catalog, FarmCatalog) else load_farm_catalog(catalog)
-        chosen = env_ids or sorted(farm.envs)
-        unknown = [e for e in chosen if e not in farm.envs]
-        if unknown:
-            raise HarnessError(f"the farm has no environment {', '.join(unknown)} (it has {', '.join(sorted(farm.envs))})")
-        return cls([describe_environment(env_id, farm.envs[env_id]) for env_id in chosen])
+        farm = FarmConnection(catalog)
+        return cls([describe_environment(env_id, farm.endpoint(env_id)) for env_id in env_ids or sorted(farm.catalog.envs)])
 
     def environment_factory(self) -> dict[str, type[FarmEnvironment]]:
         """``{env_id: class}`` for ``GRPOTrainer(environment_factory=...)``; rows pick theirs by ``environment``."""
         return dict(self.classes)
 
     def rows(self, repeats: int = 1) -> list[dict[str, Any]]:
-        """One row per scored scenario (times ``repeats``): prompt, env_id, scenario_id, environment."""
+        """One row per scored scenario (times ``repeats``): prompt, env_id, scenario_id, environment.
+
+        Conversational scenarios are left out: TRL's tool loop has no user turn for their simulated
+        user to speak in, and their task (the user's brief) must not reach the agent as its prompt.
+        """
         rows = []
         for description in self.descriptions.values():
-            system = {"role": "system", "content": SYSTEM_PROMPT.format(introduction=description.introduction)}
             for scenario in description.scenarios:
+                if scenario.conversational:
+                    continue
                 row = {
-                    "prompt": [system, {"role": "user", "content": scenario.task}],
+                    "prompt": scenario_prompt(description, scenario),
                     "env_id": scenario.env_id,
                     "scenario_id": scenario.scenario_id,
                     "environment": scenario.env_id,
