@@ -89,7 +89,7 @@ class Checker:
         if initial is None:
             raise ChecklistError("the request holds no initial state")
         if self.mark is not None:
-            self.mark.set(0, request.episode_id)
+            self.mark.set(0, request.handle)
         try:
             return self._in_child(request, initial)
         finally:

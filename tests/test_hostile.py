@@ -253,6 +253,35 @@ def test_nothing_else_was_lost(farm):
     assert httpx.get(f"{farm.victim.url}/info", headers={"Authorization": f"Bearer {farm.victim.token}"}).json()["worker_restarts"] == 0
 
 
+def test_environment_code_finds_no_episode_id_and_the_handles_it_finds_open_nothing(tmp_path):
+    catalog = tmp_path / "farm.json"
+    # A limit long enough for a walk through every object of the worker on a slow machine.
+    up = envscaler("farm", "up", str(wall_bundle(tmp_path / "wall")), "--backend", "process", "--catalog", str(catalog),
+                   "--call-timeout", "20")
+    assert up.returncode == 0, up.stderr
+    try:
+        farm = json.loads(catalog.read_text())
+        wall = Endpoint(farm["envs"]["wall"]["url"], farm["envs"]["wall"]["token"])
+        with wall.control() as http:
+            episodes = [wall.new_episode(http, "wall_001") for _ in range(3)]
+            for episode in episodes:
+                assert not call(http, episode["mcp_url"], "add", {"item_id": "a"})["isError"]
+            harvest = call(http, episodes[0]["mcp_url"], "harvest", {})
+            assert not harvest["isError"], harvest
+            found = json.loads(harvest["content"][0]["text"])["data"]
+            ids = [episode["episode_id"] for episode in episodes]
+            assert len(found["tokens"]) > 100 and not [token for token in found["tokens"] if any(i in token for i in ids)]
+            assert len(found["names"]) == 3 and not set(found["names"]) & set(ids), found["names"]
+            listing = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
+            routes = [wall.url, f"{farm['gateway']}/envs/wall"]
+            for route in routes:
+                assert http.post(f"{route}/episodes/{ids[0]}/mcp", json=listing).status_code == 200
+                for name in found["names"]:
+                    assert http.post(f"{route}/episodes/{name}/mcp", json=listing).status_code == 404, (route, name)
+    finally:
+        envscaler("farm", "down", "--catalog", str(catalog))
+
+
 def test_catalog_check_fails_each_hostile_scenario_alone(tmp_path):
     tools = ["bypass_alarm", "c_loop", "deep", "exit_in_state", "double"]
     scenarios = [counter_scenario(env_id="wall", task_id=f"wall_{tool}", reference_solution=[{"name": tool, "arguments": {}}])
