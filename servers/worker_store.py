@@ -44,7 +44,7 @@ from envscaler.sandbox import CHILD_TASKS
 from envscaler.wire import WorkerResources
 from servers.episodes import ABANDON_GRACE_S, CallStats, EpisodeRegistry, LiveEpisode, checks_limit_s
 from servers.errors import CallAbandoned, EpisodeLost, UnknownEpisode
-from servers.worker_process import WorkerGone, WorkerProcess
+from servers.worker_process import Turn, WorkerGone, WorkerProcess
 from servers.worker_wire import (
     CheckerSettings,
     CheckRequest,
@@ -64,7 +64,7 @@ log = logging.getLogger("envscaler.server")
 T = TypeVar("T")
 
 ROLE = "environment worker"
-# How many times a request caught up in other requests' falls is asked again, at most.
+# How many times a request is asked in all, at most, when the worker keeps falling under it without blaming it.
 CAUGHT_UP_TRIES = 4
 
 
@@ -125,56 +125,60 @@ class WorkerEpisodeStore(EpisodeRegistry):
     async def _ensure_built(self, live: LiveEpisode) -> None:
         """Rebuild ``live`` in the current worker if its state went with a lost one (``live.lock`` is held);
         marks it lost when that cannot be done."""
-        for _ in range(CAUGHT_UP_TRIES):
-            reason = self._stale.pop(live.episode_id, None)
-            if reason is None or live.lost is not None:
-                return
-            history = self._histories.setdefault(live.episode_id, _History())
-            if history.unreplayable is not None:
-                self._mark_lost(live, f"{reason}; it cannot be rebuilt: {history.unreplayable}")
-                return
-            handle = self._handles[live.episode_id]
-            request = WorkerRequest(op="replay", handle=handle, scenario_id=live.scenario.task_id if live.scenario else None,
-                                    init_config=None if live.scenario else (live.init_config or {}), calls=history.calls)
-            limit = (len(history.calls) + 1) * (self.settings.call_timeout_s + ABANDON_GRACE_S)
-            try:
-                await self.worker.ask(request, limit, "the rebuild of an episode", handle)
-            except WorkerGone as e:
-                if e.blamed:
-                    self._mark_lost(live, f"{reason}; rebuilding it brought the new worker down too ({e})")
+        turn: Turn | None = None
+        for tries in range(1, CAUGHT_UP_TRIES + 1):
+            async with self.worker.alone(turn):
+                reason = self._stale.pop(live.episode_id, None)
+                if reason is None or live.lost is not None:
                     return
-                self._stale[live.episode_id] = reason  # caught up in another's fall: once more
-                continue
-            except (EpisodeLost, EnvCodeError, UnknownEpisode) as e:
-                self._mark_lost(live, f"{reason}; it cannot be rebuilt: {e}")
+                history = self._histories.setdefault(live.episode_id, _History())
+                if history.unreplayable is not None:
+                    self._mark_lost(live, f"{reason}; it cannot be rebuilt: {history.unreplayable}")
+                    return
+                handle = self._handles[live.episode_id]
+                request = WorkerRequest(op="replay", handle=handle, scenario_id=live.scenario.task_id if live.scenario else None,
+                                        init_config=None if live.scenario else (live.init_config or {}), calls=history.calls)
+                limit = (len(history.calls) + 1) * (self.settings.call_timeout_s + ABANDON_GRACE_S)
+                try:
+                    await self.worker.ask(request, limit, "the rebuild of an episode", handle, again=tries < CAUGHT_UP_TRIES,
+                                          caught_up=tries > 1)
+                except WorkerGone as e:
+                    if e.blamed:
+                        self._mark_lost(live, f"{reason}; rebuilding it brought the new worker down too ({e})")
+                        return
+                    self._stale[live.episode_id] = reason  # it may be innocent: once more
+                    turn = e.turn
+                    continue
+                except (EpisodeLost, EnvCodeError, UnknownEpisode) as e:
+                    self._mark_lost(live, f"{reason}; it cannot be rebuilt: {e}")
+                    return
+                self.rebuilt += 1
+                log.info("episode rebuilt in a new environment worker",
+                         extra={"env": self.env_id, "episode": live.episode_id, "calls": len(history.calls)})
                 return
-            self.rebuilt += 1
-            log.info("episode rebuilt in a new environment worker",
-                     extra={"env": self.env_id, "episode": live.episode_id, "calls": len(history.calls)})
-            return
         self._mark_lost(live, f"{self._stale.pop(live.episode_id, 'its worker was lost')}; the workers that were to rebuild it "
                               f"were lost {CAUGHT_UP_TRIES} times in a row")
 
     async def _ask_about(self, request: WorkerRequest, limit_s: float, what: str, live: LiveEpisode | None = None) -> tuple[bytes, int]:
         """The worker's answer to ``request`` about one episode (``live``, once it is built).
 
-        When the worker goes down for another request's sake, this one is innocent: the episode
-        (``live``, when it is built) is rebuilt in the new worker and asked again, a few times at most;
-        a fall that no request is blamed for gets it one more try only. Raises WorkerGone when this
-        request is to blame or the tries run out, EpisodeLost when the episode cannot be rebuilt.
+        When the worker goes down and this request is not blamed, it may be innocent: the episode is
+        rebuilt in the new worker and the request asked again, alone in its turn when it has one (see
+        ``servers.worker_process``), a few times at most. Raises WorkerGone when this request is to
+        blame or the tries run out, EpisodeLost when the episode cannot be rebuilt.
         """
-        unexplained = 0
-        for _ in range(CAUGHT_UP_TRIES):
-            try:
-                return await self.worker.ask_child(request, limit_s, what, request.handle)
-            except WorkerGone as e:
-                unexplained += not e.explained
-                if e.blamed or unexplained > 1:
-                    raise
-                gone = e
-            if live is not None:
-                await self._ensure_usable(live)
-        raise gone
+        tries, turn = 1, None
+        while True:
+            async with self.worker.alone(turn):
+                if tries > 1 and live is not None:
+                    await self._ensure_usable(live)
+                try:
+                    return await self.worker.ask_child(request, limit_s, what, request.handle, again=tries < CAUGHT_UP_TRIES,
+                                                       caught_up=tries > 1)
+                except WorkerGone as e:
+                    if e.blamed or tries == CAUGHT_UP_TRIES:
+                        raise
+                    tries, turn = tries + 1, e.turn
 
     async def _ensure_usable(self, live: LiveEpisode) -> None:
         """Rebuild ``live`` if it must be (``live.lock`` is held); raises EpisodeLost when it is lost."""

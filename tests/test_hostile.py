@@ -5,7 +5,8 @@ in-process guard with the originals it keeps, or that no guard inside a process 
 a crash, a result nested a million deep). A process farm (sandboxed where bwrap works) runs it next to
 a plain counter environment, with a call and check limit of 1 s. For each attack:
 
-- the bad call gets an error within its limit plus the grace;
+- the bad call gets an error within its limit plus the grace, twice over when other calls were in
+  flight on its worker (it is run again alone before it is blamed);
 - an episode of the same environment and one of the other keep calling while it happens, and answer
   every call correctly, each within a bound tied to the limits (the other environment's within one
   bad call's time, the same environment's, caught up in a fall and run again, within two);
@@ -41,6 +42,9 @@ WITHIN_S = CALL_TIMEOUT_S + ABANDON_GRACE_S + GRACE_S + 1.0
 # The longest a bystander's call may take: one of its own environment's may be caught up in a fall and
 # run again once the worker is replaced. Bounds tied to the limits, not to how fast the machine is today.
 BYSTANDER_WITHIN_S = {"same": 2 * WITHIN_S, "other": WITHIN_S}
+# The longest a bad call may take when a bystander's call was in flight on its worker when it fell: it
+# is run again alone before it is blamed, a second deadline on a second new worker.
+SHARED_WITHIN_S = 2 * WITHIN_S
 
 
 @dataclass
@@ -170,7 +174,7 @@ def test_a_bad_call_gets_an_error_in_time_and_costs_nobody_else(farm, tool, argu
         result, took = while_bystanders_call(farm, lambda: call(http, bad["mcp_url"], tool, arguments))
         texts, kinds = (text, kind) if isinstance(text, list) else ([text], [kind])
         assert result["isError"] and any(t in result["content"][0]["text"] for t in texts), result
-        assert took < WITHIN_S, took
+        assert took < SHARED_WITHIN_S, took
         calls = http.get(f"/episodes/{bad['episode_id']}/trajectory").json()["calls"]
         assert len(calls) == 1 and calls[0]["error_kind"] in kinds, calls
         # The bad episode goes on from before its call (or was never touched by it).
