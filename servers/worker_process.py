@@ -22,14 +22,19 @@ child.
 Which request to blame, nothing the child says can tell: the untrusted code it runs can write
 whatever the child can, the shared page that names the request each of its threads runs
 (:class:`servers.worker_wire.RunningMarks`) included. So a request is blamed only when it was the
-only one in flight on the child (hint first, verify alone). When several were, none is blamed: those
-the page names (the suspects: the event loop's first, then its threads') are asked again first, one
-at a time, each alone on the new child with nothing else sent meanwhile (:meth:`WorkerProcess.alone`);
-one that brings that child down too is blamed, and one that completes stands (the page lied, or it
-was only waiting for the GIL). Then the others are asked again as usual, together; one that falls with
-others a second time is asked again alone too, in its turn. So a request that is blamed has brought
-a child down with nothing else running there, and an honest page costs the others one more deadline
-(the guilty suspect's second fall) and the other suspects' own time, at most.
+only one in flight on the child (hint first, verify alone). When several were, none is blamed, and
+each whose caller asks again gets a :class:`Turn` (:meth:`WorkerProcess.alone`):
+
+- the others first: those the page does not name get a pass and are asked again at once, together on
+  the new child (with whatever new requests come meanwhile). An honest page costs them nothing more.
+- then the suspects, those the page names (its event loop's, else its threads'): once every pass has
+  ended and nothing else is in flight, each is asked again alone, with nothing else sent until it
+  ends. One that brings that child down is blamed; one that completes stands (the page lied, or it
+  was only waiting for the GIL).
+- a request that falls with others again after a fall it was caught up in (the page lied, and the
+  culprit was among those with passes) is asked again alone too, in its turn.
+
+So a request that is blamed has brought a child down with nothing else in flight there.
 
 The one rule of time: when the owner replaces a child that still answers, because a request's code
 runs on past its limit on a thread that cannot be stopped (:meth:`WorkerProcess.restart`), every
@@ -93,12 +98,16 @@ _ERRORS: dict[str, type[Exception]] = {
 
 
 class Turn:
-    """A request's turn to be asked again alone on the child (:meth:`WorkerProcess.alone`)."""
+    """A request's turn to be asked again after a fall it was not blamed for (:meth:`WorkerProcess.alone`):
+    ``alone`` (a suspect's, or a second fall's), or a pass (with the others, before any turn alone)."""
 
-    __slots__ = ()
+    __slots__ = ("alone",)
+
+    def __init__(self, alone: bool) -> None:
+        self.alone = alone
 
 
-# The turn the current task runs in, if any: its requests are the only ones sent meanwhile.
+# The turn the current task runs in, if any (it ends when one of the task's requests falls).
 _HOLDING: contextvars.ContextVar[Turn | None] = contextvars.ContextVar("envscaler_worker_turn", default=None)
 
 
@@ -107,7 +116,8 @@ class WorkerGone(Exception):
 
     ``blamed``: this request is what brought it down (``hung``: by missing its deadline or running on
     past its limit). Otherwise it may be innocent: ask it again, in ``turn`` when it has one (it was
-    asked with ``again`` and is to run alone, see the module's doc).
+    asked with ``again`` and fell with others, see the module's doc); a caller that has a turn must
+    enter it (:meth:`WorkerProcess.alone`), else the turns after it never come.
     """
 
     def __init__(self, reason: str, *, hung: bool, blamed: bool, turn: Turn | None = None) -> None:
@@ -323,10 +333,12 @@ class WorkerProcess:
         self._next_id = HELLO_ID + 1
         self._ticking = False
         self._telling: set[asyncio.Task[None]] = set()
-        # Requests to be asked again alone, in order: the first one's task is the only one that may send.
+        # Turns alone, in order: once no pass is left, the first one's task is the only one that may send.
         self._turns: list[Turn] = []
-        # Set (and replaced) each time a turn ends.
-        self._turn_ended = asyncio.Event()
+        # Passes not yet ended: requests asked again together, which the turns alone wait for.
+        self._passes: set[Turn] = set()
+        # Set (and replaced) when a turn or pass ends, or the child has nothing more in flight.
+        self._changed = asyncio.Event()
 
     def _spawn(self) -> _Child:
         if self.mark is not None:
@@ -364,24 +376,22 @@ class WorkerProcess:
             self._starting.add_done_callback(lambda future: future.cancelled() or future.exception())  # seen by the next probe
         return problem
 
-    async def ask(self, request: BaseModel, limit_s: float, what: str, subject: str = "", *, again: bool = False,
-                  caught_up: bool = False) -> bytes:
+    async def ask(self, request: BaseModel, limit_s: float, what: str, subject: str = "", *, again: bool = False) -> bytes:
         """The child's answer to ``request`` (about ``subject``): raises the error it reports, or WorkerGone.
 
-        ``again``: the caller asks again, in the WorkerGone's turn when it has one. ``caught_up``: the
-        request is asked again after a fall it was not blamed for (a second one gets it a turn).
+        ``again``: the caller asks again, in the WorkerGone's turn when it has one.
         """
-        payload, _ = await self.ask_child(request, limit_s, what, subject, again=again, caught_up=caught_up)
+        payload, _ = await self.ask_child(request, limit_s, what, subject, again=again)
         return payload
 
-    async def ask_child(self, request: BaseModel, limit_s: float, what: str, subject: str = "", *, again: bool = False,
-                        caught_up: bool = False) -> tuple[bytes, int]:
+    async def ask_child(self, request: BaseModel, limit_s: float, what: str, subject: str = "", *,
+                        again: bool = False) -> tuple[bytes, int]:
         """:meth:`ask`, with the serial number of the child that answered (for :meth:`restart`)."""
         child = await self._admitted()
         request_id = self._next_id
         self._next_id = request_id + 1 if request_id < 0xFFFF_FFFF else HELLO_ID + 1
         child.send(frame(request_id, request))
-        status, payload = await self._wait(request_id, limit_s + GRACE_S, limit_s, what, subject, again, caught_up)
+        status, payload = await self._wait(request_id, limit_s + GRACE_S, limit_s, what, subject, again, _HOLDING.get())
         if status == FAILED:
             try:
                 failure = decode(WorkerFailure, payload)
@@ -392,27 +402,28 @@ class WorkerProcess:
 
     @contextlib.asynccontextmanager
     async def alone(self, turn: Turn | None) -> AsyncIterator[None]:
-        """Run the body in ``turn`` (a WorkerGone's): once the turns before it have ended, with no other
-        task's request sent to the child until it ends. With None, the body runs at once."""
+        """Run the body in ``turn`` (a WorkerGone's). A pass: at once. A turn alone: once the turns before
+        it and every pass have ended and nothing else is in flight on the child, with no other task's
+        request sent until it ends. With None, the body runs at once. The turn ends with the body, or
+        when one of the body's requests falls."""
         if turn is None:
             yield
             return
         try:
-            while self._turns[0] is not turn:
-                await self._turn_ended.wait()
+            while turn.alone and not (self._turns and self._turns[0] is turn and not self._passes and not self._pending):
+                await self._changed.wait()
             holding = _HOLDING.set(turn)
             try:
                 yield
             finally:
                 _HOLDING.reset(holding)
         finally:
-            self._turns.remove(turn)
-            ended, self._turn_ended = self._turn_ended, asyncio.Event()
-            ended.set()
+            self._end(turn)
 
     def tell(self, request: BaseModel) -> None:
         """Send ``request`` and forget it: its answer, or the child's loss, changes nothing here."""
-        task = asyncio.get_running_loop().create_task(self._tell(request))
+        # In a context of its own: never sent in its caller's turn alone, which it must not share.
+        task = asyncio.get_running_loop().create_task(self._tell(request), context=contextvars.Context())
         self._telling.add(task)
         task.add_done_callback(self._telling.discard)
 
@@ -437,13 +448,24 @@ class WorkerProcess:
     # -- the child's life ------------------------------------------------------------------------
 
     async def _admitted(self) -> _Child:
-        """The child to send a request to, once the request may go: at once, unless requests are being asked
-        again alone (then only the requests of the task whose turn it is)."""
+        """The child to send a request to, once the request may go: at once, unless a turn alone is up (a
+        turn is queued and no pass is left): then only the requests of the task whose turn it is."""
         while True:
             child = await self._ready()
-            if not self._turns or _HOLDING.get() is self._turns[0]:
+            if not self._turns or self._passes or _HOLDING.get() is self._turns[0]:
                 return child
-            await self._turn_ended.wait()
+            await self._changed.wait()
+
+    def _end(self, turn: Turn) -> None:
+        """End ``turn`` (a pass or a turn alone), if it has not ended yet, and wake whoever waits for it."""
+        if turn in self._turns:
+            self._turns.remove(turn)
+        self._passes.discard(turn)
+        self._wake()
+
+    def _wake(self) -> None:
+        woken, self._changed = self._changed, asyncio.Event()
+        woken.set()
 
     async def _ready(self) -> _Child:
         child = self._child
@@ -477,20 +499,26 @@ class WorkerProcess:
         """Kill ``child``, fail what waits on it, tell the owner; the next request starts a new one.
 
         With ``blame``, the only request in flight is blamed (``hung``: it missed its deadline); when
-        several were, the suspects and those that fell with others before get turns to be asked again
-        alone (see the module's doc). ``late_blamed`` (the owner replaces a child that still answers):
-        every request already past its own limit is blamed instead, and the others are asked again.
+        several were, those whose callers ask again get turns (see the module's doc). ``late_blamed``
+        (the owner replaces a child that still answers): every request already past its own limit is
+        blamed instead, and the others are asked again.
         """
         if child.gone or child is not self._child:
             return
-        falling = [pending for pending in self._pending.values() if not pending.future.done()]
-        turns = {pending: Turn() for pending in (self._to_try_alone(falling) if blame and len(falling) > 1 else [])}
-        self._turns.extend(turns.values())
+        # Every request the child was running, those whose callers gave up included: any could have done it.
+        in_flight = list(self._pending.values())
+        self._pending.clear()
+        falling = [pending for pending in in_flight if not pending.future.done()]
+        for pending in falling:
+            if pending.holding is not None:
+                self._end(pending.holding)  # its request fell: what it was asked again for is over
+        shared = blame and len(in_flight) > 1
+        turns = self._turns_after(falling) if shared else {}
         child.kill()
         self.on_lost(reason)
         now = time.monotonic()
         for pending in falling:
-            if blame and len(falling) == 1:
+            if blame and not shared:
                 gone = WorkerGone(reason, hung=hung, blamed=True)
             elif late_blamed and now - pending.sent > pending.limit_s:
                 # Caught up, but already past its own limit by this server's clock: it would have timed out anyway.
@@ -498,25 +526,32 @@ class WorkerProcess:
             else:
                 gone = WorkerGone(reason, hung=False, blamed=False, turn=turns.get(pending))
             pending.future.set_exception(gone)
+        self._wake()
 
-    def _to_try_alone(self, falling: list[_Pending]) -> list[_Pending]:
-        """Of the requests that fell together, those to be asked again alone, in order: the suspects (the
-        requests whose subjects the marks name, the event loop's first), then every request that had
-        fallen with others before; only those whose callers ask again."""
+    def _turns_after(self, falling: list[_Pending]) -> dict[_Pending, Turn]:
+        """The turns of the requests that fell together whose callers ask again: alone for the suspects
+        (those the marks name: the event loop's, else its threads') and for those asked again already
+        (they fell with others twice), in that order; a pass for the rest."""
         marks = self.mark.read() if self.mark is not None else {}
-        named = dict.fromkeys(marks[slot] for slot in sorted(marks))
-        suspects = [pending for subject in named for pending in falling if pending.subject == subject]
-        again = [pending for pending in falling if pending.caught_up and pending not in suspects]
-        return [pending for pending in suspects + again if pending.again]
+        on_loop = [pending for pending in falling if pending.subject == marks.get(0)]
+        suspects = on_loop or [pending for pending in falling if pending.subject in marks.values()]
+        again = [pending for pending in falling if pending.again]
+        turns = {pending: Turn(alone=True) for pending in suspects if pending.again}
+        turns |= {pending: Turn(alone=pending.holding is not None) for pending in again if pending not in turns}
+        self._turns.extend(turn for turn in turns.values() if turn.alone)
+        self._passes.update(turn for turn in turns.values() if not turn.alone)
+        return turns
 
     def answered(self, request_id: int, status: int, payload: bytes) -> None:
-        pending = self._pending.get(request_id)
+        pending = self._pending.pop(request_id, None)
         if pending is not None and not pending.future.done():
             pending.future.set_result((status, payload))
+        if not self._pending and self._turns:
+            self._wake()  # a turn alone may wait for the child to have nothing in flight
 
     def _supervise(self) -> None:
         now = time.monotonic()
-        overdue = [pending for pending in self._pending.values() if pending.deadline <= now and not pending.future.done()]
+        overdue = [pending for pending in self._pending.values() if pending.deadline <= now]
         if overdue and self._child is not None:
             late = min(overdue, key=lambda pending: pending.deadline)
             self.lose(self._child, f"the {self.role} did not answer {late.what} within {late.limit_s:g} s and was restarted", hung=True)
@@ -526,18 +561,25 @@ class WorkerProcess:
             self._ticking = False
 
     async def _wait(self, request_id: int, wait_s: float, limit_s: float, what: str, subject: str, again: bool = False,
-                    caught_up: bool = False) -> tuple[int, bytes]:
+                    holding: Turn | None = None) -> tuple[int, bytes]:
+        """The child's answer to request ``request_id``. Until it answers or falls, the request stays in
+        flight, though its caller give up: the child still runs it."""
         loop = asyncio.get_running_loop()
         now = time.monotonic()
-        pending = _Pending(loop.create_future(), now, now + wait_s, limit_s, what, subject, again, caught_up)
+        pending = _Pending(loop.create_future(), now, now + wait_s, limit_s, what, subject, again, holding)
         self._pending[request_id] = pending
         if not self._ticking:
             self._ticking = True
             loop.call_later(_TICK_S, self._supervise)
         try:
             return await pending.future
-        finally:
-            self._pending.pop(request_id, None)
+        except asyncio.CancelledError:
+            # Given up after its fall gave it a turn: no one will enter that turn, so it ends here.
+            if pending.future.done() and not pending.future.cancelled():
+                gone = pending.future.exception()
+                if isinstance(gone, WorkerGone) and gone.turn is not None:
+                    self._end(gone.turn)
+            raise
 
 
 def child_main(module: str, serve: Callable[[socket.socket], None], argv: list[str] | None = None) -> int:
@@ -555,12 +597,13 @@ def child_main(module: str, serve: Callable[[socket.socket], None], argv: list[s
 
 
 class _Pending:
-    """A request the child has not answered yet (``again``, ``caught_up``: as :meth:`WorkerProcess.ask` was told)."""
+    """A request the child has not answered yet (``again``: as :meth:`WorkerProcess.ask` was told; ``holding``:
+    the turn its task was in when it was sent, if any)."""
 
-    __slots__ = ("future", "sent", "deadline", "limit_s", "what", "subject", "again", "caught_up")
+    __slots__ = ("future", "sent", "deadline", "limit_s", "what", "subject", "again", "holding")
 
     def __init__(self, future: asyncio.Future[tuple[int, bytes]], sent: float, deadline: float, limit_s: float, what: str,
-                 subject: str, again: bool, caught_up: bool) -> None:
+                 subject: str, again: bool, holding: Turn | None) -> None:
         self.future = future
         self.sent = sent
         self.deadline = deadline
@@ -568,4 +611,4 @@ class _Pending:
         self.what = what
         self.subject = subject
         self.again = again
-        self.caught_up = caught_up
+        self.holding = holding

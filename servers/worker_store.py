@@ -140,8 +140,7 @@ class WorkerEpisodeStore(EpisodeRegistry):
                                         init_config=None if live.scenario else (live.init_config or {}), calls=history.calls)
                 limit = (len(history.calls) + 1) * (self.settings.call_timeout_s + ABANDON_GRACE_S)
                 try:
-                    await self.worker.ask(request, limit, "the rebuild of an episode", handle, again=tries < CAUGHT_UP_TRIES,
-                                          caught_up=tries > 1)
+                    await self.worker.ask(request, limit, "the rebuild of an episode", handle, again=tries < CAUGHT_UP_TRIES)
                 except WorkerGone as e:
                     if e.blamed:
                         self._mark_lost(live, f"{reason}; rebuilding it brought the new worker down too ({e})")
@@ -163,7 +162,7 @@ class WorkerEpisodeStore(EpisodeRegistry):
         """The worker's answer to ``request`` about one episode (``live``, once it is built).
 
         When the worker goes down and this request is not blamed, it may be innocent: the episode is
-        rebuilt in the new worker and the request asked again, alone in its turn when it has one (see
+        rebuilt in the new worker and the request asked again, in its turn when it has one (see
         ``servers.worker_process``), a few times at most. Raises WorkerGone when this request is to
         blame or the tries run out, EpisodeLost when the episode cannot be rebuilt.
         """
@@ -173,8 +172,7 @@ class WorkerEpisodeStore(EpisodeRegistry):
                 if tries > 1 and live is not None:
                     await self._ensure_usable(live)
                 try:
-                    return await self.worker.ask_child(request, limit_s, what, request.handle, again=tries < CAUGHT_UP_TRIES,
-                                                       caught_up=tries > 1)
+                    return await self.worker.ask_child(request, limit_s, what, request.handle, again=tries < CAUGHT_UP_TRIES)
                 except WorkerGone as e:
                     if e.blamed or tries == CAUGHT_UP_TRIES:
                         raise
