@@ -161,18 +161,24 @@ class WorkerEpisodeStore(EpisodeRegistry):
     async def _ask_about(self, request: WorkerRequest, limit_s: float, what: str, live: LiveEpisode | None = None) -> tuple[bytes, int]:
         """The worker's answer to ``request`` about one episode (``live``, once it is built).
 
-        When the worker goes down and this request is not blamed, it may be innocent: the episode is
-        rebuilt in the new worker and the request asked again, in its turn when it has one (see
-        ``servers.worker_process``), a few times at most. Raises WorkerGone when this request is to
+        The episode is rebuilt first if its worker was lost. When the worker goes down and this request
+        is not blamed, it may be innocent: the episode is rebuilt in the new worker and the request asked
+        again, in its turn when it has one (see ``servers.worker_process``), a few times at most. Raises WorkerGone when this request is to
         blame or the tries run out, EpisodeLost when the episode cannot be rebuilt.
         """
         tries, turn = 1, None
         while True:
             async with self.worker.alone(turn):
-                if tries > 1 and live is not None:
+                if live is not None:
                     await self._ensure_usable(live)
                 try:
                     return await self.worker.ask_child(request, limit_s, what, request.handle, again=tries < CAUGHT_UP_TRIES)
+                except UnknownEpisode:
+                    # The worker it was built in fell before this request went (it waited for another's turn
+                    # alone): the new worker, which has not built it yet, ran nothing. Built there, ask again.
+                    if live is None or live.episode_id not in self._stale or tries == CAUGHT_UP_TRIES:
+                        raise
+                    tries, turn = tries + 1, None
                 except WorkerGone as e:
                     if e.blamed or tries == CAUGHT_UP_TRIES:
                         raise
