@@ -12,6 +12,7 @@ validation answers 410, never a score).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -21,8 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from envscaler.bundle import load_bundle
 from envscaler.sandbox import sandbox_problem
 from servers.worker_process import GRACE_S
+from servers.worker_store import WorkerEpisodeStore
+from servers.worker_wire import WorkerSettings
 from tests.support.bundles import COUNTER_CODE, counter_scenario, counter_spec, write_bundle
 from tests.support.server import serve
 
@@ -197,6 +201,45 @@ def test_environment_code_cannot_make_the_server_blame_another_episode(bundle, v
         assert count_of(http, victim) == 2
         assert [c["error_kind"] for c in http.get(f"/episodes/{attacker}/trajectory").json()["calls"]] == ["timeout"]
         assert http.get("/info").json()["episodes_lost"] == 0
+
+
+# When the caller of a call that fell with another's, and whose episode the page names (so it is to run
+# again alone, once the other has run again), gives up: as the fall hands it its turn, or while it waits for it.
+GIVE_UP = ["at_the_fall", "waiting_for_its_turn"]
+
+
+@pytest.mark.parametrize("when", GIVE_UP)
+def test_a_suspect_whose_caller_gives_up_holds_up_no_one(bundle, when):
+    async def scenario() -> None:
+        settings = WorkerSettings(bundle=load_bundle(bundle), call_timeout_s=CALL_TIMEOUT_S, check_timeout_s=CALL_TIMEOUT_S,
+                                  max_result_chars=100_000, worker_threads=4, inline_budget_s=0.02, memory_reserve_mb=0)
+        store = WorkerEpisodeStore(load_bundle(bundle), settings, sandbox=False, max_episodes=8, idle_ttl_s=600)
+        try:
+            victim, attacker = [await store.create("workerhost_001", None) for _ in range(2)]
+            assert not (await store.call_tool(victim, "add", {"item_id": "a"})).error
+            suspect = asyncio.create_task(store.call_tool(victim, "slow_add", {"item_id": "a", "seconds": 0.3}))
+            await asyncio.sleep(0.1)
+            if when == "at_the_fall":
+                lost = store.worker.on_lost
+                store.worker.on_lost = lambda reason: (lost(reason), asyncio.get_running_loop().call_soon(suspect.cancel))
+            framed = asyncio.create_task(store.call_tool(attacker, "frame", {}))
+            if when == "waiting_for_its_turn":
+                while store.worker.restarts == 0:  # the attacker runs again on a new worker; the victim waits for its turn
+                    await asyncio.sleep(0.05)
+                suspect.cancel()
+            outcome = await framed
+            assert outcome.error_kind == "timeout" and "did not answer tool 'frame'" in (outcome.error or ""), outcome
+            assert suspect.cancelled()
+            # No turn is left for a caller that is gone: the worker serves the others at once.
+            later = await asyncio.wait_for(store.create("workerhost_001", None), CALL_TIMEOUT_S + GRACE_S)
+            for live in (later, victim):
+                outcome = await asyncio.wait_for(store.call_tool(live, "get_item", {"item_id": "a"}), CALL_TIMEOUT_S + GRACE_S)
+                assert not outcome.error, outcome
+            assert store.lost == 0
+        finally:
+            store.close()
+
+    asyncio.run(scenario())
 
 
 def test_an_episode_whose_calls_do_not_replay_the_same_is_reported_lost_never_scored(bundle):
