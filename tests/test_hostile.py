@@ -5,7 +5,8 @@ in-process guard with the originals it keeps, or that no guard inside a process 
 a crash, a result nested a million deep). A process farm (sandboxed where bwrap works) runs it next to
 a plain counter environment, with a call and check limit of 1 s. For each attack:
 
-- the bad call gets an error within its limit plus the grace;
+- the bad call gets an error within its limit plus the grace, twice over when other calls were in
+  flight on its worker (it is run again alone before it is blamed);
 - an episode of the same environment and one of the other keep calling while it happens, and answer
   every call correctly, each within a bound tied to the limits (the other environment's within one
   bad call's time, the same environment's, caught up in a fall and run again, within two);
@@ -35,12 +36,18 @@ from tests.support.hostile import wall_bundle
 pytestmark = pytest.mark.timeout(600)
 
 CALL_TIMEOUT_S = 1.0
+# What starting a sandboxed worker may take on a small machine that is busy (1.3-2.6 s seen on 2 cores
+# at a load of 5-7).
+RESTART_S = 3.0
 # The longest a bad call may take: its limit, the grace before it is abandoned, the grace before its
-# worker counts as frozen, and a second for the worker to be replaced.
-WITHIN_S = CALL_TIMEOUT_S + ABANDON_GRACE_S + GRACE_S + 1.0
+# worker counts as frozen, and the worker's replacement.
+WITHIN_S = CALL_TIMEOUT_S + ABANDON_GRACE_S + GRACE_S + RESTART_S
 # The longest a bystander's call may take: one of its own environment's may be caught up in a fall and
 # run again once the worker is replaced. Bounds tied to the limits, not to how fast the machine is today.
 BYSTANDER_WITHIN_S = {"same": 2 * WITHIN_S, "other": WITHIN_S}
+# The longest a bad call may take when a bystander's call was in flight on its worker when it fell: it
+# is run again alone before it is blamed, a second deadline on a second new worker.
+SHARED_WITHIN_S = 2 * WITHIN_S
 
 
 @dataclass
@@ -170,7 +177,7 @@ def test_a_bad_call_gets_an_error_in_time_and_costs_nobody_else(farm, tool, argu
         result, took = while_bystanders_call(farm, lambda: call(http, bad["mcp_url"], tool, arguments))
         texts, kinds = (text, kind) if isinstance(text, list) else ([text], [kind])
         assert result["isError"] and any(t in result["content"][0]["text"] for t in texts), result
-        assert took < WITHIN_S, took
+        assert took < SHARED_WITHIN_S, took
         calls = http.get(f"/episodes/{bad['episode_id']}/trajectory").json()["calls"]
         assert len(calls) == 1 and calls[0]["error_kind"] in kinds, calls
         # The bad episode goes on from before its call (or was never touched by it).
@@ -251,6 +258,35 @@ def test_nothing_else_was_lost(farm):
     info = farm.wall.control().get("/info").json()
     assert info["episodes_lost"] == 1 and info["worker_restarts"] >= 10, info  # the lingering thread's episode only
     assert httpx.get(f"{farm.victim.url}/info", headers={"Authorization": f"Bearer {farm.victim.token}"}).json()["worker_restarts"] == 0
+
+
+def test_environment_code_finds_no_episode_id_and_the_handles_it_finds_open_nothing(tmp_path):
+    catalog = tmp_path / "farm.json"
+    # A limit long enough for a walk through every object of the worker on a slow machine.
+    up = envscaler("farm", "up", str(wall_bundle(tmp_path / "wall")), "--backend", "process", "--catalog", str(catalog),
+                   "--call-timeout", "20")
+    assert up.returncode == 0, up.stderr
+    try:
+        farm = json.loads(catalog.read_text())
+        wall = Endpoint(farm["envs"]["wall"]["url"], farm["envs"]["wall"]["token"])
+        with wall.control() as http:
+            episodes = [wall.new_episode(http, "wall_001") for _ in range(3)]
+            for episode in episodes:
+                assert not call(http, episode["mcp_url"], "add", {"item_id": "a"})["isError"]
+            harvest = call(http, episodes[0]["mcp_url"], "harvest", {})
+            assert not harvest["isError"], harvest
+            found = json.loads(harvest["content"][0]["text"])["data"]
+            ids = [episode["episode_id"] for episode in episodes]
+            assert len(found["tokens"]) > 100 and not [token for token in found["tokens"] if any(i in token for i in ids)]
+            assert len(found["names"]) == 3 and not set(found["names"]) & set(ids), found["names"]
+            listing = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
+            routes = [wall.url, f"{farm['gateway']}/envs/wall"]
+            for route in routes:
+                assert http.post(f"{route}/episodes/{ids[0]}/mcp", json=listing).status_code == 200
+                for name in found["names"]:
+                    assert http.post(f"{route}/episodes/{name}/mcp", json=listing).status_code == 404, (route, name)
+    finally:
+        envscaler("farm", "down", "--catalog", str(catalog))
 
 
 def test_catalog_check_fails_each_hostile_scenario_alone(tmp_path):

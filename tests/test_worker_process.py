@@ -2,14 +2,17 @@
 
 Real servers and real workers (sandboxed where bwrap works). A tool that holds the GIL in a C loop
 (the cooperative time limit cannot stop it), that ends its process, or whose thread cannot be
-stopped costs only its own call: the call gets an error within its limit plus the grace and is
-undone, and every episode the worker held is rebuilt in the new worker from its calls, a call that
-was only caught up in the fall included. An episode whose calls do not replay the same way is
-reported lost (its validation answers 410, never a score).
+stopped costs only its own call: the call gets an error and is undone (within its limit plus the
+grace when it ran alone; when other calls were in flight, it is run again alone before it is
+blamed), and every episode the worker held is rebuilt in the new worker from its calls, a call that
+was only caught up in the fall included. What the worker says about which call it ran cannot make
+the server blame another. An episode whose calls do not replay the same way is reported lost (its
+validation answers 410, never a score).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -19,8 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from envscaler.bundle import load_bundle
 from envscaler.sandbox import sandbox_problem
 from servers.workers.process import GRACE_S
+from servers.workers.store import WorkerEpisodeStore
+from servers.workers.wire import WorkerSettings
 from tests.support.bundles import COUNTER_CODE, counter_scenario, counter_spec, write_bundle
 from tests.support.server import serve
 
@@ -56,6 +62,21 @@ WORKER_TOOLS = '''
         builtins.bool = lambda value=False: True
         return {"success": True}
 
+    def frame(self) -> dict:
+        """Name another episode (when this process holds one) as the one whose code every thread runs, in
+        the page of marks the server reads when this process freezes, then freeze it."""
+        import gc
+        import itertools
+        import threading
+        found = gc.get_objects()
+        marks = next(o for o in found if type(o).__name__ == "RunningMarks")
+        store = next(o for o in found if type(o).__name__ == "MarkedEpisodeStore")
+        mine = marks.read()[store._slots[threading.get_ident()]]
+        other = next((o.episode_id for o in found if type(o).__name__ == "LiveEpisode" and o.episode_id != mine), mine)
+        for slot in range(marks.SLOTS):
+            marks.set(slot, other)
+        return {"success": True, "data": sum(itertools.repeat(1, 10**12))}
+
     def where(self) -> dict:
         """Which process runs this code: its pid and start time (pids repeat in a PID namespace)."""
         with open("/proc/self/stat") as stat:
@@ -64,6 +85,14 @@ WORKER_TOOLS = '''
 
     def get_item('''
 MCP_HEADERS = {"MCP-Protocol-Version": "2026-07-28"}
+# How long a call that freezes its worker may take: its limit, the grace before it is abandoned and the
+# grace before its worker counts as frozen...
+DEADLINE_S = CALL_TIMEOUT_S + 0.5 + GRACE_S
+# ... twice when other calls were in flight (it is run again alone before it is blamed), with a new
+# worker started in between (a few seconds at most on a small, shared machine).
+SHARED_FALL_S = 2 * DEADLINE_S + 3.0
+# How long a call caught up in another's fall may take: that one deadline, and a new worker to run it again on.
+CAUGHT_UP_S = DEADLINE_S + 3.0
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +116,13 @@ def call(http: httpx.Client, episode_id: str, name: str, arguments: dict | None 
     return reply.json()["result"]
 
 
+def timed(fn, *args):
+    """``fn(*args)`` and the seconds it took."""
+    started = time.monotonic()
+    result = fn(*args)
+    return result, time.monotonic() - started
+
+
 def worker_pid(http: httpx.Client, episode_id: str) -> str:
     result = call(http, episode_id, "where")
     assert not result["isError"], result
@@ -106,15 +142,16 @@ def test_a_tool_that_holds_the_gil_costs_only_its_own_call(bundle):
             assert not call(http, episode, "add", {"item_id": "a"})["isError"]
         with ThreadPoolExecutor(2) as pool:
             # A call on a thread when the worker freezes: it is only caught up in the fall.
-            caught_up = pool.submit(call, http, bystander, "slow_add", {"item_id": "a", "seconds": 0.3})
+            caught_up = pool.submit(timed, call, http, bystander, "slow_add", {"item_id": "a", "seconds": 0.3})
             time.sleep(0.1)
-            started = time.monotonic()
-            result = call(http, attacker, "c_loop")
-            took = time.monotonic() - started
-            assert not caught_up.result()["isError"], caught_up.result()
+            result, took = timed(call, http, attacker, "c_loop")
+            answer, waited = caught_up.result()
+            assert not answer["isError"], answer
+        # The call caught up in the fall ran again at once on the new worker, before the attacker's ran alone.
+        assert waited < CAUGHT_UP_S, waited
         text = result["content"][0]["text"]
         assert result["isError"] and "did not answer tool 'c_loop'" in text and "the call was undone" in text, result
-        assert took < CALL_TIMEOUT_S + 0.5 + GRACE_S + 1.0, took
+        assert took < SHARED_FALL_S, took
         # A health probe alone finds the server able to serve again: it starts the new worker.
         health = httpx.get(f"{server.url}/healthz")
         assert health.status_code == 200 and health.json()["status"] == "ok", health.text
@@ -128,8 +165,81 @@ def test_a_tool_that_holds_the_gil_costs_only_its_own_call(bundle):
         assert [c["name"] for c in http.get(f"/episodes/{bystander}/trajectory").json()["calls"]] == ["add", "slow_add", "get_item"]
         trajectory = http.get(f"/episodes/{attacker}/trajectory").json()
         assert trajectory["timeouts"] == 1 and [c["error_kind"] for c in trajectory["calls"]] == [None, "timeout", None]
+        # Two restarts: the fall the two calls shared, and the attacker's when it ran again alone. Each
+        # episode was rebuilt twice: after the first fall (to run again), and after the second (for its next call).
         info = http.get("/info").json()
-        assert info["worker_restarts"] == 1 and info["episodes_rebuilt"] == 2 and info["episodes_lost"] == 0, info
+        assert info["worker_restarts"] == 2 and info["episodes_rebuilt"] == 4 and info["episodes_lost"] == 0, info
+
+
+# How the victim's call is in flight when the attacker freezes the worker: asleep on a call thread, or
+# sent while the worker is already frozen (queued behind the attacker's call on its event loop).
+VICTIM_CALLS = {"on_a_thread": ("slow_add", {"item_id": "a", "seconds": 0.3}), "queued": ("add", {"item_id": "a"})}
+
+
+@pytest.mark.parametrize("victim_call", list(VICTIM_CALLS))
+def test_environment_code_cannot_make_the_server_blame_another_episode(bundle, victim_call):
+    name, arguments = VICTIM_CALLS[victim_call]
+    with serve(bundle, "--call-timeout", str(CALL_TIMEOUT_S)) as server, server.client() as http:
+        victim, attacker = new_episode(http), new_episode(http)
+        assert not call(http, victim, "add", {"item_id": "a"})["isError"]
+        with ThreadPoolExecutor(2) as pool:
+            first, second = (victim, attacker) if victim_call == "on_a_thread" else (attacker, victim)
+            started = time.monotonic()
+            calls = {first: pool.submit(call, http, first, *((name, arguments) if first == victim else ("frame",)))}
+            time.sleep(0.1 if victim_call == "on_a_thread" else 0.5)
+            calls[second] = pool.submit(call, http, second, *((name, arguments) if second == victim else ("frame",)))
+            added, framed = calls[victim].result(), calls[attacker].result()
+            took = time.monotonic() - started
+        # The victim's call ran as if nothing had happened: once, with its right answer, and it stays.
+        assert not added["isError"] and json.loads(added["content"][0]["text"])["data"]["count"] == 2, added
+        text = framed["content"][0]["text"]
+        assert framed["isError"] and "did not answer tool 'frame'" in text and "the call was undone" in text, framed
+        assert took < SHARED_FALL_S, took
+        trajectory = http.get(f"/episodes/{victim}/trajectory").json()
+        assert [(c["name"], c["error_kind"]) for c in trajectory["calls"]] == [("add", None), (name, None)], trajectory
+        assert http.get(f"/episodes/{victim}/state").json()["state"]["items"]["a"]["count"] == 2
+        assert count_of(http, victim) == 2
+        assert [c["error_kind"] for c in http.get(f"/episodes/{attacker}/trajectory").json()["calls"]] == ["timeout"]
+        assert http.get("/info").json()["episodes_lost"] == 0
+
+
+# When the caller of a call that fell with another's, and whose episode the page names (so it is to run
+# again alone, once the other has run again), gives up: as the fall hands it its turn, or while it waits for it.
+GIVE_UP = ["at_the_fall", "waiting_for_its_turn"]
+
+
+@pytest.mark.parametrize("when", GIVE_UP)
+def test_a_suspect_whose_caller_gives_up_holds_up_no_one(bundle, when):
+    async def scenario() -> None:
+        settings = WorkerSettings(bundle=load_bundle(bundle), call_timeout_s=CALL_TIMEOUT_S, check_timeout_s=CALL_TIMEOUT_S,
+                                  max_result_chars=100_000, worker_threads=4, inline_budget_s=0.02, memory_reserve_mb=0)
+        store = WorkerEpisodeStore(load_bundle(bundle), settings, sandbox=False, max_episodes=8, idle_ttl_s=600)
+        try:
+            victim, attacker = [await store.create("workerhost_001", None) for _ in range(2)]
+            assert not (await store.call_tool(victim, "add", {"item_id": "a"})).error
+            suspect = asyncio.create_task(store.call_tool(victim, "slow_add", {"item_id": "a", "seconds": 0.3}))
+            await asyncio.sleep(0.1)
+            if when == "at_the_fall":
+                lost = store.worker.on_lost
+                store.worker.on_lost = lambda reason: (lost(reason), asyncio.get_running_loop().call_soon(suspect.cancel))
+            framed = asyncio.create_task(store.call_tool(attacker, "frame", {}))
+            if when == "waiting_for_its_turn":
+                while store.worker.restarts == 0:  # the attacker runs again on a new worker; the victim waits for its turn
+                    await asyncio.sleep(0.05)
+                suspect.cancel()
+            outcome = await framed
+            assert outcome.error_kind == "timeout" and "did not answer tool 'frame'" in (outcome.error or ""), outcome
+            assert suspect.cancelled()
+            # No turn is left for a caller that is gone: the worker serves the others at once.
+            later = await asyncio.wait_for(store.create("workerhost_001", None), CALL_TIMEOUT_S + GRACE_S)
+            for live in (later, victim):
+                outcome = await asyncio.wait_for(store.call_tool(live, "get_item", {"item_id": "a"}), CALL_TIMEOUT_S + GRACE_S)
+                assert not outcome.error, outcome
+            assert store.lost == 0
+        finally:
+            store.close()
+
+    asyncio.run(scenario())
 
 
 def test_an_episode_whose_calls_do_not_replay_the_same_is_reported_lost_never_scored(bundle):

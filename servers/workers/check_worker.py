@@ -75,7 +75,7 @@ READY_CHILDREN = 2
 # parser's, the guard's timer, the compiler's, the overlays', pydantic's) are its own by then.
 _WARM_UP_STATE = {"warm": [1]}
 _WARM_UP_REQUEST = json_bytes(CheckRequest(
-    episode_id="warm-up", changes=[StateChange(path=["warm", 0], after=2)],
+    handle="warm-up", changes=[StateChange(path=["warm", 0], after=2)],
     checklist=[CheckItem(check_item="warm-up", check_func="def check_func(final_state):\n    return final_state != initial_state")]))
 
 
@@ -178,7 +178,7 @@ class Checker:
         if initial is None:
             raise ChecklistError("the request holds no initial state")
         if self.mark is not None:
-            self.mark.set(0, request.episode_id)
+            self.mark.set(0, request.handle)
         try:
             child = self._child_for(request, initial, payload, kept)
             return self._answer(child, checks_limit_s(request.checklist, self.settings.check_timeout_s))

@@ -5,7 +5,9 @@ tool calls, and turning what they return into JSON. It runs the same engine as a
 worker (``servers.episodes.store``: calls inline on the event loop within a budget, slow ones on call
 threads, each under its limit), but keeps no trajectory, holds no token, listens on no socket and
 runs no checks (``servers.workers.check_worker`` does, on what this process says an episode changed): it
-answers the server's requests on the inherited socket FD (``servers.workers.wire``).
+answers the server's requests on the inherited socket FD (``servers.workers.wire``). It never learns an
+episode's id (the key to its MCP endpoint): the server names each episode by a handle of its own,
+which is the episode's id here.
 
 The server kills this process (its whole process group) when an answer is overdue, or when a call
 outlived its limit on a thread that cannot be stopped, and starts a new one, where it rebuilds the
@@ -113,7 +115,7 @@ class WorkerLink(asyncio.Protocol):
         """The answer to a tool call that could run to its end at once, else None."""
         if request.op != "call":
             return None
-        live = self.store.episodes.get(request.episode_id)
+        live = self.store.episodes.get(request.handle)
         if live is None:
             return None
         outcome = self.store.call_now(live, request.name, request.arguments)
@@ -137,7 +139,7 @@ class WorkerLink(asyncio.Protocol):
         """What ``request`` asks for, as a model or plain data."""
         store = self.store
         if request.op == "call":
-            live = store.get(request.episode_id)
+            live = store.get(request.handle)
             outcome = await store.call_tool(live, request.name, request.arguments)
             return _answer(outcome, stuck=live.stuck)
         if request.op == "create":  # of a new episode, or again of one this worker holds (a reset)
@@ -147,16 +149,16 @@ class WorkerLink(asyncio.Protocol):
             await self.replay(request)
             return {}
         if request.op == "final":
-            return await self.final(store.get(request.episode_id))
+            return await self.final(store.get(request.handle))
         if request.op == "initial":
-            live = store.get(request.episode_id)
+            live = store.get(request.handle)
             assert live.episode is not None
             return live.episode.initial_state()
         if request.op == "state":
-            return await store.state(store.get(request.episode_id))
+            return await store.state(store.get(request.handle))
         if request.op == "end":
-            if request.episode_id in store.episodes:
-                store.end(request.episode_id)
+            if request.handle in store.episodes:
+                store.end(request.handle)
             return {}
         stats = await store.stats()  # stats: with the memory the episodes live in
         return stats.model_copy(update={"memory": memory_status()})
@@ -179,9 +181,9 @@ class WorkerLink(asyncio.Protocol):
     async def build(self, request: WorkerRequest) -> LiveEpisode:
         """The episode built from the request's scenario (or init_config), new or in place of the one held."""
         store = self.store
-        live = store.episodes.get(request.episode_id)
+        live = store.episodes.get(request.handle)
         if live is None:
-            return await store.create(request.scenario_id, request.init_config, request.episode_id)
+            return await store.create(request.scenario_id, request.init_config, request.handle)
         await store.reset(live, request.scenario_id, request.init_config)
         return live
 

@@ -17,15 +17,36 @@ Every request has a deadline: its own limit plus ``GRACE_S``. A child that misse
 ignored and a loop, the GIL held by a C loop, a catastrophic regex), and one whose socket closes has
 died (``SystemExit`` at the top, a crash). Either way its process group is killed, what waits on it
 fails with :class:`WorkerGone`, the owner is told (``on_lost``), and the next request starts a new
-child. The request to blame is the one the child was running on its event loop, else the only one it
-was running on a thread (it says which in a shared page of memory, :class:`servers.workers.wire.RunningMarks`),
-else the only one it had; the others were only caught up in its fall.
+child.
+
+Which request to blame, nothing the child says can tell: the untrusted code it runs can write
+whatever the child can, the shared page that names the request each of its threads runs
+(:class:`servers.workers.wire.RunningMarks`) included. So a request is blamed only when it was the
+only one in flight on the child (hint first, verify alone). When several were, none is blamed, and
+each whose caller asks again gets a :class:`Turn` (:meth:`WorkerProcess.alone`):
+
+- the others first: those the page does not name get a pass and are asked again at once, together on
+  the new child (with whatever new requests come meanwhile). An honest page costs them nothing more.
+- then the suspects, those the page names (its event loop's, else its threads'): once every pass has
+  ended and nothing else is in flight, each is asked again alone, with nothing else sent until it
+  ends. One that brings that child down is blamed; one that completes stands (the page lied, or it
+  was only waiting for the GIL).
+- a request that falls with others again after a fall it was caught up in (the page lied, and the
+  culprit was among those with passes) is asked again alone too, in its turn.
+
+So a request that is blamed has brought a child down with nothing else in flight there.
+
+The one rule of time: when the owner replaces a child that still answers, because a request's code
+runs on past its limit on a thread that cannot be stopped (:meth:`WorkerProcess.restart`), every
+request already past its own limit by the server's clock is blamed, at once, and the others are asked
+again together: a flood of such calls costs no more than one of them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import json
 import logging
@@ -35,7 +56,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from pydantic import BaseModel
 
@@ -65,7 +86,6 @@ GRACE_S = 2.0
 START_TIMEOUT_S = 60.0
 _TICK_S = 0.1
 _EXIT_STATUS_WAIT_S = 0.2
-_NOBODY = -1  # a request id that no request has: "blame nobody"
 # SIGKILL's exit status: of the child itself, or of bubblewrap around it (128 + the signal, as a shell says).
 _KILLED = (-signal.SIGKILL, 128 + signal.SIGKILL)
 OUTPUT_BYTES = 256 * 1024
@@ -77,19 +97,34 @@ _ERRORS: dict[str, type[Exception]] = {
 }
 
 
+class Turn:
+    """A request's turn to be asked again after a fall it was not blamed for (:meth:`WorkerProcess.alone`):
+    ``alone`` (a suspect's, or a second fall's), or a pass (with the others, before any turn alone)."""
+
+    __slots__ = ("alone",)
+
+    def __init__(self, alone: bool) -> None:
+        self.alone = alone
+
+
+# The turn the current task runs in, if any (it ends when one of the task's requests falls).
+_HOLDING: contextvars.ContextVar[Turn | None] = contextvars.ContextVar("envscaler_worker_turn", default=None)
+
+
 class WorkerGone(Exception):
     """The child was killed or died before it answered.
 
-    ``hung``: it missed a deadline. ``blamed``: this request is what brought it down, rather than one
-    caught up in another's fall. ``explained``: some request was blamed (this one or another), so a
-    request that was not is innocent for sure.
+    ``blamed``: this request is what brought it down (``hung``: by missing its deadline or running on
+    past its limit). Otherwise it may be innocent: ask it again, in ``turn`` when it has one (it was
+    asked with ``again`` and fell with others, see the module's doc); a caller that has a turn must
+    enter it (:meth:`WorkerProcess.alone`), else the turns after it never come.
     """
 
-    def __init__(self, reason: str, *, hung: bool, blamed: bool, explained: bool) -> None:
+    def __init__(self, reason: str, *, hung: bool, blamed: bool, turn: Turn | None = None) -> None:
         super().__init__(reason)
         self.hung = hung
         self.blamed = blamed
-        self.explained = explained
+        self.turn = turn
 
 
 class _Link(asyncio.Protocol):
@@ -121,7 +156,7 @@ class _Link(asyncio.Protocol):
             code = None
         if code in EXIT_REASONS:
             # It ended itself for a reason of its own, not for a request it was answering.
-            self.owner.lose(self.child, f"the {self.owner.role} exited ({EXIT_REASONS[code]})", blamed_id=_NOBODY, explained=True)
+            self.owner.lose(self.child, f"the {self.owner.role} exited ({EXIT_REASONS[code]})", blame=False)
             return
         if code is None:
             why = "closed its socket"
@@ -264,8 +299,9 @@ class WorkerProcess:
 
     ``role`` names it in errors ("environment worker"). ``on_lost(reason)`` is called each time a
     child is killed or dies. ``mark``, shared with each child (its ``mark_fd`` setting), names the
-    subjects the child's threads run: a request is asked about a subject (an episode id), and when
-    the child freezes or dies, the first request about the subject to blame is the one to blame.
+    subjects the child's threads run: a request is asked about a subject (an episode's handle), and
+    when the child falls with several requests in flight, the one whose subject it names is asked
+    again alone first (a hint, never a reason to blame: see the module's doc).
 
     The first child starts here, before any event loop: :attr:`hello` is its first frame (with
     ``lazy``, there is no first child and no hello: the first request starts one). Later ones start
@@ -300,6 +336,12 @@ class WorkerProcess:
         self._next_id = HELLO_ID + 1
         self._ticking = False
         self._telling: set[asyncio.Task[None]] = set()
+        # Turns alone, in order: once no pass is left, the first one's task is the only one that may send.
+        self._turns: list[Turn] = []
+        # Passes not yet ended: requests asked again together, which the turns alone wait for.
+        self._passes: set[Turn] = set()
+        # Set (and replaced) when a turn or pass ends, or the child has nothing more in flight.
+        self._changed = asyncio.Event()
 
     def _spawn(self) -> _Child:
         if self.mark is not None:
@@ -337,18 +379,22 @@ class WorkerProcess:
             self._starting.add_done_callback(lambda future: future.cancelled() or future.exception())  # seen by the next probe
         return problem
 
-    async def ask(self, request: BaseModel, limit_s: float, what: str, subject: str = "") -> bytes:
-        """The child's answer to ``request`` (about ``subject``): raises the error it reports, or WorkerGone."""
-        payload, _ = await self.ask_child(request, limit_s, what, subject)
+    async def ask(self, request: BaseModel, limit_s: float, what: str, subject: str = "", *, again: bool = False) -> bytes:
+        """The child's answer to ``request`` (about ``subject``): raises the error it reports, or WorkerGone.
+
+        ``again``: the caller asks again, in the WorkerGone's turn when it has one.
+        """
+        payload, _ = await self.ask_child(request, limit_s, what, subject, again=again)
         return payload
 
-    async def ask_child(self, request: BaseModel, limit_s: float, what: str, subject: str = "") -> tuple[bytes, int]:
+    async def ask_child(self, request: BaseModel, limit_s: float, what: str, subject: str = "", *,
+                        again: bool = False) -> tuple[bytes, int]:
         """:meth:`ask`, with the serial number of the child that answered (for :meth:`restart`)."""
-        child = await self._ready()
+        child = await self._admitted()
         request_id = self._next_id
         self._next_id = request_id + 1 if request_id < 0xFFFF_FFFF else HELLO_ID + 1
         child.send(frame(request_id, request))
-        status, payload = await self._wait(request_id, limit_s + GRACE_S, limit_s, what, subject)
+        status, payload = await self._wait(request_id, limit_s + GRACE_S, limit_s, what, subject, again, _HOLDING.get())
         if status == FAILED:
             try:
                 failure = decode(WorkerFailure, payload)
@@ -357,9 +403,30 @@ class WorkerProcess:
             raise _ERRORS[failure.error](failure.message)
         return payload, child.serial
 
+    @contextlib.asynccontextmanager
+    async def alone(self, turn: Turn | None) -> AsyncIterator[None]:
+        """Run the body in ``turn`` (a WorkerGone's). A pass: at once. A turn alone: once the turns before
+        it and every pass have ended and nothing else is in flight on the child, with no other task's
+        request sent until it ends. With None, the body runs at once. The turn ends with the body, or
+        when one of the body's requests falls."""
+        if turn is None:
+            yield
+            return
+        try:
+            while turn.alone and not (self._turns and self._turns[0] is turn and not self._passes and not self._pending):
+                await self._changed.wait()
+            holding = _HOLDING.set(turn)
+            try:
+                yield
+            finally:
+                _HOLDING.reset(holding)
+        finally:
+            self._end(turn)
+
     def tell(self, request: BaseModel) -> None:
         """Send ``request`` and forget it: its answer, or the child's loss, changes nothing here."""
-        task = asyncio.get_running_loop().create_task(self._tell(request))
+        # In a context of its own: never sent in its caller's turn alone, which it must not share.
+        task = asyncio.get_running_loop().create_task(self._tell(request), context=contextvars.Context())
         self._telling.add(task)
         task.add_done_callback(self._telling.discard)
 
@@ -374,7 +441,7 @@ class WorkerProcess:
         is still the current one. What waits on it was caught up in this, but a request already past
         its own limit was running on past it (it answers at once, else): it is not run again."""
         if self._child is not None and self._child.serial == serial:
-            self.lose(self._child, reason, blamed_id=_NOBODY, late_blamed=True, explained=True)
+            self.lose(self._child, reason, blame=False, late_blamed=True)
 
     def close(self) -> None:
         """Stop the child (the server is shutting down)."""
@@ -382,6 +449,26 @@ class WorkerProcess:
             self._child.kill()
 
     # -- the child's life ------------------------------------------------------------------------
+
+    async def _admitted(self) -> _Child:
+        """The child to send a request to, once the request may go: at once, unless a turn alone is up (a
+        turn is queued and no pass is left): then only the requests of the task whose turn it is."""
+        while True:
+            child = await self._ready()
+            if not self._turns or self._passes or _HOLDING.get() is self._turns[0]:
+                return child
+            await self._changed.wait()
+
+    def _end(self, turn: Turn) -> None:
+        """End ``turn`` (a pass or a turn alone), if it has not ended yet, and wake whoever waits for it."""
+        if turn in self._turns:
+            self._turns.remove(turn)
+        self._passes.discard(turn)
+        self._wake()
+
+    def _wake(self) -> None:
+        woken, self._changed = self._changed, asyncio.Event()
+        woken.set()
 
     async def _ready(self) -> _Child:
         child = self._child
@@ -411,78 +498,91 @@ class WorkerProcess:
                 log.warning(f"{self.role} restarted", extra={"restarts": self.restarts})
         return child
 
-    def lose(self, child: _Child, reason: str, hung: bool = False, blamed_id: int | None = None, late_blamed: bool = False,
-             explained: bool = False) -> None:
+    def lose(self, child: _Child, reason: str, hung: bool = False, blame: bool = True, late_blamed: bool = False) -> None:
         """Kill ``child``, fail what waits on it, tell the owner; the next request starts a new one.
 
-        The request ``blamed_id`` brought it down (None: the one :meth:`_culprit` finds, if any); with
-        ``late_blamed``, so did every request already past its own limit. ``explained``: the fall is
-        accounted for though no request is blamed (the owner replaces a child that still answers).
+        With ``blame``, the only request in flight is blamed (``hung``: it missed its deadline); when
+        several were, those whose callers ask again get turns (see the module's doc). ``late_blamed``
+        (the owner replaces a child that still answers): every request already past its own limit is
+        blamed instead, and the others are asked again.
         """
         if child.gone or child is not self._child:
             return
-        if blamed_id is None:
-            blamed_id = self._culprit()
-        explained = explained or (blamed_id is not None and blamed_id != _NOBODY)
+        # Every request the child was running, those whose callers gave up included: any could have done it.
+        in_flight = list(self._pending.values())
+        self._pending.clear()
+        falling = [pending for pending in in_flight if not pending.future.done()]
+        for pending in falling:
+            if pending.holding is not None:
+                self._end(pending.holding)  # its request fell: what it was asked again for is over
+        shared = blame and len(in_flight) > 1
+        turns = self._turns_after(falling) if shared else {}
         child.kill()
         self.on_lost(reason)
         now = time.monotonic()
-        for request_id, pending in list(self._pending.items()):
-            if pending.future.done():
-                continue
-            if request_id == blamed_id:
-                pending.future.set_exception(WorkerGone(reason, hung=hung, blamed=True, explained=True))
+        for pending in falling:
+            if blame and not shared:
+                gone = WorkerGone(reason, hung=hung, blamed=True)
             elif late_blamed and now - pending.sent > pending.limit_s:
-                # Caught up, but already past its own limit: it would have timed out anyway; not run again.
-                late = f"{reason}; {pending.what} had run past its own limit of {pending.limit_s:g} s"
-                pending.future.set_exception(WorkerGone(late, hung=True, blamed=True, explained=True))
+                # Caught up, but already past its own limit by this server's clock: it would have timed out anyway.
+                gone = WorkerGone(f"{reason}; {pending.what} had run past its own limit of {pending.limit_s:g} s", hung=True, blamed=True)
             else:
-                pending.future.set_exception(WorkerGone(reason, hung=False, blamed=False, explained=explained))
+                gone = WorkerGone(reason, hung=False, blamed=False, turn=turns.get(pending))
+            pending.future.set_exception(gone)
+        self._wake()
 
-    def _culprit(self) -> int | None:
-        """The request the child was running on its event loop, else the only one it was running on a
-        thread (its marks), else the only one it had; None when that does not say."""
-        waiting = [(request_id, pending.subject) for request_id, pending in self._pending.items() if not pending.future.done()]
+    def _turns_after(self, falling: list[_Pending]) -> dict[_Pending, Turn]:
+        """The turns of the requests that fell together whose callers ask again: alone for the suspects
+        (those the marks name: the event loop's, else its threads') and for those asked again already
+        (they fell with others twice), in that order; a pass for the rest."""
         marks = self.mark.read() if self.mark is not None else {}
-        on_threads = {subject for slot, subject in marks.items() if slot != 0}
-        running = marks.get(0) or (on_threads.pop() if len(on_threads) == 1 else None)
-        if running:
-            for request_id, subject in waiting:
-                if subject == running:
-                    return request_id
-        return waiting[0][0] if len(waiting) == 1 else None
+        on_loop = [pending for pending in falling if pending.subject == marks.get(0)]
+        suspects = on_loop or [pending for pending in falling if pending.subject in marks.values()]
+        again = [pending for pending in falling if pending.again]
+        turns = {pending: Turn(alone=True) for pending in suspects if pending.again}
+        turns |= {pending: Turn(alone=pending.holding is not None) for pending in again if pending not in turns}
+        self._turns.extend(turn for turn in turns.values() if turn.alone)
+        self._passes.update(turn for turn in turns.values() if not turn.alone)
+        return turns
 
     def answered(self, request_id: int, status: int, payload: bytes) -> None:
-        pending = self._pending.get(request_id)
+        pending = self._pending.pop(request_id, None)
         if pending is not None and not pending.future.done():
             pending.future.set_result((status, payload))
+        if not self._pending and self._turns:
+            self._wake()  # a turn alone may wait for the child to have nothing in flight
 
     def _supervise(self) -> None:
         now = time.monotonic()
-        overdue = [pending for pending in self._pending.values() if pending.deadline <= now and not pending.future.done()]
-        if overdue:
-            culprit = self._culprit()
-            late = self._pending[culprit] if culprit is not None else min(overdue, key=lambda pending: pending.deadline)
-            if self._child is not None:
-                self.lose(self._child, f"the {self.role} did not answer {late.what} within {late.limit_s:g} s and was restarted",
-                          hung=True, blamed_id=culprit if culprit is not None else _NOBODY)
+        overdue = [pending for pending in self._pending.values() if pending.deadline <= now]
+        if overdue and self._child is not None:
+            late = min(overdue, key=lambda pending: pending.deadline)
+            self.lose(self._child, f"the {self.role} did not answer {late.what} within {late.limit_s:g} s and was restarted", hung=True)
         if self._pending:
             asyncio.get_running_loop().call_later(_TICK_S, self._supervise)
         else:
             self._ticking = False
 
-    async def _wait(self, request_id: int, wait_s: float, limit_s: float, what: str, subject: str) -> tuple[int, bytes]:
+    async def _wait(self, request_id: int, wait_s: float, limit_s: float, what: str, subject: str, again: bool = False,
+                    holding: Turn | None = None) -> tuple[int, bytes]:
+        """The child's answer to request ``request_id``. Until it answers or falls, the request stays in
+        flight, though its caller give up: the child still runs it."""
         loop = asyncio.get_running_loop()
         now = time.monotonic()
-        pending = _Pending(loop.create_future(), now, now + wait_s, limit_s, what, subject)
+        pending = _Pending(loop.create_future(), now, now + wait_s, limit_s, what, subject, again, holding)
         self._pending[request_id] = pending
         if not self._ticking:
             self._ticking = True
             loop.call_later(_TICK_S, self._supervise)
         try:
             return await pending.future
-        finally:
-            self._pending.pop(request_id, None)
+        except asyncio.CancelledError:
+            # Given up after its fall gave it a turn: no one will enter that turn, so it ends here.
+            if pending.future.done() and not pending.future.cancelled():
+                gone = pending.future.exception()
+                if isinstance(gone, WorkerGone) and gone.turn is not None:
+                    self._end(gone.turn)
+            raise
 
 
 def child_main(module: str, serve: Callable[[socket.socket], None], argv: list[str] | None = None) -> int:
@@ -500,15 +600,18 @@ def child_main(module: str, serve: Callable[[socket.socket], None], argv: list[s
 
 
 class _Pending:
-    """A request the child has not answered yet."""
+    """A request the child has not answered yet (``again``: as :meth:`WorkerProcess.ask` was told; ``holding``:
+    the turn its task was in when it was sent, if any)."""
 
-    __slots__ = ("future", "sent", "deadline", "limit_s", "what", "subject")
+    __slots__ = ("future", "sent", "deadline", "limit_s", "what", "subject", "again", "holding")
 
     def __init__(self, future: asyncio.Future[tuple[int, bytes]], sent: float, deadline: float, limit_s: float, what: str,
-                 subject: str) -> None:
+                 subject: str, again: bool, holding: Turn | None) -> None:
         self.future = future
         self.sent = sent
         self.deadline = deadline
         self.limit_s = limit_s
         self.what = what
         self.subject = subject
+        self.again = again
+        self.holding = holding

@@ -9,6 +9,12 @@ worker says the episode changed since its scenario's initial state: a call canno
 and so decide its own reward. That worker runs each validation's checks in a process of their own,
 so that a check cannot decide another validation's reward either.
 
+Neither worker ever sees an episode's id, the key to its MCP endpoint: environment code could find
+every id in its process and hand it to an agent. Each episode gets a handle here that names it to
+the workers alone (no route accepts one); the server maps it back, and its logs and errors name the
+episode by its id. Nor do the descriptions of requests name it, since the reason of a worker's fall
+reaches the errors of every episode caught up in it.
+
 When a worker is killed (it froze past a deadline, or a call outlived its limit on a thread that
 could not be stopped) or dies, nothing else is lost: each episode it held is rebuilt in the new
 worker, the next time it is used, by building its scenario again and replaying its calls, each of
@@ -22,6 +28,7 @@ environment is not deterministic), or a call of it ran past its limit (what it d
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 from collections.abc import Callable
@@ -37,7 +44,7 @@ from envscaler.sandbox import CHILD_TASKS
 from envscaler.wire import WorkerResources
 from servers.episodes.store import ABANDON_GRACE_S, CallStats, EpisodeRegistry, LiveEpisode, checks_limit_s
 from servers.errors import CallAbandoned, EpisodeLost, UnknownEpisode
-from servers.workers.process import WorkerGone, WorkerProcess
+from servers.workers.process import Turn, WorkerGone, WorkerProcess
 from servers.workers.wire import (
     CheckerSettings,
     CheckRequest,
@@ -57,7 +64,7 @@ log = logging.getLogger("envscaler.server")
 T = TypeVar("T")
 
 ROLE = "environment worker"
-# How many times a request caught up in other requests' falls is asked again, at most.
+# How many times a request is asked in all, at most, when the worker keeps falling under it without blaming it.
 CAUGHT_UP_TRIES = 4
 
 
@@ -97,6 +104,9 @@ class WorkerEpisodeStore(EpisodeRegistry):
         hello = decode(WorkerHello, self.worker.hello)
         self._tools, self._annotations = hello.tools, hello.annotations
         self._histories: dict[str, _History] = {}
+        # Episode id -> the handle that names the episode to the workers.
+        self._handles: dict[str, str] = {}
+        self._handle_numbers = itertools.count(1)
         # Episodes whose state went with a lost worker -> why; rebuilt when next used.
         self._stale: dict[str, str] = {}
         self.rebuilt = 0
@@ -117,56 +127,64 @@ class WorkerEpisodeStore(EpisodeRegistry):
     async def _ensure_built(self, live: LiveEpisode) -> None:
         """Rebuild ``live`` in the current worker if its state went with a lost one (``live.lock`` is held);
         marks it lost when that cannot be done."""
-        for _ in range(CAUGHT_UP_TRIES):
-            reason = self._stale.pop(live.episode_id, None)
-            if reason is None or live.lost is not None:
-                return
-            history = self._histories.setdefault(live.episode_id, _History())
-            if history.unreplayable is not None:
-                self._mark_lost(live, f"{reason}; it cannot be rebuilt: {history.unreplayable}")
-                return
-            request = WorkerRequest(op="replay", episode_id=live.episode_id, scenario_id=live.scenario.task_id if live.scenario else None,
-                                    init_config=None if live.scenario else (live.init_config or {}), calls=history.calls)
-            limit = (len(history.calls) + 1) * (self.settings.call_timeout_s + ABANDON_GRACE_S)
-            try:
-                await self.worker.ask(request, limit, f"the rebuild of episode {live.episode_id}", live.episode_id)
-            except WorkerGone as e:
-                if e.blamed:
-                    self._mark_lost(live, f"{reason}; rebuilding it brought the new worker down too ({e})")
+        turn: Turn | None = None
+        for tries in range(1, CAUGHT_UP_TRIES + 1):
+            async with self.worker.alone(turn):
+                reason = self._stale.pop(live.episode_id, None)
+                if reason is None or live.lost is not None:
                     return
-                self._stale[live.episode_id] = reason  # caught up in another's fall: once more
-                continue
-            except (EpisodeLost, EnvCodeError, UnknownEpisode) as e:
-                self._mark_lost(live, f"{reason}; it cannot be rebuilt: {e}")
+                history = self._histories.setdefault(live.episode_id, _History())
+                if history.unreplayable is not None:
+                    self._mark_lost(live, f"{reason}; it cannot be rebuilt: {history.unreplayable}")
+                    return
+                handle = self._handles[live.episode_id]
+                request = WorkerRequest(op="replay", handle=handle, scenario_id=live.scenario.task_id if live.scenario else None,
+                                        init_config=None if live.scenario else (live.init_config or {}), calls=history.calls)
+                limit = (len(history.calls) + 1) * (self.settings.call_timeout_s + ABANDON_GRACE_S)
+                try:
+                    await self.worker.ask(request, limit, "the rebuild of an episode", handle, again=tries < CAUGHT_UP_TRIES)
+                except WorkerGone as e:
+                    if e.blamed:
+                        self._mark_lost(live, f"{reason}; rebuilding it brought the new worker down too ({e})")
+                        return
+                    self._stale[live.episode_id] = reason  # it may be innocent: once more
+                    turn = e.turn
+                    continue
+                except (EpisodeLost, EnvCodeError, UnknownEpisode) as e:
+                    self._mark_lost(live, f"{reason}; it cannot be rebuilt: {e}")
+                    return
+                self.rebuilt += 1
+                log.info("episode rebuilt in a new environment worker",
+                         extra={"env": self.env_id, "episode": live.episode_id, "calls": len(history.calls)})
                 return
-            self.rebuilt += 1
-            log.info("episode rebuilt in a new environment worker",
-                     extra={"env": self.env_id, "episode": live.episode_id, "calls": len(history.calls)})
-            return
         self._mark_lost(live, f"{self._stale.pop(live.episode_id, 'its worker was lost')}; the workers that were to rebuild it "
                               f"were lost {CAUGHT_UP_TRIES} times in a row")
 
-    async def _ask_about(self, episode_id: str, request: WorkerRequest, limit_s: float, what: str,
-                         live: LiveEpisode | None = None) -> tuple[bytes, int]:
-        """The worker's answer to ``request`` about episode ``episode_id``.
+    async def _ask_about(self, request: WorkerRequest, limit_s: float, what: str, live: LiveEpisode | None = None) -> tuple[bytes, int]:
+        """The worker's answer to ``request`` about one episode (``live``, once it is built).
 
-        When the worker goes down for another request's sake, this one is innocent: the episode
-        (``live``, when it is built) is rebuilt in the new worker and asked again, a few times at most;
-        a fall that no request is blamed for gets it one more try only. Raises WorkerGone when this
-        request is to blame or the tries run out, EpisodeLost when the episode cannot be rebuilt.
+        The episode is rebuilt first if its worker was lost. When the worker goes down and this request
+        is not blamed, it may be innocent: the episode is rebuilt in the new worker and the request asked
+        again, in its turn when it has one (see ``servers.workers.process``), a few times at most. Raises WorkerGone when this request is to
+        blame or the tries run out, EpisodeLost when the episode cannot be rebuilt.
         """
-        unexplained = 0
-        for _ in range(CAUGHT_UP_TRIES):
-            try:
-                return await self.worker.ask_child(request, limit_s, what, episode_id)
-            except WorkerGone as e:
-                unexplained += not e.explained
-                if e.blamed or unexplained > 1:
-                    raise
-                gone = e
-            if live is not None:
-                await self._ensure_usable(live)
-        raise gone
+        tries, turn = 1, None
+        while True:
+            async with self.worker.alone(turn):
+                if live is not None:
+                    await self._ensure_usable(live)
+                try:
+                    return await self.worker.ask_child(request, limit_s, what, request.handle, again=tries < CAUGHT_UP_TRIES)
+                except UnknownEpisode:
+                    # The worker it was built in fell before this request went (it waited for another's turn
+                    # alone): the new worker, which has not built it yet, ran nothing. Built there, ask again.
+                    if live is None or live.episode_id not in self._stale or tries == CAUGHT_UP_TRIES:
+                        raise
+                    tries, turn = tries + 1, None
+                except WorkerGone as e:
+                    if e.blamed or tries == CAUGHT_UP_TRIES:
+                        raise
+                    tries, turn = tries + 1, e.turn
 
     async def _ensure_usable(self, live: LiveEpisode) -> None:
         """Rebuild ``live`` if it must be (``live.lock`` is held); raises EpisodeLost when it is lost."""
@@ -177,9 +195,9 @@ class WorkerEpisodeStore(EpisodeRegistry):
     async def _read(self, live: LiveEpisode, op: str, what: str, parse: Callable[[bytes], T]) -> T:
         """The worker's answer to a read of ``live`` (``op``), parsed; EnvCodeError when the worker
         goes down for this read's sake or answers what ``parse`` cannot read."""
-        request = WorkerRequest(op=op, episode_id=live.episode_id)
+        request = WorkerRequest(op=op, handle=self._handles[live.episode_id])
         try:
-            payload, _ = await self._ask_about(live.episode_id, request, self.settings.call_timeout_s, what, live)
+            payload, _ = await self._ask_about(request, self.settings.call_timeout_s, what, live)
             return parse(payload)
         except WorkerGone as e:
             raise EnvCodeError(f"{self.env_id}: {e}") from None
@@ -242,15 +260,22 @@ class WorkerEpisodeStore(EpisodeRegistry):
     async def state(self, live: LiveEpisode) -> dict[str, Any]:
         async with live.lock:
             await self._ensure_usable(live)
-            return await self._read_object(live, "state", f"a state read of episode {live.episode_id}")
+            return await self._read_object(live, "state", "a state read")
 
     async def _construct(self, episode_id: str, scenario: Scenario | None, init_config: dict[str, Any] | None) -> Episode | None:
-        request = WorkerRequest(op="create", episode_id=episode_id, scenario_id=scenario.task_id if scenario else None,
+        fresh = episode_id not in self._handles
+        if fresh:  # a new episode (else a reset): its handle lives as long as it does
+            self._handles[episode_id] = str(next(self._handle_numbers))
+        request = WorkerRequest(op="create", handle=self._handles[episode_id], scenario_id=scenario.task_id if scenario else None,
                                 init_config=None if scenario else (init_config or {}))
         try:
-            await self._ask_about(episode_id, request, self.settings.call_timeout_s + ABANDON_GRACE_S, f"the constructor of episode {episode_id}")
-        except WorkerGone as e:
-            raise EnvCodeError(f"{self.env_id}: {e}") from None
+            await self._ask_about(request, self.settings.call_timeout_s + ABANDON_GRACE_S, "the constructor")
+        except Exception as e:
+            if fresh:
+                del self._handles[episode_id]
+            if isinstance(e, WorkerGone):
+                raise EnvCodeError(f"{self.env_id}: {e}") from None
+            raise
         self._histories[episode_id] = _History()
         self._stale.pop(episode_id, None)
         return None
@@ -259,10 +284,9 @@ class WorkerEpisodeStore(EpisodeRegistry):
         await self._ensure_built(live)
         if live.lost is not None:
             return self._lost_outcome(live, name, arguments)
-        request = WorkerRequest(op="call", episode_id=live.episode_id, name=name, arguments=arguments)
-        what = f"tool {name!r} of episode {live.episode_id}"
+        request = WorkerRequest(op="call", handle=self._handles[live.episode_id], name=name, arguments=arguments)
         try:
-            payload, worker = await self._ask_about(live.episode_id, request, self.settings.call_timeout_s + ABANDON_GRACE_S, what, live)
+            payload, worker = await self._ask_about(request, self.settings.call_timeout_s + ABANDON_GRACE_S, f"tool {name!r}", live)
             reply = decode(WorkerOutcome, payload)
         except WorkerGone as e:
             message = f"{e}; the call was undone, and the episode goes on from before it"
@@ -276,7 +300,7 @@ class WorkerEpisodeStore(EpisodeRegistry):
             # Its thread runs on and cannot be stopped: only a new worker is rid of it. The episode is
             # rebuilt there without this call.
             reply.outcome.error = f"{reply.outcome.error}; the call was undone, and the episode goes on from before it"
-            self.worker.restart(f"tool {name!r} of episode {live.episode_id} outlived its limit on a thread that could not be stopped", worker)
+            self.worker.restart(f"tool {name!r} outlived its limit on a thread that could not be stopped", worker)
         else:
             self._remember(live, name, arguments, reply)
         return reply.outcome
@@ -286,12 +310,12 @@ class WorkerEpisodeStore(EpisodeRegistry):
         if not items:
             raise ChecklistError("the scenario has no checklist, so it cannot be scored")
         await self._ensure_usable(live)
-        final = await self._read(live, "final", f"the final state of episode {live.episode_id}", partial(decode, EpisodeFinal))
-        request = CheckRequest(episode_id=live.episode_id, checklist=items, initial_key=final.initial_hash, changes=final.changes,
-                               final=final.final, initial=final.initial)
+        final = await self._read(live, "final", "the final state", partial(decode, EpisodeFinal))
+        request = CheckRequest(handle=self._handles[live.episode_id], checklist=items, initial_key=final.initial_hash,
+                               changes=final.changes, final=final.final, initial=final.initial)
         results = await self._check(request)
         if results.missing_initial:
-            request.initial = await self._read_object(live, "initial", f"the initial state of episode {live.episode_id}")
+            request.initial = await self._read_object(live, "initial", "the initial state")
             results = await self._check(request)
         return ValidationResult(score=score(results.checks), checks=results.checks, state_hash=final.state_hash,
                                 check_errors=sum(r.error is not None for r in results.checks))
@@ -301,7 +325,7 @@ class WorkerEpisodeStore(EpisodeRegistry):
         limit = checks_limit_s(request.checklist, self.settings.check_timeout_s)
         async with self._checking:
             try:
-                payload = await self.checker.ask(request, limit, f"the checks of episode {request.episode_id}", request.episode_id)
+                payload = await self.checker.ask(request, limit, "the checks", request.handle)
             except WorkerGone:
                 raise CallAbandoned() from None
         try:
@@ -311,9 +335,10 @@ class WorkerEpisodeStore(EpisodeRegistry):
 
     def _release(self, live: LiveEpisode) -> None:
         self._histories.pop(live.episode_id, None)
+        handle = self._handles.pop(live.episode_id)
         stale = self._stale.pop(live.episode_id, None) is not None
         if live.lost is None and not stale and self.worker.alive:
-            self.worker.tell(WorkerRequest(op="end", episode_id=live.episode_id))
+            self.worker.tell(WorkerRequest(op="end", handle=handle))
 
     def close(self) -> None:
         """Stop the workers (the server is shutting down)."""

@@ -77,12 +77,15 @@ class ReplayCall(BaseModel):
 class WorkerRequest(BaseModel):
     """One thing the server asks of the worker, about one episode (``stats``: about the worker).
 
+    The episode is named by its ``handle``, which the server gives it for the workers alone: never its
+    episode id, the key to its MCP endpoint (no route accepts a handle).
+
     ``replay`` builds the episode as ``create`` does, then runs ``calls`` again in order; each must
     come out with the digest it had (:func:`outcome_digest`), else the episode cannot be rebuilt.
     """
 
     op: Operation
-    episode_id: str = ""
+    handle: str = ""
     scenario_id: str | None = None
     init_config: dict[str, Any] | None = None
     name: str = ""
@@ -117,9 +120,10 @@ class CheckerSettings(BaseModel):
 
 class CheckRequest(BaseModel):
     """One episode's checks, for the check worker: the final state is ``final``, or ``changes`` made to
-    the initial state ``initial_key`` (sent in ``initial`` when the check worker does not hold it)."""
+    the initial state ``initial_key`` (sent in ``initial`` when the check worker does not hold it).
+    ``handle`` names the episode, as in :class:`WorkerRequest`."""
 
-    episode_id: str
+    handle: str
     checklist: list[CheckItem]
     initial_key: str | None = None
     initial: dict[str, Any] | None = None
@@ -155,10 +159,13 @@ class WorkerFailure(BaseModel):
 
 
 class RunningMarks:
-    """A page of memory the server shares with its worker: which episode's code each of the worker's
-    threads runs right now (slot 0: its event loop's thread). The worker writes a thread's slot around
-    every call that thread runs; when the worker freezes or dies, the server reads the page to know
-    which request brought it down (``servers.workers.process``).
+    """A page of memory the server shares with its worker: which episode (by handle) each of the worker's
+    threads runs the code of right now (slot 0: its event loop's thread). The worker writes a thread's
+    slot around every call that thread runs; when the worker freezes or dies with several requests in
+    flight, the server reads the page for the one to try first, alone (``servers.workers.process``).
+
+    The page is in the worker's memory, so the environment code it runs can write anything there: it
+    is a hint, never a reason to blame a request.
     """
 
     SLOTS = 64

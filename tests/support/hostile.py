@@ -193,6 +193,28 @@ WALL_TOOLS = '''
         """Return 100 MB of text."""
         return "x" * 100_000_000
 
+    def harvest(self) -> dict:
+        """What environment code finds in its process: every id-like token (20 or more URL-safe characters)
+        of every string the garbage collector reaches, directly or in the containers it reaches, and the
+        names of the episodes held here."""
+        import gc
+        import re
+        strings, seen = set(), set()
+        found = gc.get_objects()
+        for holder in found:
+            for value in gc.get_referents(holder):
+                if isinstance(value, str):
+                    strings.add(value)
+                elif isinstance(value, (bytes, bytearray)):
+                    strings.add(bytes(value).decode("latin-1"))
+                elif isinstance(value, (dict, list, tuple, set, frozenset)) and id(value) not in seen:
+                    seen.add(id(value))
+                    items = (*value, *value.values()) if isinstance(value, dict) else value
+                    strings.update(item for item in items if isinstance(item, str))
+        tokens = {token for text in strings for token in re.findall(r"[A-Za-z0-9_.-]{20,}", text)}
+        names = {o.episode_id for o in found if type(o).__name__ == "LiveEpisode"}
+        return {"success": True, "data": {"tokens": sorted(tokens), "names": sorted(names)}}
+
     def get_item('''
 
 HOSTILE_CODE = COUNTER_CODE.replace("\n    def get_item(", HOSTILE_TOOLS, 1)
