@@ -187,7 +187,7 @@ def _stop_when_stale(heartbeat: Path) -> None:
 def _openenv_listener() -> type:
     """The OpenEnv listener class; a clear error when the [openenv] extra is not installed."""
     try:
-        from servers.openenv_endpoint.app import OpenEnvListener
+        from servers.protocols.openenv.app import OpenEnvListener
     except ImportError as e:
         raise EnvScalerError(f"--openenv-port needs openenv-core ({e}); install it with: pip install 'envscaler-farm[openenv]'") from None
     return OpenEnvListener

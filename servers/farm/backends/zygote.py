@@ -51,7 +51,7 @@ PRELOAD = (
     "anyio._backends._asyncio", "anyio.to_thread", "encodings.idna",
 )
 # Also preloaded when a server of the farm serves OpenEnv (``farm up --openenv``).
-OPENENV_PRELOAD = "servers.openenv_endpoint.app"
+OPENENV_PRELOAD = "servers.protocols.openenv.app"
 # ``ENVSCALER_SPAWNER=popen`` makes the process backend start each server as its own interpreter.
 SPAWNER_VARIABLE = "ENVSCALER_SPAWNER"
 
