@@ -27,11 +27,12 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from common import META, Verdict, argument_parser, cpu_seconds, envscaler, percentile, read_only_call, report
 
 from agent_client.http import LeanHttp
 from envscaler import default_catalog
@@ -43,21 +44,7 @@ CONCURRENCY = 16
 SEQUENTIAL_CALLS = 400
 RATIO_TARGET = 0.8
 ADDED_P50_TARGET_MS = 0.2
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 HEADERS = {"MCP-Protocol-Version": "2026-07-28", "Mcp-Method": "tools/call", "Accept": "application/json, text/event-stream"}
-META = {"io.modelcontextprotocol/protocolVersion": "2026-07-28", "io.modelcontextprotocol/clientCapabilities": {}}
-
-sys.path.insert(0, str(Path(__file__).parent))
-from server import percentile, read_only_call  # noqa: E402  (the sibling benchmark's helpers)
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU time of processes ``pids`` so far."""
-    total = 0.0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-    return total
 
 
 def haproxy_pids(farm_id: str) -> list[int]:
@@ -134,14 +121,6 @@ async def measure(direct: Target, gateway: Target, token: str, tool: str, argume
                   f"gateway {gateway.rates[-1]:,.0f}/s p50 {gateway.p50s[-1]:.3f} ms", flush=True)
 
 
-def farm(*args: str, gateway: str | None = None) -> None:
-    environment = {**os.environ, GATEWAY_VARIABLE: gateway} if gateway else None
-    result = subprocess.run([sys.executable, "-m", "envscaler.cli", "farm", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env=environment)
-    if result.returncode != 0:
-        raise SystemExit(f"envscaler farm {args[0]} failed ({result.returncode}):\n{result.stderr[-3000:]}")
-
-
 async def run(args: argparse.Namespace) -> int:
     env_dir = Path(args.env)
     scenario_id, tool, arguments = read_only_call(env_dir)
@@ -151,7 +130,8 @@ async def run(args: argparse.Namespace) -> int:
         root = Path(scratch) / "envs"
         shutil.copytree(env_dir, root / env_dir.name)
         catalog_path = Path(scratch) / "farm.json"
-        farm("up", str(root), "--backend", "process", "--catalog", str(catalog_path), "--timeout", "120", gateway=args.gateway)
+        gateway_choice = {**os.environ, GATEWAY_VARIABLE: args.gateway} if args.gateway else None
+        envscaler("farm", "up", str(root), "--backend", "process", "--catalog", str(catalog_path), "--timeout", "120", env=gateway_choice)
         try:
             catalog = FarmCatalog.model_validate_json(catalog_path.read_text())
             state = json.loads((Path(scratch) / "farm.json.farm" / "state.json").read_text())
@@ -170,7 +150,7 @@ async def run(args: argparse.Namespace) -> int:
             await measure(direct, gateway, endpoint.token, tool, arguments, args.rounds, args.seconds)
             server_cpu_us = 1e6 * direct.cpu_s / direct.calls
         finally:
-            farm("down", "--catalog", str(catalog_path))
+            envscaler("farm", "down", "--catalog", str(catalog_path))
 
     ratios = [g / d for g, d in zip(gateway.rates, direct.rates)]
     added = [g - d for g, d in zip(gateway.p50s, direct.p50s)]
@@ -183,17 +163,14 @@ async def run(args: argparse.Namespace) -> int:
     print(f"{'CPU per call (us): server / gateway':<38} {server_cpu_us:>10.0f} {1e6 * gateway.cpu_s / gateway.calls:>10.0f}")
     print(f"\nper-round throughput ratios: {', '.join(f'{r:.2f}' for r in ratios)}; "
           f"added p50 per round (ms): {', '.join(f'{a:.3f}' for a in added)}")
-    verdicts = [
-        (f"gateway throughput {ratio:.2f}x direct", ratio >= RATIO_TARGET, f">= {RATIO_TARGET}x"),
-        (f"gateway adds {added_p50:.3f} ms to sequential p50", added_p50 <= ADDED_P50_TARGET_MS, f"<= {ADDED_P50_TARGET_MS} ms"),
-    ]
-    for text, ok, target in verdicts:
-        print(f"{text:<48} target {target:<10} {'ok' if ok else 'MISSED'}")
-    return 0 if all(ok for _, ok, _ in verdicts) else 1
+    return report([
+        Verdict("gateway throughput vs direct", f"{ratio:.2f}x", f">= {RATIO_TARGET}x", ratio >= RATIO_TARGET),
+        Verdict("gateway's addition to sequential p50", f"{added_p50:+.3f} ms", f"<= {ADDED_P50_TARGET_MS} ms", added_p50 <= ADDED_P50_TARGET_MS),
+    ])
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--env", default=str(default_catalog() / "library_circulation"), help="bundle to serve (default: library_circulation)")
     parser.add_argument("--rounds", type=int, default=7, help="measurement rounds, alternating between the targets (default: 7)")
     parser.add_argument("--seconds", type=float, default=1.0, help="length of each throughput run in a round (default: 1)")

@@ -13,14 +13,14 @@ Target: 0.5 ms of harness CPU per tool step or less. Exits 1 when missed.
 
 from __future__ import annotations
 
-import argparse
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import anyio
+
+from common import Verdict, argument_parser, envscaler, report
 
 from agent_client.agents import ReplayAgent
 from agent_client.models import load_farm_catalog
@@ -29,12 +29,8 @@ from agent_client.runner import RunOptions, run
 TARGET_MS = 0.5
 
 
-def envscaler(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "envscaler.cli", *args], check=True, stdout=subprocess.DEVNULL)
-
-
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--repeats", type=int, default=10, help="runs per scenario (default: 10)")
     parser.add_argument("--concurrency", type=int, default=64, help="episodes at once (default: 64)")
     args = parser.parse_args()
@@ -54,11 +50,13 @@ def main() -> int:
     perfect = sum(r.reward == 1.0 for r in records)
     per_step_ms = cpu / steps * 1e3
     print(f"{len(records)} episodes ({perfect} scored 1.0), {steps} tool steps, concurrency {args.concurrency}")
-    print(f"harness CPU: {cpu:.2f} s -> {per_step_ms:.3f} ms per tool step (everything included)   "
-          f"target <= {TARGET_MS} ms: {'ok' if per_step_ms <= TARGET_MS else 'MISSED'}")
+    print(f"harness CPU: {cpu:.2f} s -> {per_step_ms:.3f} ms per tool step (everything included)")
     print(f"throughput: {steps / wall:.0f} tool steps/s, {len(records) / wall:.1f} episodes/s (wall {wall:.1f} s, "
           f"servers share this machine's cores)")
-    return 0 if per_step_ms <= TARGET_MS and perfect == len(records) else 1
+    return report([
+        Verdict("harness CPU per tool step", f"{per_step_ms:.3f} ms", f"<= {TARGET_MS} ms", per_step_ms <= TARGET_MS),
+        Verdict("episodes scored 1.0", f"{perfect}/{len(records)}", "all", perfect == len(records)),
+    ])
 
 
 if __name__ == "__main__":

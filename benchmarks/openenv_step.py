@@ -27,17 +27,16 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import websockets
+from openenv.core.generic_client import GenericEnvClient
 
-import websockets  # noqa: E402
-from openenv.core.generic_client import GenericEnvClient  # noqa: E402
+from common import Verdict, argument_parser, percentile, read_only_call, report
 
-from agent_client.http import LeanHttp  # noqa: E402
-from agent_client.remote import EnvControl, McpTools  # noqa: E402
-from benchmarks.server import read_only_call  # noqa: E402
-from envscaler import default_catalog  # noqa: E402
-from envscaler.wire import EnvEndpoint  # noqa: E402
-from tests.support.openenv_servers import serve_openenv  # noqa: E402
+from agent_client.http import LeanHttp
+from agent_client.remote import EnvControl, McpTools
+from envscaler import default_catalog
+from envscaler.wire import EnvEndpoint
+from tests.support.openenv_servers import serve_openenv
 
 CONCURRENCY = 16
 MAX_STEPS = 1_000_000_000  # no episode reaches the step limit during the benchmark
@@ -161,7 +160,7 @@ async def run(args: argparse.Namespace) -> int:
     print(f"\n{'':38}" + "".join(f"{w.name:>16}" for w in ways))
     rows = [
         ("sequential p50 (ms)", [f"{statistics.median(w.latencies):.3f}" for w in ways]),
-        ("sequential p99 (ms)", [f"{sorted(w.latencies)[int(0.99 * len(w.latencies))]:.3f}" for w in ways]),
+        ("sequential p99 (ms)", [f"{percentile(w.latencies, 0.99):.3f}" for w in ways]),
         ("sequential round trips/s", [f"{1e3 / statistics.mean(w.latencies):,.0f}" for w in ways]),
         (f"round trips/s, {CONCURRENCY} concurrent (median)", [f"{statistics.median(w.rates):,.0f}" for w in ways]),
     ]
@@ -169,13 +168,11 @@ async def run(args: argparse.Namespace) -> int:
         print(f"{label:38}" + "".join(f"{v:>16}" for v in values))
     mcp, openenv = ways[0], ways[1]
     added = statistics.median(openenv.latencies) - statistics.median(mcp.latencies)
-    verdict = "ok" if added <= BAR_MS else "MISSED"
-    print(f"\nOpenEnv step p50 - direct MCP call p50: {added:+.3f} ms (target <= +{BAR_MS} ms): {verdict}")
-    return 0 if added <= BAR_MS else 1
+    return report([Verdict("OpenEnv step p50 - direct MCP call p50", f"{added:+.3f} ms", f"<= +{BAR_MS} ms", added <= BAR_MS)])
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--env", default=str(default_catalog() / "library_circulation"), help="bundle to serve (default: library_circulation)")
     parser.add_argument("--rounds", type=int, default=5, help="measurement rounds, alternating between the ways (default: 5)")
     parser.add_argument("--calls", type=int, default=400, help="sequential calls per way and round (default: 400)")

@@ -12,11 +12,12 @@ Exits 1 when a target is missed: overhead <= 20 us per call, episode creation <=
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 from collections.abc import Callable
+
+from common import Verdict, argument_parser, report
 
 from envscaler import Bundle, EnvRuntime, default_catalog, load_bundles
 
@@ -52,7 +53,7 @@ def read_only_calls(runtime: EnvRuntime, bundle: Bundle) -> list[tuple[str, dict
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--calls", type=int, default=20_000, help="calls per measurement round (default: 20000)")
     args = parser.parse_args()
 
@@ -82,15 +83,13 @@ def main() -> int:
         creations.append((time.perf_counter() - started) * 1e3)
     overhead = statistics.median(overheads)
     creation = statistics.median(creations)
-    ok_overhead = overhead <= OVERHEAD_TARGET_US
-    ok_creation = creation <= CREATION_TARGET_MS
-    print()
-    print(f"per-call overhead (median over {len(overheads)} tools): {overhead:.2f} us   "
-          f"target <= {OVERHEAD_TARGET_US:g} us: {'ok' if ok_overhead else 'MISSED'}")
-    print(f"episode creation p50 ({scenario.task_id}, {len(repr(scenario.init_config))} chars of init_config): "
-          f"{creation:.3f} ms   target <= {CREATION_TARGET_MS:g} ms: {'ok' if ok_creation else 'MISSED'}")
     print("(+diff: extra cost when the call also records a state diff, as the server's trajectory does)")
-    return 0 if ok_overhead and ok_creation else 1
+    return report([
+        Verdict(f"per-call overhead (median over {len(overheads)} tools)", f"{overhead:.2f} us", f"<= {OVERHEAD_TARGET_US:g} us",
+                overhead <= OVERHEAD_TARGET_US),
+        Verdict(f"episode creation p50 ({scenario.task_id}, {len(repr(scenario.init_config))} chars of init_config)", f"{creation:.3f} ms",
+                f"<= {CREATION_TARGET_MS:g} ms", creation <= CREATION_TARGET_MS),
+    ])
 
 
 if __name__ == "__main__":

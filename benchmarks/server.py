@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -38,18 +37,17 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import (META, Verdict, argument_parser, cpu_seconds, percentile, process_tree, read_only_call, report, rss_mb, start, stop,
+                    tree_memory)
 
-from agent_client.http import LeanHttp  # noqa: E402
-from benchmarks.processes import cpu_seconds, pss_mb, rss_mb  # noqa: E402
-from envscaler import EnvRuntime, default_catalog, load_bundle  # noqa: E402
-from envscaler.sandbox import innermost_process, sandbox_problem  # noqa: E402
+from agent_client.http import LeanHttp
+from envscaler import EnvRuntime, default_catalog, load_bundle
+from envscaler.sandbox import innermost_process, sandbox_problem
 
 TOKEN = "bench-token"
 CONCURRENCY = 16
 SEQUENTIAL_CALLS = 400
 LEGACY_VERSION = "2025-06-18"
-META = {"io.modelcontextprotocol/protocolVersion": "2026-07-28", "io.modelcontextprotocol/clientCapabilities": {}}
 
 
 class Target:
@@ -95,11 +93,11 @@ class Target:
 
     def pss_mb(self) -> float:
         """Proportional memory of all the server's processes (shared pages split between them)."""
-        return pss_mb(self.process.pid)
+        return tree_memory(self.process.pid).pss
 
     def cpu_seconds(self) -> float:
         """User + system CPU time of all the server's processes so far."""
-        return cpu_seconds(self.process.pid)
+        return cpu_seconds(process_tree(self.process.pid))
 
     async def call(self, http: LeanHttp, session: str | None, name: str, arguments: dict, number: int) -> None:
         if session:
@@ -114,23 +112,6 @@ class Target:
         if response.status != 200 or b'"isError":false' not in response.body:
             raise RuntimeError(f"{self.name}: tool call failed ({response.status}): {response.body[:300]!r}")
 
-    def stop(self) -> None:
-        # The whole group: a sandboxed server's bubblewrap ignores SIGTERM sent to it alone.
-        try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(10)
-        except ProcessLookupError:
-            pass  # stopped already (two targets share the baseline's process)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-
-
-def start(command: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, dict]:
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True)
-    line = process.stdout.readline() if process.stdout else ""
-    if not line:
-        raise RuntimeError(f"{command[:4]} exited before listening")
-    return process, json.loads(line)
 
 
 async def sequential(target: Target, http: LeanHttp, tool: str, arguments: dict, calls: int) -> list[float]:
@@ -177,11 +158,6 @@ async def measure_rounds(targets: list[Target], tool: str, arguments: dict, roun
                 target.rates.append(await throughput(target, http, tool, arguments, seconds))
             line = "  ".join(f"{t.name} {t.rates[-1]:,.0f}/s" for t in targets)
             print(f"round {number + 1}/{rounds}: {line}", flush=True)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def ratio(ours: Target, other: Target) -> float:
@@ -236,19 +212,6 @@ def serve_baseline(env_dir: str) -> None:
     uvicorn_server.run(sockets=[sock])
 
 
-def read_only_call(env_dir: Path) -> tuple[str, str, dict]:
-    """(scenario id, tool, arguments) of the first reference call that leaves the state unchanged."""
-    bundle = load_bundle(env_dir)
-    runtime = EnvRuntime(bundle.spec)
-    for scenario in bundle.scenarios:
-        episode = runtime.new_episode(scenario.init_config)
-        for call in scenario.reference_solution or []:
-            outcome = episode.call(call.name, call.arguments)
-            if not outcome.error and not outcome.diff and outcome.result.get("success"):
-                return scenario.task_id, call.name, call.arguments
-    raise SystemExit(f"{env_dir}: no read-only reference call to benchmark with")
-
-
 async def run(args: argparse.Namespace) -> int:
     scenario_id, tool, arguments = read_only_call(Path(args.env))
     problem = sandbox_problem()
@@ -284,8 +247,10 @@ async def run(args: argparse.Namespace) -> int:
         await measure_rounds([base, legacy, *ours_servers], tool, arguments, args.rounds, args.seconds)
         costs = await episode_costs(ours, scenario_id, args.episodes)
     finally:
+        # The whole group: a sandboxed server's bubblewrap ignores SIGTERM sent to it alone. Two targets
+        # share the baseline's process: stopping it again finds it gone.
         for target in targets:
-            target.stop()
+            stop(target.process)
 
     def row(label: str, values: list[str]) -> None:
         print(f"{label:<36}" + "".join(f" {value:>15}" for value in values))
@@ -311,27 +276,25 @@ async def run(args: argparse.Namespace) -> int:
           f"{', '.join(f'{a / b:.1f}' for a, b in zip(inline.rates, base.rates))} (in-process)")
     print(f"worker process (default) vs in-process: throughput {ratio(ours, inline):.2f}x, p50 {p50 - inline_p50:+.3f} ms")
     verdicts = [
-        (f"throughput {ratio(ours, base):.1f}x the baseline", ratio(ours, base) >= 4.0, ">= 4x"),
-        (f"throughput {ratio(ours, legacy):.1f}x the baseline, handshake era", ratio(ours, legacy) >= 4.0, ">= 4x"),
-        (f"sequential p50 {p50:.3f} ms", p50 <= 1.0, "<= 1 ms"),
-        (f"{args.episodes} episodes +{costs['rss_delta_mb']:.1f} MB", costs["rss_delta_mb"] <= 300.0, "<= +300 MB"),
-        (f"in-process throughput {ratio(inline, base):.1f}x the baseline", ratio(inline, base) >= 4.0, ">= 4x"),
-        (f"in-process sequential p50 {inline_p50:.3f} ms", inline_p50 <= 1.0, "<= 1 ms"),
-        (f"in-process idle RSS {idle['in-process']:.1f} MB", idle["in-process"] <= 45.0, "<= 45 MB"),
+        Verdict("throughput vs the baseline", f"{ratio(ours, base):.1f}x", ">= 4x", ratio(ours, base) >= 4.0),
+        Verdict("throughput vs the baseline, handshake era", f"{ratio(ours, legacy):.1f}x", ">= 4x", ratio(ours, legacy) >= 4.0),
+        Verdict("sequential p50", f"{p50:.3f} ms", "<= 1 ms", p50 <= 1.0),
+        Verdict(f"{args.episodes} live episodes", f"+{costs['rss_delta_mb']:.1f} MB", "<= +300 MB", costs["rss_delta_mb"] <= 300.0),
+        Verdict("in-process throughput vs the baseline", f"{ratio(inline, base):.1f}x", ">= 4x", ratio(inline, base) >= 4.0),
+        Verdict("in-process sequential p50", f"{inline_p50:.3f} ms", "<= 1 ms", inline_p50 <= 1.0),
+        Verdict("in-process idle RSS", f"{idle['in-process']:.1f} MB", "<= 45 MB", idle["in-process"] <= 45.0),
     ]
     if boxed is not None:
         boxed_p50 = percentile(boxed.latencies, 0.5)
         verdicts += [
-            (f"in-process sandboxed {ratio(boxed, inline):.2f}x unsandboxed", ratio(boxed, inline) >= 0.9, ">= 0.9x"),
-            (f"in-process sandboxed p50 {boxed_p50 / inline_p50:.2f}x unsandboxed", boxed_p50 <= 1.1 * inline_p50, "<= 1.1x"),
+            Verdict("in-process sandboxed throughput vs unsandboxed", f"{ratio(boxed, inline):.2f}x", ">= 0.9x", ratio(boxed, inline) >= 0.9),
+            Verdict("in-process sandboxed p50 vs unsandboxed", f"{boxed_p50 / inline_p50:.2f}x", "<= 1.1x", boxed_p50 <= 1.1 * inline_p50),
         ]
-    for text, ok, target in verdicts:
-        print(f"{text:<48} target {target:<10} {'ok' if ok else 'MISSED'}")
-    return 0 if all(ok for _, ok, _ in verdicts) else 1
+    return report(verdicts)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--env", default=str(default_catalog() / "library_circulation"), help="bundle to serve (default: library_circulation)")
     parser.add_argument("--rounds", type=int, default=5, help="measurement rounds, alternating between the servers (default: 5)")
     parser.add_argument("--seconds", type=float, default=1.0, help="length of each throughput run in a round (default: 1)")

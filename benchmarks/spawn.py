@@ -14,7 +14,6 @@ per server. Exits 1 when one is missed.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import signal
@@ -27,7 +26,8 @@ from pathlib import Path
 
 import anyio
 
-from farm import Memory, describe_memory, memory
+from common import Memory, Verdict, argument_parser, describe_memory, memory, report
+
 from envscaler import default_catalog
 from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment
 from servers.farm.models import EnvPlan
@@ -110,7 +110,7 @@ def start_popen(envs: list[EnvPlan], logs: Path) -> tuple[float, list[Memory]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--envs", type=int, default=200, help="servers to start each way (default: 200)")
     args = parser.parse_args()
     envs = plans(args.envs)
@@ -118,14 +118,15 @@ def main() -> int:
         logs = Path(scratch)
         zygote_s, zygote_memory = anyio.run(start_zygote, envs, logs)
         popen_s, popen_memory = start_popen(envs, logs)
-    fast = zygote_s <= LISTEN_TARGET_S
-    lean = max(m.uss for m in zygote_memory) <= USS_TARGET_MB
-    print(f"zygote: {args.envs} servers listening in {zygote_s:.1f} s (target <= {LISTEN_TARGET_S:g} s: {'ok' if fast else 'MISSED'}); "
-          f"{describe_memory(zygote_memory)} (USS target <= {USS_TARGET_MB:g} MB: {'ok' if lean else 'MISSED'})")
+    uss = max(m.uss for m in zygote_memory)
+    print(f"zygote: {args.envs} servers listening in {zygote_s:.1f} s; {describe_memory(zygote_memory)}")
     print(f"popen:  {args.envs} servers listening in {popen_s:.1f} s; {describe_memory(popen_memory)}")
     print(f"zygote vs popen: {popen_s / zygote_s:.1f}x faster to listen; USS {statistics.median(m.uss for m in popen_memory) / statistics.median(m.uss for m in zygote_memory):.1f}x "
           f"smaller; total PSS {sum(m.pss for m in zygote_memory):.0f} MB vs {sum(m.pss for m in popen_memory):.0f} MB")
-    return 0 if fast and lean else 1
+    return report([
+        Verdict(f"zygote: {args.envs} servers listening", f"{zygote_s:.1f} s", f"<= {LISTEN_TARGET_S:g} s", zygote_s <= LISTEN_TARGET_S),
+        Verdict("zygote: USS per server, max", f"{uss:.1f} MB", f"<= {USS_TARGET_MB:g} MB", uss <= USS_TARGET_MB),
+    ])
 
 
 if __name__ == "__main__":

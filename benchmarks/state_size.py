@@ -20,26 +20,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import META, Verdict, argument_parser, report, start, stop, tree_memory
 
-from agent_client.http import LeanHttp  # noqa: E402
-from benchmarks.processes import pss_mb  # noqa: E402
-from tests.support.bundles import write_bundle  # noqa: E402
-from tests.support.large_state import shop_spec, shop_scenario, state_size, users_for  # noqa: E402
+from agent_client.http import LeanHttp
+from tests.support.bundles import write_bundle
+from tests.support.large_state import shop_spec, shop_scenario, state_size, users_for
 
 TOKEN = "bench-token"
 MODERN = "2026-07-28"
-META = {"io.modelcontextprotocol/protocolVersion": MODERN, "io.modelcontextprotocol/clientCapabilities": {}}
 CHECKS = [
     {"check_item": "user_1 lives in Oslo",
      "check_func": "def check_func(final_state):\n    return final_state['users']['user_1']['address']['city'] == 'Oslo'"},
@@ -58,19 +53,15 @@ class Server:
         env = {**os.environ, "ENVSCALER_TOKEN": TOKEN}
         command = [sys.executable, "-m", "servers.cli", str(bundle), "--port", "0", "--log-level", "warning",
                    "--max-episodes", "100000"]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-                                        start_new_session=True)
-        line = self.process.stdout.readline() if self.process.stdout else ""
-        if not line:
-            raise SystemExit(f"{label}: the server exited before listening")
-        self.url = json.loads(line)["url"]
+        self.process, ready = start(command, env)
+        self.url = ready["url"]
         self.scenario_id = scenario["task_id"]
         self.state_bytes = 0
         self.times: dict[str, list[float]] = {"no-op call": [], "state-changing call": [], "create": [], "validate": []}
 
     def memory_mb(self) -> float:
         """Proportional memory of the server and its workers (where the episodes live)."""
-        return pss_mb(self.process.pid)
+        return tree_memory(self.process.pid).pss
 
     async def control(self, http: LeanHttp, method: str, path: str, body: dict | None = None) -> dict:
         response = await http.request(method, self.url + path, body, {"Authorization": f"Bearer {TOKEN}"})
@@ -118,14 +109,6 @@ class Server:
             await self.call(http, live["mcp_path"], "get_order", {"user_id": "user_2", "order_id": "#2-0"})
         return (self.memory_mb() - before) * 1024 * 1024 / episodes
 
-    def stop(self) -> None:
-        # The whole group: a sandboxed server's bubblewrap ignores SIGTERM sent to it alone.
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-
 
 def p50_ms(values: list[float]) -> float:
     return statistics.median(values) * 1e3
@@ -150,8 +133,9 @@ async def run(args: argparse.Namespace) -> int:
                     print(f"round {number + 1}/{args.rounds} done", flush=True)
                 memory = {s.label: await s.memory_per_episode(http, args.episodes) for s in servers}
         finally:
+            # The whole group: a sandboxed server's bubblewrap ignores SIGTERM sent to it alone.
             for server in servers:
-                server.stop()
+                stop(server.process)
 
     small, large = servers
     print(f"\nstate per scenario: small {small.state_bytes / 1e3:,.1f} KB, large {large.state_bytes / 1e6:,.2f} MB")
@@ -164,19 +148,15 @@ async def run(args: argparse.Namespace) -> int:
     share = {label: memory[label] / s.state_bytes for label, s in zip(memory, servers)}
     print(f"{'memory per episode':<22} {memory['small'] / 1e3:>7.1f}KB {memory['large'] / 1e3:>7.1f}KB"
           f"   ({100 * share['large']:.1f}% of the large state)")
-    verdicts = [
-        (f"no-op call {ratios['no-op call']:.2f}x", ratios["no-op call"] <= 1.5, "<= 1.5x"),
-        (f"validate {ratios['validate']:.2f}x", ratios["validate"] <= 3.0, "<= 3x"),
-        (f"memory per episode {100 * share['large']:.1f}% of the state", share["large"] <= 0.10, "<= 10%"),
-    ]
-    print()
-    for text, ok, target in verdicts:
-        print(f"{text:<44} target {target:<8} {'ok' if ok else 'MISSED'}")
-    return 0 if all(ok for _, ok, _ in verdicts) else 1
+    return report([
+        Verdict("no-op call p50, large vs small", f"{ratios['no-op call']:.2f}x", "<= 1.5x", ratios["no-op call"] <= 1.5),
+        Verdict("validate p50, large vs small", f"{ratios['validate']:.2f}x", "<= 3x", ratios["validate"] <= 3.0),
+        Verdict("memory per episode, share of the large state", f"{100 * share['large']:.1f}%", "<= 10%", share["large"] <= 0.10),
+    ])
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=3, help="measurement rounds, alternating between the sizes (default: 3)")
     parser.add_argument("--calls", type=int, default=300, help="calls of each kind per round (default: 300)")
     parser.add_argument("--episodes", type=int, default=300, help="live episodes for the memory measurement (default: 300)")

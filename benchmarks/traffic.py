@@ -21,7 +21,6 @@ when one is missed.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -29,7 +28,6 @@ import resource
 import select
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -38,20 +36,13 @@ from pathlib import Path
 
 import httpx
 
+from common import Verdict, argument_parser, envscaler, report, rss_mb
+
 from envscaler import default_catalog
 from servers.farm.gateway.front import GATEWAY_VARIABLE
 
 ATTACKER = "127.0.0.2"
 MB = 1024 * 1024
-
-
-def envscaler(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "envscaler.cli", *args], capture_output=True, text=True, env=env)
-
-
-def rss_mb(pid: int) -> float:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) / 1024
 
 
 def fds(pid: int) -> int:
@@ -128,22 +119,20 @@ def slow_heads(gateway: str, count: int) -> tuple[list[socket.socket], int]:
 def farm(root: Path, name: str, env: dict[str, str], per_client: int) -> tuple[Path, dict]:
     catalog = root / name / "farm.json"
     catalog.parent.mkdir(parents=True)
-    up = envscaler("farm", "up", str(default_catalog() / "library_circulation"), str(default_catalog() / "it_helpdesk"),
-                   "--backend", "process", "--catalog", str(catalog), "--connections-per-client", str(per_client), env=env)
-    if up.returncode != 0:
-        sys.exit(f"farm up failed: {up.stderr[-2000:]}")
+    envscaler("farm", "up", str(default_catalog() / "library_circulation"), str(default_catalog() / "it_helpdesk"),
+              "--backend", "process", "--catalog", str(catalog), "--connections-per-client", str(per_client), env=env)
     state = json.loads((catalog.parent / "farm.json.farm" / "state.json").read_text())
     return catalog, {**json.loads(catalog.read_text()), "state": state}
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--connections", type=int, default=3000, help="slow connections the attacker opens (default: 3000)")
     parser.add_argument("--per-client", type=int, default=1024, help="the farm's --connections-per-client (default: 1024)")
     args = parser.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    missed: list[str] = []
+    verdicts: list[Verdict] = []
     rows: list[tuple[str, ...]] = []
     with tempfile.TemporaryDirectory(prefix="envscaler-traffic-") as tmp:
         for name, env in (("python", {**os.environ, GATEWAY_VARIABLE: "python"}), ("haproxy", dict(os.environ))):
@@ -165,23 +154,20 @@ def main() -> int:
                     rows.append((f"{name}: slow heads", f"{len(held)} held, {refused} refused", f"{before[0]}/{during[0]}/{after[0]}",
                                  f"{before[1]:.0f}/{during[1]:.0f}/{after[1]:.0f}", f"{bystander.p50_ms('before'):.2f}",
                                  f"{bystander.p50_ms('slow heads'):.2f}"))
-                    if len(held) > args.per_client + 2:
-                        missed.append(f"{name}: the attacker held {len(held)} connections, over the limit of {args.per_client}")
+                    verdicts.append(Verdict(f"{name}: connections the attacker held", f"{len(held)}", f"<= {args.per_client} + 2",
+                                            len(held) <= args.per_client + 2))
                     if name == "haproxy":
                         bystander.phase = "chunked bodies"
                         rows.append(chunked(gateway, daemon, bystander))
-                        if float(rows[-1][3].split("/")[1]) - before[1] > 64 + 30:
-                            missed.append(f"{name}: unfinished bodies grew the daemon past its 64 MB bound")
-                    if bystander.failures:
-                        missed.append(f"{name}: {bystander.failures} bystander call(s) failed")
+                        grown = float(rows[-1][3].split("/")[1]) - before[1]
+                        verdicts.append(Verdict(f"{name}: daemon's growth, unfinished bodies", f"{grown:.0f} MB", "<= 64 + 30 MB", grown <= 64 + 30))
+                    verdicts.append(Verdict(f"{name}: bystander calls failed", f"{bystander.failures}", "0", not bystander.failures))
             finally:
                 envscaler("farm", "down", "--catalog", str(catalog))
     print(f"{'attack':<26} {'connections':<22} {'fds before/during/after':<24} {'RSS MB b/d/a':<14} {'bystander p50 ms':>8} {'during':>7}")
     for row in rows:
         print(f"{row[0]:<26} {row[1]:<22} {row[2]:<24} {row[3]:<14} {row[4]:>16} {row[5]:>7}")
-    for miss in missed:
-        print(f"MISSED: {miss}")
-    return 1 if missed else 0
+    return report(verdicts)
 
 
 def chunked(gateway: str, daemon: int, bystander: Bystander) -> tuple[str, ...]:

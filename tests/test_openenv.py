@@ -70,11 +70,6 @@ def desk_scenario(task_id: str, notes: list[str]) -> dict:
     }
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.fixture(scope="module")
 def catalog_servers():
     with serve_openenv(find_bundles(default_catalog())) as servers:
