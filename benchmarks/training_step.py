@@ -17,7 +17,6 @@ Target: under 1 ms per step for every adapter. Exits 1 when missed.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import sys
@@ -26,7 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import Verdict, argument_parser, report
 
 from agent_client.remote import McpTools  # noqa: E402
 from agent_client.training.session import Background, FarmEpisode, loop_http  # noqa: E402
@@ -48,9 +47,9 @@ def median_ms(step: Callable[[], object], calls: int) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=400)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = argument_parser(__doc__)
+    parser.add_argument("--calls", type=int, default=400, help="calls per way and round (default: 400)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, the ways alternating within each (default: 3)")
     args = parser.parse_args()
     from agent_client.training.gem import FarmGemEnv
     from agent_client.training.skyrl import FarmTextEnv
@@ -95,12 +94,12 @@ def main() -> int:
         gem.close()
     base = statistics.median(results["mcp"])
     print(f"mcp (direct call): p50 {base:.3f} ms")
-    missed = False
+    verdicts = []
     for name in ("skyrl", "gem", "verl"):
         p50 = statistics.median(results[name])
         print(f"{name}: p50 {p50:.3f} ms, overhead {p50 - base:+.3f} ms per step")
-        missed |= p50 - base >= 1.0
-    return 1 if missed else 0
+        verdicts.append(Verdict(f"{name}: overhead per step over a direct MCP call", f"{p50 - base:+.3f} ms", "< 1 ms", p50 - base < 1.0))
+    return report(verdicts)
 
 
 if __name__ == "__main__":
