@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import PackageNotFoundError, entry_points, version
 from pathlib import Path
 
-from envscaler.arguments import positive_float, positive_int, with_examples
-from envscaler.bundle import default_catalog, find_bundles, load_bundles
+from envscaler.arguments import OneLineParser, positive_float, positive_int, with_examples
+from envscaler.bundle import bundle_path, default_catalog, find_bundles, load_bundles
 from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EnvScalerError
 from envscaler.gate_workers import check_isolated
 from envscaler.gates import GATES, EnvReport, ScenarioReport
@@ -45,12 +45,9 @@ def _catalog_list(args: argparse.Namespace) -> int:
 
 
 def _catalog_scenarios(args: argparse.Namespace) -> int:
-    where = Path(args.where)
-    if not where.exists() and (default_catalog() / args.where).is_dir():
-        where = default_catalog() / args.where  # an env_id of the bundled catalog
-    bundles = load_bundles(where)
+    bundles = load_bundles(bundle_path(args.where))
     if not bundles:
-        print(f"error: no bundles under {args.where}, and no environment of that name in the bundled catalog", file=sys.stderr)
+        print(f"error: no bundles under {args.where} (a bundle is a folder with env.json and scenarios.jsonl)", file=sys.stderr)
         return EXIT_USAGE
     for bundle in bundles:
         for scenario in bundle.scenarios:
@@ -123,7 +120,7 @@ def _import_envscaler(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The full parser, including commands that other packages register."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="envscaler",
         description="Synthesized tool environments as isolated, resettable, scorable MCP servers.",
         **with_examples("envscaler demo", "envscaler catalog scenarios online_retail", "envscaler farm up && envscaler run --agent replay --out runs/replay.jsonl")
