@@ -354,3 +354,14 @@ def test_farm_status_of_a_malformed_catalog_and_down_counts_what_ran(tmp_path):
     assert down.returncode == 0 and "farm: down (2 servers stopped)" in down.stderr, down.stderr
     again = envscaler("farm", "down", "--catalog", str(catalog))
     assert again.returncode == 0 and "nothing to do" in again.stderr
+
+
+@pytest.mark.parametrize("after_s", [0.6, 1.2, 2.0])
+def test_ctrl_c_while_a_command_starts_is_one_line(after_s):
+    process = subprocess.Popen([sys.executable, "-m", "envscaler.cli", "catalog", "list"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    time.sleep(after_s)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert "Traceback" not in stderr, stderr
+    assert process.returncode == 130 and stderr.strip().splitlines() == ["interrupted"], (process.returncode, stderr)
