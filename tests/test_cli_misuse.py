@@ -18,6 +18,7 @@ from agent_client.summary import render, summarize
 from envscaler import default_catalog
 from tests.support.bundles import COUNTER_CODE, counter_bundle, counter_scenario, counter_spec, write_bundle
 from tests.support.cli import envscaler
+from tests.support.farm import two_counters_up
 from tests.support.server import serve
 
 
@@ -344,12 +345,7 @@ def test_farm_status_of_a_malformed_catalog_and_down_counts_what_ran(tmp_path):
     malformed = tmp_path / "bad.json"
     malformed.write_text("{not json")
     assert_usage_error(envscaler("farm", "status", "--catalog", str(malformed)), "bad.json", "unreadable")
-    catalog = tmp_path / "farm.json"
-    two = tmp_path / "two"
-    counter_bundle(two)
-    write_bundle(two, counter_spec(env_id="counter2"), [counter_scenario(env_id="counter2")])
-    up = envscaler("farm", "up", str(two), "--backend", "process", "--catalog", str(catalog), timeout=180)
-    assert up.returncode == 0, up.stderr
+    catalog = two_counters_up(tmp_path)
     down = envscaler("farm", "down", "--catalog", str(catalog))
     assert down.returncode == 0 and "farm: down (2 servers stopped)" in down.stderr, down.stderr
     again = envscaler("farm", "down", "--catalog", str(catalog))
