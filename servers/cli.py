@@ -43,7 +43,7 @@ _FLAGS = {
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from servers.serve import serve, serve_in_sandbox
+    from servers.serve import openenv_listener, serve, serve_in_sandbox
 
     token = args.token or _read_token_file(args.token_file) or os.environ.get("ENVSCALER_TOKEN")
     generated = token is None
@@ -55,6 +55,8 @@ def _serve(args: argparse.Namespace) -> int:
     env_dir = str(bundle_path(args.env_dir))
     # A class that cannot compile is named once, here, before any process or sandbox is started for it.
     precheck_class(load_bundle(env_dir).spec)
+    if config.openenv is not None:
+        openenv_listener()  # the extra is missing: said here, not by a sandboxed child's traceback
     logs.configure(args.log_level)
     problem = sandbox_problem() if args.sandbox else "--no-sandbox"
     if config.worker_process:

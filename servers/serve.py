@@ -204,7 +204,8 @@ def openenv_listener() -> type:
     try:
         from servers.openenv_endpoint.app import OpenEnvListener
     except ImportError as e:
-        raise EnvScalerError(f"--openenv-port needs openenv-core ({e}); install it with: pip install 'envscaler-farm[openenv]'") from None
+        raise EnvScalerError(f"the OpenEnv protocol (serve --openenv-port, farm up --openenv) needs openenv-core ({e}); "
+                             "install it with: pip install 'envscaler-farm[openenv]'") from None
     return OpenEnvListener
 
 
