@@ -361,3 +361,13 @@ def test_ctrl_c_while_a_command_starts_is_one_line(after_s):
     _, stderr = process.communicate(timeout=60)
     assert "Traceback" not in stderr, stderr
     assert process.returncode == 130 and stderr.strip().splitlines() == ["interrupted"], (process.returncode, stderr)
+
+
+def test_demo_says_when_environment_code_runs_unsandboxed(tmp_path):
+    # As on a machine without bubblewrap: the demo's farm says so before any environment code runs.
+    env = {**os.environ, "ENVSCALER_SANDBOX": "off"}
+    done = envscaler("demo", "library_circulation", "--out", str(tmp_path / "runs"), env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert lines[0] == "demo: starting a process farm of library_circulation"
+    assert "environment code runs without a sandbox" in lines[1] and "ENVSCALER_SANDBOX=off" in lines[1]
