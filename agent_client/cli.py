@@ -27,7 +27,8 @@ from agent_client.remote import EnvControl, new_http_client
 from agent_client.runner import RunOptions, run
 from agent_client.summary import infra_reasons, render, render_spread, summarize
 from envscaler.arguments import non_negative_float, non_negative_int, positive_float, positive_int, with_examples
-from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
+from envscaler.bundle import bundle_path, find_bundles
+from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from envscaler.llm import check_endpoint
 from envscaler.wire import DEFAULT_FARM_CATALOG
 
@@ -165,8 +166,9 @@ def _episode_new(args: argparse.Namespace) -> int:
     print(f"task:     {info.task}")
     if info.user_profile:
         print(f"user:     {info.user_profile}")
-    print("MCP client config (Claude Desktop, Cursor, mcp CLI, ...):")
+    print("MCP client config for clients that take a URL (Cursor, Claude Code, the mcp SDKs, ...):")
     print(json.dumps(config, indent=2))
+    print(f"hosts that start programs (Claude Desktop, Codex): envscaler connect {url}  ('envscaler connect --help' prints their config)")
     print(f"then: envscaler episode validate --farm {args.farm} {env_id}/{info.episode_id}")
     return EXIT_OK
 
@@ -191,10 +193,10 @@ def _episode_end(args: argparse.Namespace) -> int:
 
     async def go():
         async with new_http_client() as http:
-            await _control(args, env_id, http).end(episode_id)
+            return await _control(args, env_id, http).finish(episode_id)  # an unknown or ended episode: exit 2
 
-    anyio.run(go)
-    print(f"ended {env_id}/{episode_id}")
+    ended = anyio.run(go)
+    print(f"ended {env_id}/{episode_id} after {ended.calls} tool call(s)")
     return EXIT_OK
 
 
@@ -231,6 +233,9 @@ def _envscaler(*args: str, quiet: bool = False) -> subprocess.CompletedProcess[s
 
 
 def _demo(args: argparse.Namespace) -> int:
+    for where in args.env_dirs:
+        if not find_bundles(bundle_path(where)):  # a wrong folder is the user's to fix (2), before anything starts
+            raise HarnessError(f"{where}: no bundles there (a bundle is a folder with env.json and scenarios.jsonl)")
     out_dir = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="envscaler-demo-") as scratch:
@@ -247,11 +252,11 @@ def _demo(args: argparse.Namespace) -> int:
 def _demo_on_farm(args: argparse.Namespace, out_dir: Path, catalog: str) -> int:
     """The demo's work on a farm whose catalog goes to ``catalog`` (the caller stops the farm)."""
     started = time.monotonic()
-    print("demo: starting a process farm of the bundled catalog", file=sys.stderr)
-    up = _envscaler("farm", "up", *args.env_dirs, "--backend", "process", "--catalog", catalog)
+    print(f"demo: starting a process farm of {', '.join(args.env_dirs) if args.env_dirs else 'the bundled catalog'}", file=sys.stderr)
+    up = _envscaler("farm", "up", *(str(bundle_path(where)) for where in args.env_dirs), "--backend", "process", "--catalog", catalog)
     if up.returncode != 0:
         print("error: the farm did not start (see the lines above)", file=sys.stderr)
-        return EXIT_FAILED
+        return up.returncode if up.returncode == EXIT_USAGE else EXIT_FAILED
     farm = load_farm_catalog(catalog)
     results = {}
     for name, make_agent in (("replay", ReplayAgent), ("random", RandomAgent)):

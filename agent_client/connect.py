@@ -50,13 +50,43 @@ def config_blocks(url: str = "MCP_URL") -> str:
 
 
 def _messages(response: httpx.Response) -> list[Any]:
-    """The JSON-RPC messages of an answer: a JSON body, or the ``data:`` events of an SSE stream."""
+    """The JSON-RPC messages of an answer: a JSON body, or the ``data:`` events of an SSE stream.
+
+    Raises ValueError when the answer holds anything else: an HTTP error body (``{"error": "no live
+    episode ..."}``) is no message, and a host given one would wait forever for its answer.
+    """
     if not response.content.strip():
         return []
-    if response.headers.get("content-type", "").startswith("text/event-stream"):
-        events = [line[5:].strip() for line in response.text.splitlines() if line.startswith("data:")]
-        return [json.loads(event) for event in events if event]
-    return [json.loads(response.content)]
+    try:
+        if response.headers.get("content-type", "").startswith("text/event-stream"):
+            events = [line[5:].strip() for line in response.text.splitlines() if line.startswith("data:")]
+            messages = [json.loads(event) for event in events if event]
+        else:
+            messages = [json.loads(response.content)]
+    except ValueError:
+        raise ValueError(_http_failure(response)) from None
+    if not all(isinstance(m, dict) and m.get("jsonrpc") == "2.0" for m in messages):
+        raise ValueError(_http_failure(response))
+    return messages
+
+
+def _http_failure(response: httpx.Response) -> str:
+    """Why an answer is no MCP answer, in the words a host shows its user."""
+    try:
+        body = response.json()
+        detail = body.get("error") if isinstance(body, dict) else None
+    except ValueError:
+        detail = None
+    detail = str(detail) if detail else " ".join(response.text.split())[:300]
+    if response.request.url.path.endswith("/sse"):
+        why = "an /sse URL is for the HTTP+SSE transport; give connect the episode's /mcp URL"
+    elif response.status_code in (404, 410):
+        why = "no such episode: it ended, expired or the URL is mistyped ('envscaler episode new' makes a new one)"
+    elif response.status_code in (401, 403):
+        why = "refused: this is not an episode's MCP URL"
+    else:
+        why = "not an MCP answer"
+    return f"HTTP {response.status_code}: {why} ({detail})" if detail else f"HTTP {response.status_code}: {why}"
 
 
 class StdioRelay:
@@ -81,16 +111,22 @@ class StdioRelay:
             response = await self.http.post(self.url, json=message, headers=self.headers)
             answers = _messages(response)
             if response.status_code >= 400 and not answers:
-                raise ValueError(f"HTTP {response.status_code}: {response.text[:300]}")
-        except (httpx.HTTPError, ValueError) as e:
-            print(f"envscaler connect: {self.url}: {e}", file=sys.stderr, flush=True)
-            if request_id is not None:
-                await self.write({"jsonrpc": "2.0", "id": request_id,
-                                  "error": {"code": _INTERNAL_ERROR, "message": f"the episode at {self.url} did not answer: {e}"}})
+                raise ValueError(_http_failure(response))
+        except httpx.HTTPError as e:
+            await self._fail(request_id, f"the episode at {self.url} did not answer: {e}")
+            return
+        except ValueError as e:
+            await self._fail(request_id, f"the episode at {self.url} cannot be used: {e}")
             return
         for answer in answers:
             self._remember(answer, response)
             await self.write(answer)
+
+    async def _fail(self, request_id: Any, message: str) -> None:
+        """Say why on stderr, and answer a request with a JSON-RPC error so that the host shows it."""
+        print(f"envscaler connect: {message}", file=sys.stderr, flush=True)
+        if request_id is not None:
+            await self.write({"jsonrpc": "2.0", "id": request_id, "error": {"code": _INTERNAL_ERROR, "message": message}})
 
     def _remember(self, answer: Any, response: httpx.Response) -> None:
         """Carry the negotiated protocol version and any session id on later requests, as HTTP clients must."""

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from agent_client.errors import EnvServerError, TransportError
 from agent_client.http import LeanHttp, Response
 from envscaler.bundle import describe_validation_error
+from envscaler.errors import InfraError
 from envscaler.jsonl import validate_json
 from envscaler.models import Scenario
 from envscaler.wire import (
@@ -28,6 +29,7 @@ from envscaler.wire import (
     PROTOCOL_VERSION_META_KEY,
     EnvEndpoint,
     EpisodeCreated,
+    EpisodeEnded,
     EpisodeStart,
     EpisodeValidation,
     ScenarioListing,
@@ -102,11 +104,15 @@ class EnvControl:
         """The server's record of every tool call of the episode."""
         return await self._request(Trajectory, "GET", f"/episodes/{episode_id}/trajectory")
 
+    async def finish(self, episode_id: str) -> EpisodeEnded:
+        """End the episode; EnvServerError (404) when the server holds no such live episode."""
+        return await self._request(EpisodeEnded, "DELETE", f"/episodes/{episode_id}")
+
     async def end(self, episode_id: str) -> None:
         """End the episode; a failure is ignored, since the server expires idle episodes itself."""
         try:
-            await self.http.request("DELETE", self.base + f"/episodes/{episode_id}", None, self.headers)
-        except TransportError:
+            await self.finish(episode_id)
+        except InfraError:
             pass
 
 

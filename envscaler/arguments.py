@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 
 def _number(parse: Callable[[str], float], what: str, minimum: float, inclusive: bool) -> Callable[[str], float]:
@@ -23,6 +23,16 @@ def _number(parse: Callable[[str], float], what: str, minimum: float, inclusive:
         return value
 
     return convert
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A parser whose usage errors are one line (and a pointer to ``--help``), exit 2, not the whole usage.
+
+    ``add_subparsers`` makes its commands' parsers of the same class, so every command gets it.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
 def with_examples(*lines: str) -> dict[str, Any]:

@@ -123,3 +123,19 @@ def load_bundles(path: str | Path) -> list[Bundle]:
 def default_catalog() -> Path:
     """The catalog shipped inside this package."""
     return Path(__file__).parent / "catalog"
+
+
+def bundle_path(where: str | Path) -> Path:
+    """A bundle or folder of bundles given as a path, or as the env_id of a bundled environment.
+
+    BundleError when it is neither, naming both readings, so that ``serve online_retail`` and
+    ``catalog scenarios online_retail`` take the same names.
+    """
+    path = Path(where)
+    if path.exists():
+        return path
+    bundled = default_catalog() / str(where)
+    if path.name == str(where) and (bundled / ENV_FILE).is_file():
+        return bundled
+    raise BundleError(f"{where}: no such folder, and no environment of that name in the bundled catalog "
+                      "('envscaler catalog list' shows them)")

@@ -12,20 +12,23 @@ import argparse
 import json
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
-from importlib.metadata import PackageNotFoundError, entry_points, version
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from envscaler.arguments import positive_float, positive_int, with_examples
-from envscaler.bundle import default_catalog, find_bundles, load_bundles
+from envscaler.arguments import OneLineParser, positive_float, positive_int, with_examples
 from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EnvScalerError
-from envscaler.gate_workers import check_isolated
-from envscaler.gates import GATES, EnvReport, ScenarioReport
-from envscaler.importer import import_envscaler
-from envscaler.runtime import EnvRuntime
+
+if TYPE_CHECKING:
+    from envscaler.gates import EnvReport, ScenarioReport
+
+# What the commands need is imported when they run, inside ``main``'s handling of Ctrl-C: a command
+# interrupted while it starts says "interrupted" (130), not a traceback of the imports it was in.
 
 
 def _catalog_list(args: argparse.Namespace) -> int:
+    from envscaler.bundle import load_bundles
+    from envscaler.runtime import EnvRuntime
+
     bundles = load_bundles(args.dir)
     if not bundles:
         print(f"error: no bundles under {args.dir} (a bundle is a folder with env.json and scenarios.jsonl)", file=sys.stderr)
@@ -45,12 +48,11 @@ def _catalog_list(args: argparse.Namespace) -> int:
 
 
 def _catalog_scenarios(args: argparse.Namespace) -> int:
-    where = Path(args.where)
-    if not where.exists() and (default_catalog() / args.where).is_dir():
-        where = default_catalog() / args.where  # an env_id of the bundled catalog
-    bundles = load_bundles(where)
+    from envscaler.bundle import bundle_path, load_bundles
+
+    bundles = load_bundles(bundle_path(args.where))
     if not bundles:
-        print(f"error: no bundles under {args.where}, and no environment of that name in the bundled catalog", file=sys.stderr)
+        print(f"error: no bundles under {args.where} (a bundle is a folder with env.json and scenarios.jsonl)", file=sys.stderr)
         return EXIT_USAGE
     for bundle in bundles:
         for scenario in bundle.scenarios:
@@ -61,6 +63,12 @@ def _catalog_scenarios(args: argparse.Namespace) -> int:
 
 
 def _catalog_check(args: argparse.Namespace) -> int:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from envscaler.bundle import find_bundles
+    from envscaler.gate_workers import check_isolated
+    from envscaler.gates import GATES
+
     directories = find_bundles(args.dir)
     if not directories:
         print(f"error: no bundles under {args.dir}", file=sys.stderr)
@@ -111,6 +119,8 @@ def _print_report(report: EnvReport) -> None:
 
 
 def _import_envscaler(args: argparse.Namespace) -> int:
+    from envscaler.importer import import_envscaler
+
     report = import_envscaler(Path(args.envs), [Path(p) for p in args.scenarios], Path(args.out))
     print(
         f"imported {report.environments} environments and {report.scenarios} scenarios "
@@ -123,7 +133,12 @@ def _import_envscaler(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The full parser, including commands that other packages register."""
-    parser = argparse.ArgumentParser(
+    from importlib.metadata import entry_points
+
+    from envscaler.bundle import default_catalog
+    from envscaler.gates import GATES
+
+    parser = OneLineParser(
         prog="envscaler",
         description="Synthesized tool environments as isolated, resettable, scorable MCP servers.",
         **with_examples("envscaler demo", "envscaler catalog scenarios online_retail", "envscaler farm up && envscaler run --agent replay --out runs/replay.jsonl")
@@ -188,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
         return version("envscaler-farm")
     except PackageNotFoundError:  # run from a source tree that was never installed
@@ -196,12 +213,12 @@ def _version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``envscaler`` console script."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return EXIT_USAGE
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return EXIT_USAGE
         return args.func(args)
     except EnvScalerError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from envscaler.strict import strict_schema
+
 
 class _Open(BaseModel):
     """A model that keeps fields it does not know about."""
@@ -25,14 +27,19 @@ class ToolSchema(BaseModel):
     name: str
     description: str = ""
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    # The JSON schema of the tool's result when it is an object (from the method's return annotation):
+    # MCP's ``outputSchema``, whose results also go out as ``structuredContent``. None: results are text only.
+    output_schema: dict[str, Any] | None = None
 
     def openai(self) -> dict[str, Any]:
         """The tool in OpenAI's ``{"type": "function", "function": {...}}`` form."""
-        return {"type": "function", "function": self.model_dump()}
+        return {"type": "function", "function": self.model_dump(exclude={"output_schema"})}
 
     def mcp(self, annotations: ToolAnnotations | None = None) -> dict[str, Any]:
-        """The tool as an MCP ``tools/list`` entry."""
-        entry = {"name": self.name, "description": self.description, "inputSchema": self.parameters}
+        """The tool as an MCP ``tools/list`` entry, its arguments in strict mode's form (``envscaler.strict``)."""
+        entry: dict[str, Any] = {"name": self.name, "description": self.description, "inputSchema": strict_schema(self.parameters)}
+        if self.output_schema is not None:
+            entry["outputSchema"] = self.output_schema
         if annotations is not None:
             entry["annotations"] = annotations.mcp()
         return entry
@@ -180,6 +187,9 @@ class ToolOutcome(BaseModel):
     diff: list[StateChange] | None = None
     # True when ``diff`` was not kept: the episode's trajectory had reached its limit.
     diff_dropped: bool = False
+    # The W3C trace context the agent's request carried (MCP ``_meta``), so a call can be found in its traces.
+    traceparent: str | None = None
+    tracestate: str | None = None
 
     @classmethod
     def failure(cls, name: str, arguments: Any, kind: ErrorKind, message: str, latency_s: float = 0.0) -> ToolOutcome:

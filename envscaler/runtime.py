@@ -44,8 +44,9 @@ from envscaler.models import (
 )
 from envscaler.overlay import MISSING, NotNative, Overlay, SharedState, plain, value_changes
 from envscaler.schema import schema_problems, validate
+from envscaler.strict import omit_nulls
 from envscaler.state import changes_since, diff, public_attributes, public_items, snapshot, state_hash, to_json_text
-from envscaler.tools import derive_tools, public_methods
+from envscaler.tools import derive_tools, public_methods, result_schema
 
 log = logging.getLogger("envscaler.runtime")
 
@@ -80,7 +81,8 @@ class EnvRuntime:
         listed = spec.listed_tools()
         schemas = listed if listed is not None else derive_tools(self.env_class)
         # The allowlist: listed tools that really are public methods, nothing else `hasattr` finds.
-        self.tools: dict[str, ToolSchema] = {t.name: t for t in schemas if t.name in methods}
+        self.tools: dict[str, ToolSchema] = {t.name: t.model_copy(update={"output_schema": result_schema(methods[t.name])})
+                                             for t in schemas if t.name in methods}
         # A schema the validator cannot enforce would let arguments it promises to refuse reach the code.
         problems = [f"tool {name!r}, {problem}" for name, tool in self.tools.items() for problem in schema_problems(tool.parameters)]
         if problems:
@@ -154,6 +156,12 @@ class EnvRuntime:
         except BaseException:  # noqa: BLE001 - an exception whose __str__ fails is still reported
             message = "(its message cannot be shown)"
         return f"{type(error).__name__}: {message}{where}"
+
+    def given_arguments(self, name: str, arguments: Any) -> Any:
+        """The arguments the method gets: a null for an optional parameter that does not take null is left
+        out, so the method uses its default (strict-mode clients send every parameter, null for "not given")."""
+        tool = self.tools.get(name)
+        return omit_nulls(arguments, tool.parameters) if tool is not None and isinstance(arguments, dict) else arguments
 
     def check_arguments(self, name: str, arguments: Any) -> str | None:
         """Why the agent's call cannot run (unknown tool, bad arguments), or None when it can."""
@@ -370,8 +378,8 @@ class Episode:
         (module globals, class attributes): for a call that ran while others ran on threads, which may
         have made the change; theirs is checked when they end.
         """
-        arguments = {} if arguments is None else arguments
         runtime = self.runtime
+        arguments = {} if arguments is None else runtime.given_arguments(name, arguments)
         problem = runtime.check_arguments(name, arguments)
         if problem is not None:
             return ToolOutcome.failure(name, arguments, "agent", problem)
@@ -412,6 +420,11 @@ class Episode:
         truncated = whole_chars is not None
         reported = runtime.reported_failure(raw)
         result = text if truncated else raw if isinstance(raw, str) else json.loads(text)
+        promised = runtime.tools[name].output_schema
+        if promised is not None and not truncated and (problems := validate(result, promised, "result")):
+            # Its outputSchema promises clients this shape (MCP clients check it): breaking it is the environment's bug.
+            message = f"Environment error in {name!r}: the result breaks the method's return annotation: {problems[0]}"
+            return ToolOutcome.failure(name, arguments, "env", message)
         return ToolOutcome(name=name, arguments=arguments, result=result, result_text=text, truncated=truncated,
                            result_chars=whole_chars, error=reported, error_kind="tool" if reported else None)
 

@@ -137,6 +137,20 @@ def derive_tool(name: str, function: Any) -> ToolSchema:
     return ToolSchema(name=name, description=description or name.replace("_", " "), parameters=parameters)
 
 
+def result_schema(function: Any) -> dict[str, Any] | None:
+    """The schema of a method's results when its return annotation says they are objects, else None.
+
+    Only objects qualify: MCP's ``structuredContent`` is an object, and a tool that returns a string or
+    a list declares no ``outputSchema`` (its text content carries the result).
+    """
+    try:
+        returns = typing.get_type_hints(function).get("return", inspect.Parameter.empty)
+    except Exception:  # noqa: BLE001 - an annotation environment code cannot resolve says nothing
+        return None
+    schema = annotation_schema(returns)
+    return schema if schema.get("type") == "object" else None
+
+
 def derive_tools(cls: type) -> list[ToolSchema]:
     """Schemas for every public method of ``cls``, in definition order."""
     return [derive_tool(name, fn) for name, fn in public_methods(cls).items()]

@@ -61,8 +61,19 @@ M = TypeVar("M", bound=BaseModel)
 
 Scope = dict[str, Any]
 
-_CONTROL_ROOTS = ("info", "scenarios", "episodes")
-"""First path segments of the routes that need the bearer token."""
+_EPISODE_ACTIONS = ("state", "trajectory", "reset", "validate", "lease")
+"""What ``/episodes/{id}/ACTION`` may name on the control API."""
+
+
+def _is_control_path(parts: list[str]) -> bool:
+    """Whether the path is one of the routes that need the bearer token (whatever its method)."""
+    if parts[0] == "info":
+        return len(parts) == 1
+    if parts[0] == "scenarios":
+        return len(parts) <= 2
+    if parts[0] == "episodes":
+        return len(parts) <= 2 or (len(parts) == 3 and parts[2] in _EPISODE_ACTIONS)
+    return False
 
 
 class ServerConfig(BaseModel):
@@ -182,7 +193,7 @@ class EnvServerApp:
             health = Health(status=problem or "ok", env_id=self.bundle.env_id, episodes=len(self.store.episodes), replica=self.config.replica_id)
             await send_json(send, 503 if problem else 200, json_bytes(health))
             return
-        if parts[0] not in _CONTROL_ROOTS or len(parts) > 3:
+        if not _is_control_path(parts):
             # Not a control route: no token could help (a strict client would read 401 as "OAuth here").
             raise ErrorReply(404, f"no route {method} {path}")
         self._authorize(scope)
@@ -238,7 +249,7 @@ class EnvServerApp:
             except EnvScalerError as e:
                 raise ErrorReply(500, f"environment error: {e}") from None
             return EpisodeValidation(**dict(result), **live.counts())
-        raise ErrorReply(404 if action not in (None, "state", "trajectory", "reset", "validate", "lease") else 405,
+        raise ErrorReply(405,
                          f"no route {method} /episodes/{{id}}/{action or ''}")
 
     # -- control handlers ------------------------------------------------------------------------

@@ -18,6 +18,8 @@ from pydantic import ValidationError
 
 from envscaler import EnvScalerError, logs
 from envscaler.arguments import with_examples
+from envscaler.bundle import bundle_path, load_bundle
+from envscaler.loader import precheck_class
 from envscaler.sandbox import no_new_privileges, sandbox_problem, warn_unprotected
 from servers.app import ServerConfig
 from servers.episodes.ids import new_replica_id
@@ -47,7 +49,7 @@ _FLAGS = {
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from servers.serve import serve, serve_in_sandbox
+    from servers.serve import openenv_listener, serve, serve_in_sandbox
 
     token = args.token or _read_token_file(args.token_file) or os.environ.get("ENVSCALER_TOKEN")
     generated = token is None
@@ -56,20 +58,25 @@ def _serve(args: argparse.Namespace) -> int:
     except ValidationError as e:
         problems = "; ".join(f"{_FLAGS.get(str(item['loc'][0]), item['loc'][0])}: {item['msg']}" for item in e.errors())
         raise EnvScalerError(f"serve: {problems}") from None
+    env_dir = str(bundle_path(args.env_dir))
+    # A class that cannot compile is named once, here, before any process or sandbox is started for it.
+    precheck_class(load_bundle(env_dir).spec)
+    if config.openenv is not None:
+        openenv_listener()  # the extra is missing: said here, not by a sandboxed child's traceback
     logs.configure(args.log_level)
     problem = sandbox_problem() if args.sandbox else "--no-sandbox"
     if config.worker_process:
         # This process runs no environment code: the workers it starts are what the sandbox holds.
         if problem is not None:
             warn_unprotected(problem)
-        serve(args.env_dir, args.host, args.port, config.model_copy(update={"worker_sandbox": problem is None}),
+        serve(env_dir, args.host, args.port, config.model_copy(update={"worker_sandbox": problem is None}),
               announce_token=generated, heartbeat=args.stop_when_stale)
         return 0
     if problem is None:
-        serve_in_sandbox(args.env_dir, args.host, args.port, config, announce_token=generated, heartbeat=args.stop_when_stale,
+        serve_in_sandbox(env_dir, args.host, args.port, config, announce_token=generated, heartbeat=args.stop_when_stale,
                          log_level=args.log_level)
     warn_unprotected(problem)
-    serve(args.env_dir, args.host, args.port, config, announce_token=generated, heartbeat=args.stop_when_stale)
+    serve(env_dir, args.host, args.port, config, announce_token=generated, heartbeat=args.stop_when_stale)
     return 0
 
 
@@ -128,7 +135,7 @@ def register_serve(commands: Any) -> None:
         **with_examples("envscaler serve envscaler/catalog/online_retail --port 8000 --token secret",
                         "envscaler serve my_bundles/shop --host 0.0.0.0 --public-url http://shop.example:8000"),
     )
-    parser.add_argument("env_dir", help="bundle directory (env.json + scenarios.jsonl)")
+    parser.add_argument("env_dir", metavar="ENV_DIR|ENV", help="bundle directory (env.json + scenarios.jsonl), or an env_id of the bundled catalog")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (default: 8000)")
     parser.add_argument("--token", help="control token (default: $ENVSCALER_TOKEN, else generated and printed)")

@@ -11,6 +11,7 @@ Part of the tree drawn in ``envscaler.errors``; the exit code applies when one r
     ├── CallAbandoned           -   a call on a worker thread outlived its deadline and was left behind
     ├── EpisodeLost             -   the episode's state went with its worker process and could not be rebuilt (HTTP 410)
     ├── OpenEnvSessionError     -   an OpenEnv reset or step that cannot be done (sent back to the session)
+    ├── CannotListen            2   a port to serve on is taken or cannot be bound
     └── FarmError               2   the farm cannot do what was asked: bad input, no engine, unreadable farm files
 
 The server-side errors never end a command: the application turns them into HTTP statuses.
@@ -53,6 +54,10 @@ class CallAbandoned(EnvScalerError):
 class EpisodeLost(EnvScalerError):
     """The episode's state is gone: the worker process that held it was killed or died, and replaying
     the episode's calls in a new one could not bring it back."""
+
+
+class CannotListen(EnvScalerError):
+    """A port to serve on is taken or cannot be bound (``serve --port``, ``farm up --gateway-port``)."""
 
 
 class FarmError(EnvScalerError):

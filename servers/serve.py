@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import errno
 import json
 import logging
 import os
@@ -27,9 +28,10 @@ from envscaler.guard import keep_alarm_handler, protect_time_limits
 from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment, sandboxed
 from servers.app import EnvServerApp, ServerConfig
 from servers.episodes.calls import share_the_interpreter
+from servers.errors import CannotListen
+from servers.memory import release_free_memory
 from servers.transport.event_loop import loop_factory
 from servers.transport.http_server import HttpServer
-from servers.memory import release_free_memory
 
 log = logging.getLogger("envscaler.server")
 
@@ -43,7 +45,12 @@ def bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        advice = "another program holds it: pick another port, or 0 for a free one" if e.errno == errno.EADDRINUSE else "check the address"
+        raise CannotListen(f"cannot listen on {host}:{port}: {e.strerror or e} ({advice})") from None
     sock.listen(1024)
     sock.set_inheritable(True)
     return sock
@@ -117,7 +124,7 @@ def serve(
     bundle = load_bundle(bundle_dir)
     if heartbeat is not None:
         threading.Thread(target=_stop_when_stale, args=(Path(heartbeat),), name="heartbeat", daemon=True).start()
-    listener_class = _openenv_listener() if config.openenv is not None else None
+    listener_class = openenv_listener() if config.openenv is not None else None
     sock = listening if listening is not None else bind(host, port)
     actual_port = sock.getsockname()[1]
     shown_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
@@ -184,12 +191,13 @@ def _stop_when_stale(heartbeat: Path) -> None:
             return
 
 
-def _openenv_listener() -> type:
+def openenv_listener() -> type:
     """The OpenEnv listener class; a clear error when the [openenv] extra is not installed."""
     try:
         from servers.protocols.openenv.app import OpenEnvListener
     except ImportError as e:
-        raise EnvScalerError(f"--openenv-port needs openenv-core ({e}); install it with: pip install 'envscaler-farm[openenv]'") from None
+        raise EnvScalerError(f"the OpenEnv protocol (serve --openenv-port, farm up --openenv) needs openenv-core ({e}); "
+                             "install it with: pip install 'envscaler-farm[openenv]'") from None
     return OpenEnvListener
 
 

@@ -193,6 +193,9 @@ def test_episode_commands_hand_an_episode_to_a_person(farm, tmp_path):
     lines = dict(line.split(":", 1) for line in new.stdout.splitlines() if line[:8] in ("episode:", "MCP URL:"))
     episode, url = lines["episode"].strip(), lines["MCP URL"].strip()
     assert '"mcpServers"' in new.stdout and url in new.stdout
+    # Claude Desktop starts servers as programs: it is pointed at connect, not at the HTTP config.
+    http_label = next(line for line in new.stdout.splitlines() if line.startswith("MCP client config"))
+    assert "Claude Desktop" not in http_label and f"envscaler connect {url}" in new.stdout
     before = envscaler("episode", "validate", "--farm", str(farm), episode)
     assert before.returncode == 1 and "FAIL" in before.stdout
     agent = subprocess.run([sys.executable, str(SUPPORT / "mcp_agent.py"), url], capture_output=True, text=True,
@@ -200,7 +203,12 @@ def test_episode_commands_hand_an_episode_to_a_person(farm, tmp_path):
     assert agent.returncode == 0, agent.stderr
     after = envscaler("episode", "validate", "--farm", str(farm), episode)
     assert after.returncode == 0 and "score 1.000" in after.stdout
-    assert envscaler("episode", "end", "--farm", str(farm), episode).returncode == 0
+    ended = envscaler("episode", "end", "--farm", str(farm), episode)
+    assert ended.returncode == 0 and "ended" in ended.stdout
+    twice = envscaler("episode", "end", "--farm", str(farm), episode)
+    assert twice.returncode == 2 and "ended" not in twice.stdout and "no live episode" in twice.stderr
+    never = envscaler("episode", "end", "--farm", str(farm), "counter/never-created")
+    assert never.returncode == 2 and "no live episode" in never.stderr and len(never.stderr.strip().splitlines()) == 1
     gone = envscaler("episode", "validate", "--farm", str(farm), episode)
     assert gone.returncode == 2 and "404" in gone.stderr
     unknown = envscaler("episode", "new", "--farm", str(farm), "--scenario", "nope/x")

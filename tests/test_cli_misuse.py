@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from agent_client.summary import render, summarize
 from envscaler import default_catalog
 from tests.support.bundles import COUNTER_CODE, counter_bundle, counter_scenario, counter_spec, write_bundle
 from tests.support.cli import envscaler
+from tests.support.farm import two_counters_up
 from tests.support.server import serve
 
 
@@ -280,3 +282,92 @@ def test_a_torn_run_file_is_named_with_the_position(tmp_path):
     torn = tmp_path / "run.jsonl"
     torn.write_text('{"env_id": "x", ')
     assert_usage_error(envscaler("export", "--in", str(torn)), "run.jsonl:1", "line 1 column 16")
+
+
+def test_a_busy_port_is_one_line_for_serve_and_farm_up(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        served = envscaler("serve", str(counter_bundle(tmp_path)), "--port", port)
+        assert_usage_error(served, f"cannot listen on 127.0.0.1:{port}", "Address already in use")
+        farm = envscaler("farm", "up", str(tmp_path / "counter"), "--backend", "process", "--gateway-port", port,
+                         "--catalog", str(tmp_path / "farm.json"))
+        assert_usage_error(farm, f"cannot listen on 127.0.0.1:{port}")
+        assert len(farm.stderr.strip().splitlines()) <= 2 and not (tmp_path / "farm.json").exists()
+
+
+def test_openenv_without_its_extra_is_one_line(tmp_path):
+    # A package of that name that cannot be imported stands for the missing [openenv] extra.
+    hidden = tmp_path / "hide"
+    (hidden / "openenv").mkdir(parents=True)
+    (hidden / "openenv" / "__init__.py").write_text("raise ImportError('No module named openenv (hidden by the test)')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hidden), os.environ.get("PYTHONPATH", "")])}
+    bundle = str(counter_bundle(tmp_path))
+    farm = envscaler("farm", "up", bundle, "--backend", "process", "--openenv", "--catalog", str(tmp_path / "f.json"), env=env)
+    assert_usage_error(farm, "openenv", "pip install")
+    assert len(farm.stderr.strip().splitlines()) == 1
+    served = envscaler("serve", bundle, "--port", "0", "--openenv-port", "0", env=env)
+    assert_usage_error(served, "openenv", "pip install")
+
+
+def test_usage_errors_are_one_line_not_the_whole_usage():
+    done = envscaler("run", "--out", "x.jsonl", "--concurrency", "0")
+    assert_usage_error(done, "--concurrency", "at least 1", "envscaler run --help")
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_serve_names_a_broken_class_once_and_takes_an_env_id(tmp_path):
+    broken = write_bundle(tmp_path, counter_spec(env_class_code="class Counter(:\n    pass\n"), [])
+    for flags in ([], ["--in-process"]):
+        done = envscaler("serve", str(broken), "--port", "0", *flags)
+        assert_usage_error(done, "counter: syntax error in class code, line 1")
+        assert done.stderr.count("counter:") == 1 and len(done.stderr.strip().splitlines()) == 1
+    unknown = envscaler("catalog", "scenarios", "nope")
+    assert_usage_error(unknown, "nope: no such folder, and no environment of that name in the bundled catalog")
+    assert_usage_error(envscaler("serve", "nope", "--port", "0"), "no environment of that name in the bundled catalog")
+    process = subprocess.Popen([sys.executable, "-m", "envscaler.cli", "serve", "library_circulation", "--port", "0", "--token", "t"],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert json.loads(process.stdout.readline())["env_id"] == "library_circulation"
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def test_demo_of_a_folder_that_is_not_there_is_refused_before_any_farm(tmp_path):
+    done = envscaler("demo", str(tmp_path / "nope"), "--out", str(tmp_path / "runs"))
+    assert_usage_error(done, "nope: no such folder")
+    assert "starting a process farm" not in done.stderr
+
+
+def test_farm_status_of_a_malformed_catalog_and_down_counts_what_ran(tmp_path):
+    malformed = tmp_path / "bad.json"
+    malformed.write_text("{not json")
+    assert_usage_error(envscaler("farm", "status", "--catalog", str(malformed)), "bad.json", "unreadable")
+    catalog = two_counters_up(tmp_path)
+    down = envscaler("farm", "down", "--catalog", str(catalog))
+    assert down.returncode == 0 and "farm: down (2 servers stopped)" in down.stderr, down.stderr
+    again = envscaler("farm", "down", "--catalog", str(catalog))
+    assert again.returncode == 0 and "nothing to do" in again.stderr
+
+
+@pytest.mark.parametrize("after_s", [0.6, 1.2, 2.0])
+def test_ctrl_c_while_a_command_starts_is_one_line(after_s):
+    process = subprocess.Popen([sys.executable, "-m", "envscaler.cli", "catalog", "list"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    time.sleep(after_s)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert "Traceback" not in stderr, stderr
+    assert process.returncode == 130 and stderr.strip().splitlines() == ["interrupted"], (process.returncode, stderr)
+
+
+def test_demo_says_when_environment_code_runs_unsandboxed(tmp_path):
+    # As on a machine without bubblewrap: the demo's farm says so before any environment code runs.
+    env = {**os.environ, "ENVSCALER_SANDBOX": "off"}
+    done = envscaler("demo", "library_circulation", "--out", str(tmp_path / "runs"), env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert lines[0] == "demo: starting a process farm of library_circulation"
+    assert "environment code runs without a sandbox" in lines[1] and "ENVSCALER_SANDBOX=off" in lines[1]

@@ -87,3 +87,19 @@ def _json_blocks(text: str) -> list[str]:
                 blocks.append("\n".join(current))
                 current = None
     return blocks
+
+
+@pytest.mark.parametrize("where", ["ended", "mistyped", "sse"])
+async def test_an_episode_url_that_is_no_episode_fails_the_initialize_naming_the_cause(server, where):
+    with server.client() as http:
+        episode = http.post("/episodes", json={"scenario_id": "counter_001"}).json()
+        if where == "ended":
+            http.delete(f"/episodes/{episode['episode_id']}")
+    url = {"ended": episode["mcp_url"], "mistyped": episode["mcp_url"].replace(episode["episode_id"], "nope"),
+           "sse": episode["mcp_url"].removesuffix("/mcp") + "/sse"}[where]
+    with pytest.raises(Exception) as raised:
+        async with Client(stdio(url), mode="legacy") as client:
+            await client.list_tools()
+    messages = [str(e) for e in _leaves(raised.value)]
+    expected = "give connect the episode's /mcp URL" if where == "sse" else "no such episode: it ended, expired or the URL is mistyped"
+    assert any("HTTP 4" in m and expected in m for m in messages), messages

@@ -13,9 +13,10 @@ import httpx
 import pytest
 
 from envscaler import default_catalog, load_bundle
+from envscaler.sandbox import sandbox_problem
 from servers.farm.teardown import farm_processes
 from tests.support.cli import envscaler
-from tests.support.farm import bundled_farm, farm_members, read_state
+from tests.support.farm import bundled_farm, farm_members, read_state, two_counters_up
 from tests.support.gateway import replay_through_gateway
 
 ENVS = ["library_circulation", "online_retail", "it_helpdesk"]
@@ -144,3 +145,29 @@ def test_up_whose_daemon_dies_shows_its_log_and_cleans_up(tmp_path):
     # The daemon's own words (the gateway port is taken) reach the user although its log is deleted.
     assert "daemon: " in result.stderr and "address already in use" in result.stderr.lower()
     assert not (tmp_path / "farm.json.farm").exists()
+
+
+def _zombie_children(pid: int) -> list[int]:
+    zombies = []
+    for entry in os.scandir("/proc"):
+        try:
+            fields = open(f"/proc/{entry.name}/stat").read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] == "Z" and int(fields[1]) == pid:
+            zombies.append(int(entry.name))
+    return zombies
+
+
+@pytest.mark.skipif(sandbox_problem() is not None, reason="needs a working bubblewrap sandbox")
+def test_a_sandboxed_farm_leaves_no_zombie_with_its_daemon(tmp_path):
+    catalog = two_counters_up(tmp_path)
+    try:
+        daemon = read_state(catalog)["daemon_pid"]
+        # Each server's start leaves bubblewrap's sandbox init to the daemon (the subreaper), which reaps it.
+        deadline = time.monotonic() + 30
+        while _zombie_children(daemon) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _zombie_children(daemon) == []
+    finally:
+        envscaler("farm", "down", "--catalog", str(catalog))

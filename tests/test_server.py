@@ -314,7 +314,8 @@ def test_control_api_bad_input(counter_server):
         wrong = anonymous.get("/info", headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401 and "Bearer" in wrong.json()["error"]
         # Unknown routes are 404 with or without a token: only control routes want one.
-        for path in ("/.well-known/oauth-protected-resource", "/.well-known/oauth-authorization-server", "/register", "/"):
+        for path in ("/.well-known/oauth-protected-resource", "/.well-known/oauth-authorization-server", "/register", "/",
+                     "/episodes/x/nope", "/episodes/x/state/more", "/info/more", "/scenarios/a/b"):
             assert anonymous.get(path).status_code == 404, path
     with counter_server.client() as http:
         info = http.get("/info").json()

@@ -320,12 +320,15 @@ class EpisodeRegistry:
         self.expired += len(stale)
         return len(stale)
 
-    async def call_tool(self, live: LiveEpisode, name: str, arguments: Any, *, check_numbers: bool = False) -> ToolOutcome:
+    async def call_tool(
+        self, live: LiveEpisode, name: str, arguments: Any, *, check_numbers: bool = False, trace: tuple[str, str | None] | None = None,
+    ) -> ToolOutcome:
         """Run one tool; always returns an outcome, never raises for tool trouble.
 
         ``check_numbers``: the arguments may hold numbers JSON cannot carry (``asgi.BadNumber``, a float
         that is not finite). A call with one is the agent's error, recorded, and runs nothing: passed on,
         the number would reach the tool and the record as null or as invalid JSON.
+        ``trace``: the request's (traceparent, tracestate), kept in the call's record.
         """
         bad_number = _bad_argument(arguments) if check_numbers else None
         async with live.lock:
@@ -338,6 +341,8 @@ class EpisodeRegistry:
                 outcome = ToolOutcome.failure(name, arguments, "env", f"This episode is lost ({live.lost}). It must be reset or ended.")
             else:
                 outcome = await self._run_call(live, name, arguments)
+            if trace is not None:
+                outcome.traceparent, outcome.tracestate = trace
             self._called(live, name, outcome)
         return outcome
 

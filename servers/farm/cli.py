@@ -22,13 +22,14 @@ from envscaler.cgroups import ChildGroup, combined
 from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from envscaler.loader import precheck_class
 from envscaler.sandbox import FARM_ID_VARIABLE, UNPROTECTED, sandbox_problem
-from envscaler.wire import DEFAULT_FARM_CATALOG, WorkerResources
+from envscaler.wire import DEFAULT_FARM_CATALOG, FarmCatalog, WorkerResources
 from servers.errors import FarmError
 from servers.farm.backends.images import docker_answers
 from servers.farm.models import Backend, FarmPaths, FarmPlan, FarmState, Limits, read_json, write_json
 from servers.farm.plan import plan_farm
 from servers.farm.backends.process import describe_exit
-from servers.farm.teardown import pid_alive, tear_down
+from servers.farm.teardown import describe_stopped, pid_alive, tear_down
+from servers.serve import bind, openenv_listener
 
 DEFAULT_CATALOG = DEFAULT_FARM_CATALOG
 # When `up` fails, the servers it names before summing up the rest.
@@ -123,9 +124,13 @@ def farm_up(args: argparse.Namespace) -> int:
     backend: Backend = args.backend or ("docker" if docker_answers() else "process")
     if args.openenv and backend != "process":
         raise FarmError("--openenv needs the process backend: add --backend process")
+    if args.openenv:
+        openenv_listener()  # the extra is missing: one line now, not a daemon's traceback later
     limits = Limits(memory_mb=args.memory_mb, cpus=args.cpus, pids=args.pids, call_timeout_s=args.call_timeout,
                     check_timeout_s=args.check_timeout)
     plan = plan_farm(args.env_dirs or [str(default_catalog())], backend, paths.catalog, limits, args.gateway_port, args.openenv)
+    if backend != "swarm" and plan.gateway_port:
+        bind(plan.gateway_host, plan.gateway_port).close()  # a busy port: one line now, not a daemon's traceback later
     plan.allowed_origins = args.allowed_origin or []
     plan.connections_per_client = args.connections_per_client
     if args.probe_period is not None and args.probe_period <= 0:
@@ -174,6 +179,8 @@ def farm_status(args: argparse.Namespace) -> int:
         return swarm_status(paths, args.json)
     state = _state(paths)
     if state is None:
+        # A file that is no catalog is the user's to fix (exit 2), not a farm that stopped.
+        read_json(paths.catalog, FarmCatalog)
         print(f"no farm at {paths.catalog}", file=sys.stderr)
         return EXIT_FAILED
     alive = pid_alive(state.daemon_pid)
@@ -221,8 +228,7 @@ def farm_down(args: argparse.Namespace) -> int:
     if not paths.dir.exists() and not paths.catalog.exists():
         print(f"no farm at {paths.catalog}: nothing to do", file=sys.stderr)
         return EXIT_OK
-    removed = tear_down(paths)
-    print(f"farm: down ({removed} process(es), container(s) or network(s) stopped)", file=sys.stderr)
+    print(f"farm: down ({describe_stopped(tear_down(paths))})", file=sys.stderr)
     return EXIT_OK
 
 

@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import time
+from collections import Counter
 
 from envscaler.sandbox import FARM_ID_VARIABLE
 from servers.farm.models import FarmPaths, FarmPlan, FarmState, read_json
@@ -51,34 +52,44 @@ def farm_processes(farm_id: str) -> list[int]:
     return found
 
 
-def tear_down(paths: FarmPaths) -> int:
-    """Stop the daemon, then remove whatever of the farm is left; the number of things removed."""
+def tear_down(paths: FarmPaths) -> Counter[str]:
+    """Stop the daemon, then remove whatever of the farm is left; what was stopped, counted by kind."""
     plan = read_json(paths.plan, FarmPlan) if paths.plan.exists() else None
     state = read_json(paths.state, FarmState)
-    removed = 0
+    stopped: Counter[str] = Counter()
+    backend = (plan.backend if plan else None) or (state.backend if state else None)
     if state and pid_alive(state.daemon_pid):
         os.kill(state.daemon_pid, signal.SIGTERM)
         deadline = time.monotonic() + _DAEMON_STOP_S
         while pid_alive(state.daemon_pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        removed += 1
+        # The daemon stops what it runs itself: every server, and a docker farm's network.
+        stopped["container" if backend == "docker" else "server"] += len(state.envs)
+        stopped["network"] += backend == "docker"
     farm_id = (plan.farm_id if plan else None) or (state.farm_id if state else None)
     if farm_id:
         for pid in farm_processes(farm_id):
             try:
                 os.kill(pid, signal.SIGKILL)
-                removed += 1
+                stopped["leftover process"] += 1
             except ProcessLookupError:
                 continue
-        backend = (plan.backend if plan else None) or (state.backend if state else None)
         if backend == "docker":
             from servers.farm.backends.docker import remove_farm_resources
 
-            removed += remove_farm_resources(farm_id)
+            stopped["leftover Docker object"] += remove_farm_resources(farm_id)
         if backend == "swarm":
             from servers.farm.backends.swarm import remove_swarm_farm
 
-            removed += remove_swarm_farm(paths, farm_id)
+            stopped["swarm object"] += remove_swarm_farm(paths, farm_id)
     paths.catalog.unlink(missing_ok=True)
     shutil.rmtree(paths.dir, ignore_errors=True)
-    return removed
+    return stopped
+
+
+def describe_stopped(stopped: Counter[str]) -> str:
+    """``6 containers and 1 network stopped`` for what :func:`tear_down` stopped."""
+    parts = [f"{count} {kind}{'' if count == 1 else 'es' if kind.endswith('s') else 's'}" for kind, count in stopped.items() if count]
+    if not parts:
+        return "nothing was running"
+    return (", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]) + " stopped"

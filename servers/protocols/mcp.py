@@ -11,14 +11,18 @@ A sessionless request is checked as the SDK's validation ladder checks it: a rou
 (``MCP-Protocol-Version``, ``Mcp-Method``, ``Mcp-Name``) that is sent must agree with the body and
 appear once, else HEADER_MISMATCH; its errors go out with the SDK's HTTP status for their code.
 Only the environment's tools are listed and callable; reset, validate and state never appear here.
+Tools are listed in strict mode's form, with an ``outputSchema`` where results are objects (sent as
+``structuredContent`` too); a call's W3C trace context in ``_meta`` goes into its record.
 This lean handler exists because the SDK's transport costs several times more CPU and memory per call
 than the environment itself; the tests drive it with the official ``mcp`` client in both eras.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+from envscaler.models import ToolOutcome
 from envscaler.wire import (
     ERROR_CODE_HTTP_STATUS,
     HANDSHAKE_PROTOCOL_VERSIONS,
@@ -102,8 +106,32 @@ def _header_mismatch(method: str, params: dict[str, Any], headers: list[tuple[by
     return None
 
 
-def _tool_result(outcome_text: str, is_error: bool, modern: bool) -> dict[str, Any]:
-    result: dict[str, Any] = {"content": [{"type": "text", "text": outcome_text}], "isError": is_error}
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+_TRACESTATE_MAX_CHARS = 512  # W3C Trace Context: a longer tracestate may be dropped
+
+
+def trace_context(meta: dict[str, Any]) -> tuple[str, str | None] | None:
+    """A request's W3C trace context from its ``_meta`` (``traceparent``, ``tracestate``), or None.
+
+    A malformed ``traceparent`` (or version ``ff``, or an all-zero id) is ignored, as the W3C
+    specification tells receivers; ``tracestate`` counts only beside a valid ``traceparent``.
+    """
+    parent = meta.get("traceparent")
+    if not isinstance(parent, str) or not _TRACEPARENT.fullmatch(parent):
+        return None
+    version, trace_id, span_id, _flags = parent.split("-")
+    if version == "ff" or trace_id == "0" * 32 or span_id == "0" * 16:
+        return None
+    state = meta.get("tracestate")
+    return parent, state if isinstance(state, str) and len(state) <= _TRACESTATE_MAX_CHARS else None
+
+
+def _tool_result(outcome: ToolOutcome, structured: bool, modern: bool) -> dict[str, Any]:
+    """The ``tools/call`` result: the text for every client, and the result itself as ``structuredContent``
+    when the tool declares an ``outputSchema`` (``structured``) and the result is that object."""
+    result: dict[str, Any] = {"content": [{"type": "text", "text": outcome.agent_text}], "isError": outcome.error is not None}
+    if structured and isinstance(outcome.result, dict) and not outcome.truncated and outcome.error_kind in (None, "tool"):
+        result["structuredContent"] = outcome.result
     if modern:
         result["resultType"] = "complete"
     return result
@@ -118,6 +146,7 @@ class McpEndpoint:
         self.instructions = instructions
         annotations = store.annotations
         tools = [tool.mcp(annotations[tool.name]) for tool in store.tool_list()]
+        self._structured = {tool.name for tool in store.tool_list() if tool.output_schema is not None}
         self._tools_legacy = {"tools": tools}
         self._tools_modern = {"tools": tools, "cacheScope": "private", "ttlMs": 0, "resultType": "complete"}
 
@@ -165,8 +194,10 @@ class McpEndpoint:
         name = params.get("name")
         if not isinstance(name, str):
             return _error(request_id, INVALID_PARAMS, "tools/call needs params.name (a string)")
-        outcome = await self.store.call_tool(live, name, params.get("arguments"), check_numbers=bad_numbers)
-        return {"jsonrpc": "2.0", "id": request_id, "result": _tool_result(outcome.agent_text, outcome.error is not None, modern)}
+        meta = params.get("_meta")
+        trace = trace_context(meta) if isinstance(meta, dict) else None
+        outcome = await self.store.call_tool(live, name, params.get("arguments"), check_numbers=bad_numbers, trace=trace)
+        return {"jsonrpc": "2.0", "id": request_id, "result": _tool_result(outcome, name in self._structured, modern)}
 
     def _discover(self) -> dict[str, Any]:
         return {

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tests.support.bundles import counter_bundle
+from tests.support.bundles import counter_bundle, counter_scenario, counter_spec, write_bundle
 from tests.support.cli import envscaler
 
 
@@ -108,3 +108,14 @@ def farm_members(state: dict[str, Any]) -> dict[str, list[int]]:
             kind = "stray"
         members[kind].append(pid)
     return members
+
+
+def two_counters_up(root: Path) -> Path:
+    """``envscaler farm up`` (process backend) of two counter environments under ``root``; its catalog."""
+    catalog = root / "farm.json"
+    two = root / "two"
+    counter_bundle(two)
+    write_bundle(two, counter_spec(env_id="counter2"), [counter_scenario(env_id="counter2")])
+    up = envscaler("farm", "up", str(two), "--backend", "process", "--catalog", str(catalog), timeout=180)
+    assert up.returncode == 0, up.stderr
+    return catalog

@@ -194,6 +194,38 @@ def default_spawner(plan: FarmPlan) -> Spawner:
     return zygote_spawner(plan) or PopenSpawner(plan.server_flags())
 
 
+_REAP_PERIOD_S = 2.0
+
+
+def reap_adopted() -> int:
+    """Reap the exited orphans this subreaper adopted from its servers' groups; how many.
+
+    bubblewrap's outer process can exit before the sandbox's init has (the probe a server runs at
+    start, a replaced worker): that init is then ours (``adopt_orphans``), and unreaped it stays a
+    zombie for the server's whole life. The daemon's own children are left to whoever started them:
+    they are in the daemon's group (the zygote, haproxy) or lead their own (a server started with Popen).
+    """
+    own_group = os.getpgrp()
+    reaped = 0
+    for children in Path("/proc/self/task").glob("*/children"):
+        try:
+            pids = [int(pid) for pid in children.read_text().split()]
+        except OSError:
+            continue  # a thread that ended meanwhile
+        for pid in pids:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            state, group = fields[0], int(fields[2])
+            if state == "Z" and group not in (own_group, pid):
+                try:
+                    reaped += os.waitpid(pid, os.WNOHANG)[0] == pid
+                except ChildProcessError:
+                    continue
+    return reaped
+
+
 class ProcessBackend:
     """Starts every server of the plan (a few at a time), restarts the ones that die, stops them all."""
 
@@ -214,11 +246,19 @@ class ProcessBackend:
         adopt_orphans()
         try:
             async with anyio.create_task_group() as tasks:
+                tasks.start_soon(self._reap_adopted_forever)
                 for env in self.plan.envs:
                     tasks.start_soon(self._supervise, env)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.spawner.aclose()
+
+    async def _reap_adopted_forever(self) -> None:
+        """Whoever adopts orphans reaps them (see :func:`reap_adopted`): every few seconds, since the
+        event loop keeps SIGCHLD to itself."""
+        while True:
+            reap_adopted()
+            await anyio.sleep(_REAP_PERIOD_S)
 
     def _environment(self, env: EnvPlan) -> dict[str, str]:
         return clean_environment({"ENVSCALER_TOKEN": env.token, FARM_ID_VARIABLE: self.plan.farm_id, "MALLOC_ARENA_MAX": "2"})
