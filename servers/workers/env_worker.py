@@ -280,7 +280,9 @@ def run_worker(sock: socket.socket) -> None:
         runtime = EnvRuntime(bundle.spec, call_timeout_s=settings.call_timeout_s, check_timeout_s=settings.check_timeout_s,
                              max_result_chars=settings.max_result_chars)
     except Exception as e:  # noqa: BLE001 - loading is environment code: report it to the server, then stop
-        sock.sendall(frame(HELLO_ID, WorkerFailure(error="EnvCodeError", message=f"{bundle.env_id}: {e}"), FAILED))
+        # The loader's own errors name the environment already; anything else it raised does not.
+        message = str(e) if isinstance(e, EnvCodeError) else f"{bundle.env_id}: {e}"
+        sock.sendall(frame(HELLO_ID, WorkerFailure(error="EnvCodeError", message=message), FAILED))
         raise SystemExit(1) from None
     marks = RunningMarks(settings.mark_fd) if settings.mark_fd is not None else None
     store = MarkedEpisodeStore(bundle, runtime, max_episodes=2**31, idle_ttl_s=float("inf"), worker_threads=settings.worker_threads,
