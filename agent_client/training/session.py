@@ -254,6 +254,11 @@ class EpisodeScore(BaseModel):
         return {"reward": self.reward, "checks": [c.model_dump() for c in self.checks], **self.metrics()}
 
 
+TRAJECTORY_LEASE_S = 900.0
+"""How long a server keeps a trajectory's episode unused (every tool call renews it): a trainer that dies
+leaves its episodes for a quarter of an hour at most, not the server's idle hour."""
+
+
 class FarmEpisode:
     """One farm episode, for one trajectory. Open it with :meth:`open`; :meth:`end` it on every path."""
 
@@ -272,7 +277,7 @@ class FarmEpisode:
         """A new episode of ``env_id``'s scenario ``scenario_id``; a conversational one gets its simulated user."""
         control = farm.control(env_id, http)
         # Shielded: a trajectory cancelled now still learns the episode's id and ends it below.
-        created = await asyncio.shield(control.create(scenario_id))
+        created = await asyncio.shield(control.create(scenario_id, lease_s=TRAJECTORY_LEASE_S))
         user = None
         if created.user_profile:
             if farm.user is None:
