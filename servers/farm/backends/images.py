@@ -24,7 +24,7 @@ RUNTIME_REPOSITORY = "envscaler-runtime"
 OFFICIAL_BASE = "python:3.11-slim"
 LOCAL_BASE = "envscaler-base:bookworm"
 LABEL_ENV, LABEL_HASH, LABEL_RUNTIME, LABEL_FARM = "envscaler.env_id", "envscaler.spec_hash", "envscaler.runtime", "envscaler.farm"
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_ROOT = Path(__file__).resolve().parents[3]  # servers/farm/backends/images.py
 
 
 def docker_answers() -> bool:
