@@ -28,7 +28,7 @@ from gem.envs.registration import ENV_REGISTRY
 
 from agent_client.agents import SYSTEM_PROMPT
 from agent_client.errors import HarnessError
-from agent_client.training.session import Background, EpisodeScore, FarmEpisode, FarmSettings, farm_scenarios, track
+from agent_client.training.session import Background, EpisodeScore, FarmEpisode, FarmSettings, HeldEpisode, farm_scenarios, track
 from agent_client.training.toolcalls import hermes_results
 
 __all__ = ["ENV_ID", "FarmGemEnv"]
@@ -43,7 +43,7 @@ _TOOLS_SECTION = (
 )
 
 
-class FarmGemEnv(gem.Env):
+class FarmGemEnv(HeldEpisode, gem.Env):
     """Text in (the model's turn), text out; one farm episode from ``reset`` to the end."""
 
     def __init__(self, scenarios: list[str] | None = None, catalog: str | None = None, user_model: str | None = None,
@@ -94,20 +94,6 @@ class FarmGemEnv(gem.Env):
         score = self.score = self._run(episode.score())
         self.close()
         return "", score.reward, finished, not finished, {"envscaler": score.details()}
-
-    def close(self) -> None:
-        """End the episode, if one is open."""
-        episode, self.episode = self.episode, None
-        if episode is not None:
-            Background.run(episode.end())
-
-    def _run(self, work: Any) -> Any:
-        # Any failure (a lost server included) ends the episode before the framework sees it.
-        try:
-            return Background.run(work)
-        except BaseException:
-            self.close()
-            raise
 
 
 def _split(name: str) -> tuple[str, str]:

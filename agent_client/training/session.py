@@ -345,6 +345,27 @@ class FarmEpisode:
             await asyncio.shield(self.control.end(self.created.episode_id))
 
 
+class HeldEpisode:
+    """What a synchronous adapter (SkyRL's, GEM's) holds: one episode at a time, ended by ``close`` and
+    on any failure of the work it runs on the background loop."""
+
+    episode: FarmEpisode | None = None
+
+    def close(self) -> None:
+        """End the episode, if one is open."""
+        episode, self.episode = self.episode, None
+        if episode is not None:
+            Background.run(episode.end())
+
+    def _run(self, work: Any) -> Any:
+        # Any failure (a lost server included) ends the episode before the framework sees it.
+        try:
+            return Background.run(work)
+        except BaseException:
+            self.close()
+            raise
+
+
 # Synchronous adapters (SkyRL, GEM) may be dropped without close(): their open episodes end at exit.
 _open_episodes: weakref.WeakSet[FarmEpisode] = weakref.WeakSet()
 

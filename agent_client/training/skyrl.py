@@ -30,14 +30,15 @@ from skyrl_gym.envs.registration import register, registry
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
 from agent_client.errors import HarnessError
-from agent_client.training.session import Background, EpisodeScore, FarmConnection, FarmEpisode, FarmSettings, Turn, farm_scenarios, scenario_prompt, track
+from agent_client.training.session import (Background, EpisodeScore, FarmConnection, FarmEpisode, FarmSettings, HeldEpisode, Turn,
+                                           farm_scenarios, scenario_prompt, track)
 
 __all__ = ["ENV_CLASS", "FarmTextEnv", "skyrl_rows"]
 
 ENV_CLASS = "envscaler_farm"
 
 
-class FarmTextEnv(BaseTextEnv):
+class FarmTextEnv(HeldEpisode, BaseTextEnv):
     """One trajectory on one farm episode; text in (the model's turn), chat messages out."""
 
     def __init__(self, env_config: Mapping[str, Any] | None = None, extras: Mapping[str, Any] | None = None) -> None:
@@ -80,20 +81,6 @@ class FarmTextEnv(BaseTextEnv):
     def get_metrics(self) -> dict[str, Any]:
         """The validator's verdict as numbers (SkyRL averages them over the batch)."""
         return self.score.metrics() if self.score is not None else {}
-
-    def close(self) -> None:
-        """End the episode, if one is open."""
-        episode, self.episode = self.episode, None
-        if episode is not None:
-            Background.run(episode.end())
-
-    def _run(self, work: Any) -> Any:
-        # Any failure (a lost server included) ends the episode before the framework sees it.
-        try:
-            return Background.run(work)
-        except BaseException:
-            self.close()
-            raise
 
 
 def _messages(turn: Turn) -> list[dict[str, Any]]:
