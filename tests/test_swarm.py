@@ -140,7 +140,9 @@ def test_any_gateway_replica_routes_every_episode_and_episode_commands_work(farm
     with httpx.Client(timeout=30) as http:
         episodes = [http.post(f"{first}/envs/{env_id}/episodes", json={"scenario_id": scenario.task_id}, headers=headers).json()
                     for _ in range(4)]
-        assert sorted(replica_of(e["episode_id"]) for e in episodes).count(replica_of(episodes[0]["episode_id"])) == 2
+        # New episodes go to the replica with the fewest live ones as its last health report said: both get some
+        # (an exact 2 and 2 depends on when the reports arrive between the creations).
+        assert len({replica_of(e["episode_id"]) for e in episodes}) == 2, [e["episode_id"] for e in episodes]
         for episode in episodes:
             # Tool calls through another node's gateway, validation through a third: no state is shared.
             mcp_url = episode["mcp_url"].replace(first, second)
