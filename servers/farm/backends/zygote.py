@@ -41,7 +41,8 @@ from pathlib import Path
 import anyio
 from pydantic import BaseModel
 
-from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment, die_with_parent, limit_resources
+from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment, die_with_parent, limit_resources, sandbox_problem
+from envscaler.seccomp import seccomp_bpf
 from servers.farm.backends.spawning import ADDRESS_SPACE_FACTOR, read_ready_line, server_command
 from servers.farm.models import EnvPlan, FarmPlan
 
@@ -476,6 +477,15 @@ def _exit_code(code: object) -> int:
     return 1
 
 
+def _settle_sandbox() -> None:
+    """Work out, once before the first fork, what every server would work out again after its own: whether
+    the sandbox works here (a bubblewrap run) and the seccomp programs its workers get (libseccomp)."""
+    if sandbox_problem() is None:
+        for new_processes in (False, True):
+            for memfd in (False, True):
+                seccomp_bpf(new_processes=new_processes, memfd=memfd)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: ``python -m servers.farm.backends.zygote CONTROL_FD DAEMON_PID [MODULE ...]``."""
     args = sys.argv[1:] if argv is None else argv
@@ -493,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for module in args[2:]:
         importlib.import_module(module)
+    _settle_sandbox()
     print(json.dumps({"event": "zygote ready", "pid": os.getpid(), "modules": len(sys.modules),
                       "import_s": round(time.perf_counter() - started, 3)}), file=sys.stderr, flush=True)
     serve_requests(control)
