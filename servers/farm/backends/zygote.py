@@ -41,8 +41,8 @@ from pathlib import Path
 import anyio
 from pydantic import BaseModel
 
-from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment, die_with_parent, limit_resources, sandbox_problem
-from envscaler.seccomp import seccomp_bpf
+from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment, die_with_parent, limit_resources
+from envscaler.seccomp import seccomp_bpf, seccomp_problem
 from servers.farm.backends.spawning import ADDRESS_SPACE_FACTOR, read_ready_line, server_command
 from servers.farm.models import EnvPlan, FarmPlan
 
@@ -478,9 +478,10 @@ def _exit_code(code: object) -> int:
 
 
 def _settle_sandbox() -> None:
-    """Work out, once before the first fork, what every server would work out again after its own: whether
-    the sandbox works here (a bubblewrap run) and the seccomp programs its workers get (libseccomp)."""
-    if sandbox_problem() is None:
+    """Build, once before the first fork, the seccomp programs every server's workers get (libseccomp),
+    rather than again in each server. (Not the sandbox check: its bubblewrap run would leave the daemon
+    an orphan from the zygote's group, which it leaves to the zygote's owner; each server runs its own.)"""
+    if seccomp_problem() is None:
         for new_processes in (False, True):
             for memfd in (False, True):
                 seccomp_bpf(new_processes=new_processes, memfd=memfd)
