@@ -282,6 +282,8 @@ class EnvServerApp:
             return self.store.get(episode_id)
         except UnknownEpisode as e:
             raise ErrorReply(404, str(e)) from None
+        except EpisodeLost as e:
+            raise ErrorReply(410, str(e)) from None
 
     @staticmethod
     def _check_episode_start(request: EpisodeStart) -> None:

@@ -114,6 +114,18 @@ def test_episode_ids_name_the_replica_that_healthz_reports():
         assert replica_of(bare["episode_id"]) is None
 
 
+def test_an_episode_of_another_replica_is_answered_lost_not_unknown():
+    """A restarted server is a new replica (ray backend): an episode of the one before is lost (410), never 404."""
+    with replicas("r2") as [server], httpx.Client(timeout=30) as http:
+        for method, path in (("POST", "/validate"), ("GET", "/trajectory"), ("DELETE", "")):
+            answer = http.request(method, f"{server.url}/episodes/r1.{'x' * 32}{path}", headers=HEADERS)
+            assert answer.status_code == 410, (method, path, answer.text)
+            assert "replica r1" in answer.json()["error"] and "lost" in answer.json()["error"]
+        # Its own replica id, or none, names an episode that is simply not live.
+        for episode_id in (f"r2.{'x' * 32}", "x" * 32):
+            assert http.post(f"{server.url}/episodes/{episode_id}/validate", headers=HEADERS).status_code == 404
+
+
 def test_a_bad_replica_id_is_refused_by_its_flag():
     done = subprocess.run([sys.executable, "-m", "envscaler.cli", "serve", str(BUNDLE), "--replica-id", "a.b"],
                           capture_output=True, text=True, timeout=60)

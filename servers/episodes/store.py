@@ -29,12 +29,13 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from envscaler import Bundle, EnvCodeError, EnvRuntime, Episode, Scenario, ToolOutcome, ValidationResult
+from envscaler.errors import EnvScalerError
 from envscaler.guard import Preempted, can_preempt
 from envscaler.models import CheckItem, ToolAnnotations, ToolSchema
 from envscaler.wire import MemoryStatus, Trajectory, WorkerResources
 from servers.transport.asgi import find_bad_number, json_bytes
 from servers.episodes.calls import CallRunner
-from servers.episodes.ids import new_episode_id
+from servers.episodes.ids import new_episode_id, replica_of
 from servers.errors import CallAbandoned, EpisodeLost, LimitReached, OutOfMemory, UnknownEpisode, UnknownScenario
 from servers.memory import memory_status
 
@@ -290,9 +291,18 @@ class EpisodeRegistry:
     def get(self, episode_id: str) -> LiveEpisode:
         live = self.episodes.get(episode_id)
         if live is None:
-            raise UnknownEpisode(f"no live episode {episode_id!r} (ended, expired, or never created)")
+            raise self._missing(episode_id)
         live.last_used = time.monotonic()
         return live
+
+    def _missing(self, episode_id: str) -> EnvScalerError:
+        """Why ``episode_id`` is not here: held by an earlier server of this environment (another replica id:
+        this one replaced it, and its state went with it), or simply not live."""
+        holder = replica_of(episode_id)
+        if holder is not None and self.replica_id is not None and holder != self.replica_id:
+            return EpisodeLost(f"episode {episode_id!r} was held by replica {holder} of {self.env_id}, which is gone (its server "
+                               f"was restarted, here or on another node): its state is lost and it cannot be scored; create a new episode")
+        return UnknownEpisode(f"no live episode {episode_id!r} (ended, expired, or never created)")
 
     async def reset(self, live: LiveEpisode, scenario_id: str | None, init_config: dict[str, Any] | None) -> None:
         """Put ``live`` back to a scenario's (or a raw) initial state; its id and URL stay."""
@@ -304,7 +314,7 @@ class EpisodeRegistry:
     def end(self, episode_id: str) -> LiveEpisode:
         live = self.episodes.pop(episode_id, None)
         if live is None:
-            raise UnknownEpisode(f"no live episode {episode_id!r} (ended, expired, or never created)")
+            raise self._missing(episode_id)
         self._release(live)
         log.info("episode ended", extra={"env": self.env_id, "episode": episode_id, "calls": len(live.calls)})
         return live
