@@ -31,7 +31,7 @@ from common import Memory, Verdict, argument_parser, describe_memory, memory, re
 from envscaler import default_catalog
 from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment
 from servers.farm.models import EnvPlan
-from servers.farm.backends.process import _child_setup
+from servers.farm.backends.process import server_preexec
 from servers.farm.backends.spawning import server_command
 from servers.farm.backends.zygote import ZygoteSpawner
 from servers.serve import READY_FD_VARIABLE
@@ -91,7 +91,7 @@ def start_popen(envs: list[EnvPlan], logs: Path) -> tuple[float, list[Memory]]:
                 children.append(subprocess.Popen(
                     server_command(env, ["--no-sandbox"]), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                     env={**environment(env), READY_FD_VARIABLE: str(write_fd)}, pass_fds=(write_fd,), start_new_session=True,
-                    preexec_fn=functools.partial(_child_setup, 256),
+                    preexec_fn=functools.partial(server_preexec, 256),
                 ))
             os.close(write_fd)
             ready.append(read_fd)

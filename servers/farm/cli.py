@@ -25,7 +25,7 @@ from envscaler.sandbox import FARM_ID_VARIABLE, UNPROTECTED, sandbox_problem
 from envscaler.wire import DEFAULT_FARM_CATALOG, FarmCatalog, WorkerResources
 from servers.errors import FarmError
 from servers.farm.backends.images import docker_answers
-from servers.farm.models import Backend, FarmPaths, FarmPlan, FarmState, Limits, read_json, write_json
+from servers.farm.models import Backend, FarmPaths, FarmPlan, FarmState, Limits, RayPlacement, read_json, write_json
 from servers.farm.plan import plan_farm
 from servers.farm.backends.process import describe_exit
 from servers.farm.teardown import describe_stopped, pid_alive, tear_down
@@ -122,6 +122,8 @@ def farm_up(args: argparse.Namespace) -> int:
         # Leftovers of a farm whose daemon was killed: remove them before starting over.
         tear_down(paths)
     backend: Backend = args.backend or ("docker" if docker_answers() else "process")
+    if backend != "ray" and (args.ray_address or args.ray_resource or args.envs_per_actor != 1):
+        raise FarmError("--ray-address, --ray-resource and --envs-per-actor are for the ray backend: add --backend ray")
     if args.openenv and backend != "process":
         raise FarmError("--openenv needs the process backend: add --backend process")
     if args.openenv:
@@ -129,6 +131,8 @@ def farm_up(args: argparse.Namespace) -> int:
     limits = Limits(memory_mb=args.memory_mb, cpus=args.cpus, pids=args.pids, call_timeout_s=args.call_timeout,
                     check_timeout_s=args.check_timeout)
     plan = plan_farm(args.env_dirs or [str(default_catalog())], backend, paths.catalog, limits, args.gateway_port, args.openenv)
+    if backend == "ray":
+        _place_on_ray(args, plan)
     if backend != "swarm" and plan.gateway_port:
         bind(plan.gateway_host, plan.gateway_port).close()  # a busy port: one line now, not a daemon's traceback later
     plan.allowed_origins = args.allowed_origin or []
@@ -136,6 +140,8 @@ def farm_up(args: argparse.Namespace) -> int:
     if args.probe_period is not None and args.probe_period <= 0:
         raise FarmError(f"--probe-period must be more than 0 seconds, not {args.probe_period:g}")
     plan.probes.period_s = args.probe_period
+    if backend == "ray":
+        plan.sandbox = args.sandbox  # each node checks its own, and refuses to run environment code unsandboxed
     if backend == "process":
         problem = sandbox_problem() if args.sandbox else "--no-sandbox"
         plan.sandbox = problem is None
@@ -168,6 +174,28 @@ def farm_up(args: argparse.Namespace) -> int:
     print(f"farm: ready; catalog {paths.catalog}, gateway {state.gateway if state else ''}", file=sys.stderr)
     print(paths.catalog)
     return EXIT_OK
+
+
+def _place_on_ray(args: argparse.Namespace, plan: FarmPlan) -> None:
+    """Name the cluster in the plan, and check now that it answers and has room for every environment."""
+    from servers.farm.backends.ray import survey
+
+    resources: dict[str, float] = {}
+    for item in args.ray_resource or []:
+        name, _, amount = item.partition("=")
+        try:
+            resources[name.strip()] = float(amount)
+        except ValueError:
+            raise FarmError(f"--ray-resource {item!r}: give NAME=AMOUNT, e.g. farm_node=0.01") from None
+    plan.ray = RayPlacement(address=args.ray_address or os.environ.get("RAY_ADDRESS") or "auto", cpus_per_env=args.cpus_per_env,
+                            resources=resources, envs_per_actor=args.envs_per_actor)
+    capacity = survey(plan.ray, plan.farm_id, plan.limits.memory_mb)
+    print(f"farm: Ray cluster at {plan.ray.address}: {capacity.nodes} node(s), room for {capacity.fits} environment(s)", file=sys.stderr)
+    if capacity.fits < len(plan.envs):
+        wanted = ", ".join(f"{name} {amount:g}" for name, amount in {"CPU": plan.ray.cpus_per_env, **resources}.items())
+        raise FarmError(f"the Ray cluster has room for {capacity.fits} of the {len(plan.envs)} environments (each takes {wanted} "
+                        f"and {plan.limits.memory_mb} MB): add nodes, or lower --cpus-per-env or --memory-mb")
+    plan.gateway_host = args.gateway_host or capacity.address
 
 
 def farm_status(args: argparse.Namespace) -> int:
@@ -249,8 +277,9 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
                         "envscaler farm up --backend swarm --registry 10.0.0.5:5000 --replicas 2"),
     )
     up.add_argument("env_dirs", nargs="*", metavar="ENV_DIR", help="bundles or folders of bundles (default: the bundled catalog)")
-    up.add_argument("--backend", choices=["docker", "process", "swarm"],
-                    help="docker (hardened containers), process (local subprocesses) or swarm (services of the Docker Swarm "
+    up.add_argument("--backend", choices=["docker", "process", "ray", "swarm"],
+                    help="docker (hardened containers), process (local subprocesses), ray (actors of an existing Ray "
+                         "cluster, each running a sandboxed server on its node) or swarm (services of the Docker Swarm "
                          "that DOCKER_HOST or the local engine manages); default: docker when an engine answers, else process")
     catalog_flag(up)
     up.add_argument("--gateway-port", type=int, default=0,
@@ -294,7 +323,20 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
                             "node, on the same port (for kernels without IPVS) (default: ingress)")
     swarm.add_argument("--gateway-replicas", type=int, default=2, help="gateways with --gateway-publish ingress (default: 2)")
     swarm.add_argument("--gateway-host", metavar="HOST",
-                       help="address the catalog names for the gateway (default: the manager's advertised address)")
+                       help="address the catalog names for the gateway (default: the manager's advertised address); ray: "
+                            "the address the gateway listens on (default: this machine's address on the Ray cluster)")
+    ray = up.add_argument_group("ray backend")
+    ray.add_argument("--ray-address", metavar="ADDRESS",
+                     help="the cluster: HOST:PORT of its head (GCS), ray://HOST:PORT for Ray Client, or auto "
+                          "(default: $RAY_ADDRESS, else auto: the cluster this machine is a node of)")
+    ray.add_argument("--cpus-per-env", type=positive_float, default=0.25, metavar="CPUS",
+                     help="Ray CPUs each environment's server reserves on its node (default: 0.25)")
+    ray.add_argument("--envs-per-actor", type=positive_int, default=1, metavar="N",
+                     help="environments each Ray actor holds (their servers are still one process each): an actor "
+                          "process costs about 60 MB, and Ray places and moves an actor's environments together (default: 1)")
+    ray.add_argument("--ray-resource", action="append", metavar="NAME=AMOUNT",
+                     help="a custom Ray resource each server needs, to keep the farm on the nodes that offer it "
+                          "(repeatable; e.g. farm_node=0.01 with 'ray start --resources {\"farm_node\": 1}' on the CPU nodes)")
     up.set_defaults(func=farm_up)
 
     status = actions.add_parser("status", help="show each environment's health and restarts; exit 1 unless all are healthy",

@@ -76,6 +76,10 @@ def _backend(plan: FarmPlan, paths: FarmPaths, board: Board) -> FarmBackend:
         from servers.farm.backends.docker import DockerBackend
 
         return DockerBackend(plan, paths, board)
+    if plan.backend == "ray":
+        from servers.farm.backends.ray import RayBackend
+
+        return RayBackend(plan, paths, board)
     from servers.farm.backends.process import ProcessBackend
 
     return ProcessBackend(plan, paths, board)
@@ -102,12 +106,21 @@ async def watch_ready(plan: FarmPlan, paths: FarmPaths, board: Board) -> None:
 
 def _write_catalog(plan: FarmPlan, paths: FarmPaths, board: Board) -> None:
     catalog = FarmCatalog(
-        envs={env.env_id: EnvEndpoint(url=board.env(env.env_id).url, token=env.token, openenv_url=env.openenv_url) for env in plan.envs},
+        envs={env.env_id: EnvEndpoint(url=_catalog_url(plan, board, env.env_id), token=env.token, openenv_url=env.openenv_url)
+              for env in plan.envs},
         gateway=board.state.gateway or "",
         backend=plan.backend,
         farm_id=plan.farm_id,
     )
     write_json(paths.catalog, catalog)
+
+
+def _catalog_url(plan: FarmPlan, board: Board, env_id: str) -> str:
+    """Where the catalog sends users of one environment: its server, or the gateway where servers move
+    between machines (ray: Ray restarts a server on whichever node it picks)."""
+    if plan.backend == "ray":
+        return f"{board.state.gateway}/envs/{env_id}"
+    return board.env(env_id).url
 
 
 async def _stop_on_signal(server: HttpServer) -> None:

@@ -19,7 +19,7 @@ from envscaler.bundle import describe_validation_error
 from envscaler.wire import WorkerResources
 from servers.errors import FarmError
 
-Backend = Literal["docker", "process", "swarm"]
+Backend = Literal["docker", "process", "ray", "swarm"]
 EnvStatusName = Literal["starting", "healthy", "unhealthy", "restarting", "failed"]
 
 M = TypeVar("M", bound=BaseModel)
@@ -54,6 +54,19 @@ class Probes(BaseModel):
     timeout_s: float = Field(default=2.0, gt=0)
     # Missed probes in a row after which the server is killed and restarted.
     misses_allowed: int = Field(default=3, ge=1)
+
+
+class RayPlacement(BaseModel):
+    """Where and how the ray backend places servers on an existing Ray cluster (``servers.farm.backends.ray``)."""
+
+    # What ``ray.init`` takes: ``HOST:PORT`` of the cluster's GCS, ``ray://HOST:PORT`` (Ray Client) or ``auto``.
+    address: str
+    # Ray's logical CPUs each environment's server reserves on its node.
+    cpus_per_env: float = Field(default=0.25, gt=0)
+    # Custom resources each server needs (one unit of ``{"farm_node": 0.01}`` keeps it to nodes that offer it).
+    resources: dict[str, float] = Field(default_factory=dict)
+    # Environments per Ray actor: an actor process costs ~60 MB, and all of its environments move together.
+    envs_per_actor: int = Field(default=1, ge=1)
 
 
 class EnvPlan(BaseModel):
@@ -95,6 +108,8 @@ class FarmPlan(BaseModel):
     connections_per_client: int = Field(default=1024, ge=1)
     # Process backend: each server's environment code in a bubblewrap sandbox (envscaler.sandbox). Containers isolate the others.
     sandbox: bool = False
+    # Ray backend: the cluster and what each server reserves there.
+    ray: RayPlacement | None = None
     envs: list[EnvPlan]
 
     def server_flags(self) -> list[str]:
@@ -109,6 +124,8 @@ class EnvStatus(BaseModel):
     url: str
     # Where the server itself answers when that is not ``url`` (docker: the container's address).
     address: str | None = None
+    # Ray backend: the node it runs on now (its address and Ray's node id).
+    node: str | None = None
     status: EnvStatusName = "starting"
     restarts: int = 0
     pid: int | None = None

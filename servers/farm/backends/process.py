@@ -92,7 +92,7 @@ def killed_for_memory(pid: int, since: float) -> bool:
         os.close(fd)
 
 
-def _child_setup(memory_mb: int) -> None:
+def server_preexec(memory_mb: int) -> None:
     """Runs in the child before exec: limits, and die when the daemon dies so nothing is orphaned
     (SIGKILL: a sandboxed server's bubblewrap ignores SIGTERM, see ``servers.serve.serve_in_sandbox``)."""
     limit_resources(memory_mb * ADDRESS_SPACE_FACTOR)
@@ -173,7 +173,7 @@ class PopenSpawner:
                     env={**environment, READY_FD_VARIABLE: str(write_fd)},
                     pass_fds=(write_fd,),
                     start_new_session=True,
-                    preexec_fn=functools.partial(_child_setup, memory_mb),
+                    preexec_fn=functools.partial(server_preexec, memory_mb),
                 )
         except BaseException:
             os.close(read_fd)

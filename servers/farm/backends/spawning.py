@@ -18,13 +18,15 @@ from servers.farm.models import EnvPlan
 ADDRESS_SPACE_FACTOR = 4
 
 
+def serve_command(bundle_dir: str, host: str, port: int, flags: list[str]) -> list[str]:
+    """The command line of one environment server on ``host:port`` (0: a free port), with ``flags``."""
+    return [sys.executable, "-m", "servers.cli", bundle_dir, "--host", host, "--port", str(port), "--log-level", "warning", *flags]
+
+
 def server_command(env: EnvPlan, flags: list[str]) -> list[str]:
     """The command line of one environment server on its loopback port (and OpenEnv port, if planned),
     with the plan's ``flags`` (``FarmPlan.server_flags``: limits, ``--no-sandbox``)."""
-    command = [
-        sys.executable, "-m", "servers.cli", env.bundle_dir,
-        "--host", "127.0.0.1", "--port", str(env.port), "--public-url", env.url, "--log-level", "warning", *flags,
-    ]
+    command = serve_command(env.bundle_dir, "127.0.0.1", env.port, ["--public-url", env.url, *flags])
     if env.openenv_port is not None:
         command += ["--openenv-port", str(env.openenv_port)]
     return command
@@ -77,7 +79,14 @@ async def read_ready_line(fd: int) -> bool:
             data += chunk
     finally:
         os.close(fd)
+    return listening_line(data) is not None
+
+
+def listening_line(data: bytes) -> dict | None:
+    """The server's ready line (``servers.serve``: event, url, port...) at the start of ``data``, when it
+    says the server listens; else None."""
     try:
-        return json.loads(data.split(b"\n", 1)[0]).get("event") == "listening"
-    except (ValueError, AttributeError):
-        return False
+        ready = json.loads(data.split(b"\n", 1)[0])
+    except ValueError:
+        return None
+    return ready if isinstance(ready, dict) and ready.get("event") == "listening" else None
