@@ -23,6 +23,9 @@ HOST_IP="$SUBNET.1"
 REGISTRY="$HOST_IP:5000"
 NODES=(mgr w1 w2)
 
+# shellcheck source=bridge.sh
+source .ci/bridge.sh
+
 say() { echo "swarm-setup: $*" >&2; }
 
 address_of() {
@@ -43,18 +46,6 @@ install_packages() {
         apt-get update -qq
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-registry iproute2 util-linux >/dev/null
     fi
-}
-
-bridge_up() {
-    if ! ip link show "$BRIDGE" >/dev/null 2>&1; then
-        ip link add "$BRIDGE" type bridge
-    fi
-    ip addr replace "$HOST_IP/24" dev "$BRIDGE"
-    ip link set "$BRIDGE" up
-    # The host's dockerd sets the FORWARD policy to DROP, and bridged frames pass through it
-    # (br_netfilter): node-to-node traffic (swarm control, gossip, VXLAN) must be let through.
-    iptables -w -C FORWARD -i "$BRIDGE" -o "$BRIDGE" -j ACCEPT 2>/dev/null ||
-        iptables -w -I FORWARD -i "$BRIDGE" -o "$BRIDGE" -j ACCEPT
 }
 
 registry_up() {
