@@ -14,20 +14,26 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
+import anyio
+import httpx
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from envscaler import EnvRuntime, load_bundle  # noqa: E402
+from envscaler import EnvRuntime, Scenario, load_bundle  # noqa: E402
 from tests.support.server import stop  # noqa: E402
 
-__all__ = ["META", "Memory", "Verdict", "argument_parser", "cpu_seconds", "describe_memory", "envscaler", "memory", "percentile",
-           "process_tree", "read_only_call", "report", "rss_mb", "start", "stop", "tree_memory"]
+__all__ = ["MCP_HEADERS", "META", "Memory", "Verdict", "argument_parser", "cpu_seconds", "describe_memory", "envscaler", "memory", "percentile",
+           "process_tree", "read_only_call", "report", "rss_mb", "start", "stop", "tool_calls_per_s", "tree_memory"]
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # The ``_meta`` of a sessionless (2026-07-28) MCP request.
+# The header of a sessionless (2026-07-28) MCP request over HTTP.
+MCP_HEADERS = {"MCP-Protocol-Version": "2026-07-28"}
 META = {"io.modelcontextprotocol/protocolVersion": "2026-07-28", "io.modelcontextprotocol/clientCapabilities": {}}
 
 
@@ -100,10 +106,12 @@ def process_tree(pid: int) -> list[int]:
     while queue:
         current = queue.pop()
         found.append(current)
-        try:
-            queue += [int(child) for child in Path(f"/proc/{current}/task/{current}/children").read_text().split()]
-        except OSError:
-            pass
+        # Every thread's children: a process started from a thread (a Ray actor's servers) is that thread's.
+        for children in Path(f"/proc/{current}/task").glob("*/children"):
+            try:
+                queue += [int(child) for child in children.read_text().split()]
+            except OSError:
+                continue  # a thread that ended meanwhile
     return found
 
 
@@ -163,3 +171,41 @@ def rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+async def tool_calls_per_s(catalog: dict, gateways: list[str], env_ids: list[str], scenario: Scenario, clients: int,
+                           seconds: float) -> float:
+    """Tool calls answered per second through a farm's gateways: each client calls the first step of
+    ``scenario``'s reference solution on its own episode of one of ``env_ids`` (which all serve that
+    scenario), over and over, the clients spread over ``gateways`` and ``env_ids``."""
+    step = scenario.reference_solution[0]
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": step.name, "arguments": step.arguments}}
+    counts = [0] * clients
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=30, limits=limits, trust_env=False) as http:
+
+        async def client(number: int, deadline: float) -> None:
+            gateway = gateways[number % len(gateways)]
+            env_id = env_ids[number % len(env_ids)]
+            headers = {"Authorization": f"Bearer {catalog['envs'][env_id]['token']}"}
+            created = await http.post(f"{gateway}/envs/{env_id}/episodes", json={"scenario_id": scenario.task_id}, headers=headers)
+            created.raise_for_status()
+            episode = created.json()
+            mcp_url = episode["mcp_url"].replace(catalog["gateway"], gateway)
+            while time.perf_counter() < deadline:
+                answer = await http.post(mcp_url, json=body, headers=MCP_HEADERS)
+                if answer.status_code != 200 or "result" not in answer.json():
+                    raise SystemExit(f"tool call failed: {answer.status_code} {answer.text[:300]}")
+                counts[number] += 1
+            await http.delete(f"{gateway}/envs/{env_id}/episodes/{episode['episode_id']}", headers=headers)
+
+        # Warm-up: connections open, every server's code paths run once.
+        async with anyio.create_task_group() as tasks:
+            for number in range(clients):
+                tasks.start_soon(client, number, time.perf_counter() + 1.0)
+        counts[:] = [0] * clients
+        started = time.perf_counter()
+        async with anyio.create_task_group() as tasks:
+            for number in range(clients):
+                tasks.start_soon(client, number, started + seconds)
+        return sum(counts) / (time.perf_counter() - started)

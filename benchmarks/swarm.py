@@ -36,14 +36,13 @@ from pathlib import Path
 import anyio
 import httpx
 
-from common import Verdict, argument_parser, envscaler, report
+from common import MCP_HEADERS, Verdict, argument_parser, envscaler, report, tool_calls_per_s
 
 from envscaler import default_catalog, load_bundle
 from tests.support.farm import catalog_copies
 
 SETUP = Path(__file__).resolve().parents[1] / ".ci" / "swarm-setup.sh"
 DESCRIPTION = Path("/run/envscaler-swarm/swarm.json")
-MCP_HEADERS = {"MCP-Protocol-Version": "2026-07-28"}
 THROUGHPUT_ENV = "library_circulation"
 FAILOVER_LIMIT_S = 120.0
 
@@ -106,42 +105,6 @@ def gateway_replicas(gateway: str) -> dict[str, int]:
 # -- throughput ------------------------------------------------------------------------------------
 
 
-async def tool_calls_per_s(catalog: dict, gateways: list[str], clients: int, seconds: float) -> float:
-    """Tool calls answered per second: each client calls one tool on its own episode, over and over."""
-    env = catalog["envs"][THROUGHPUT_ENV]
-    scenario = load_bundle(default_catalog() / THROUGHPUT_ENV).scenarios[0]
-    step = scenario.reference_solution[0]
-    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": step.name, "arguments": step.arguments}}
-    headers = {"Authorization": f"Bearer {env['token']}"}
-    counts = [0] * clients
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(timeout=30, limits=limits, trust_env=False) as http:
-
-        async def client(number: int, deadline: float) -> None:
-            gateway = gateways[number % len(gateways)]
-            created = await http.post(f"{gateway}/envs/{THROUGHPUT_ENV}/episodes", json={"scenario_id": scenario.task_id}, headers=headers)
-            created.raise_for_status()
-            episode = created.json()
-            mcp_url = episode["mcp_url"].replace(catalog["gateway"], gateway)
-            while time.perf_counter() < deadline:
-                answer = await http.post(mcp_url, json=body, headers=MCP_HEADERS)
-                if answer.status_code != 200 or "result" not in answer.json():
-                    raise SystemExit(f"tool call failed: {answer.status_code} {answer.text[:300]}")
-                counts[number] += 1
-            await http.delete(f"{gateway}/envs/{THROUGHPUT_ENV}/episodes/{episode['episode_id']}", headers=headers)
-
-        # Warm-up: connections open, every replica's code paths run once.
-        async with anyio.create_task_group() as tasks:
-            for number in range(clients):
-                tasks.start_soon(client, number, time.perf_counter() + 1.0)
-        counts[:] = [0] * clients
-        started = time.perf_counter()
-        async with anyio.create_task_group() as tasks:
-            for number in range(clients):
-                tasks.start_soon(client, number, started + seconds)
-        return sum(counts) / (time.perf_counter() - started)
-
-
 def throughput(swarm: Swarm, scratch: Path, replicas: int, clients: int, seconds: float) -> tuple[float, float, list[str], str]:
     catalog_path = scratch / "throughput.json"
     swarm.up(catalog_path, [str(default_catalog() / THROUGHPUT_ENV)], replicas)
@@ -152,7 +115,8 @@ def throughput(swarm: Swarm, scratch: Path, replicas: int, clients: int, seconds
         gateways = [swarm.gateway_on(catalog, node) for node in swarm.nodes]
         # 'up' waited for the catalog's gateway; the other nodes' gateways may still be starting.
         wait_until(lambda: all(gateway_replicas(g).get(THROUGHPUT_ENV) == replicas for g in gateways), 120, "every node's gateway")
-        spread = anyio.run(tool_calls_per_s, catalog, gateways, clients, seconds)
+        scenario = load_bundle(default_catalog() / THROUGHPUT_ENV).scenarios[0]
+        spread = anyio.run(tool_calls_per_s, catalog, gateways, [THROUGHPUT_ENV], scenario, clients, seconds)
         # The same service pinned to one worker: Swarm moves every replica there.
         node = next(name for name in swarm.nodes if name != "mgr")
         hostname = swarm.nodes[node]["hostname"]
@@ -161,7 +125,7 @@ def throughput(swarm: Swarm, scratch: Path, replicas: int, clients: int, seconds
         wait_until(lambda: swarm.placement(service) == [hostname] * replicas and gateway_replicas(gateway).get(THROUGHPUT_ENV) == replicas
                    and len(swarm.placement(service)) == replicas, 180, "every replica on one node")
         time.sleep(2.0)  # let the old replicas' tasks finish stopping
-        one = anyio.run(tool_calls_per_s, catalog, [gateway], clients, seconds)
+        one = anyio.run(tool_calls_per_s, catalog, [gateway], [THROUGHPUT_ENV], scenario, clients, seconds)
         return spread, one, spread_nodes, node
     finally:
         swarm.down(catalog_path)
