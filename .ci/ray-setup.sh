@@ -9,7 +9,8 @@
 #
 # Where things are (read by tests and benchmarks from $ROOT/ray.json):
 #   bridge es-ray0 at $SUBNET.1/24 (the host); nodes head ($SUBNET.10), w1 ($SUBNET.11), w2 ($SUBNET.12);
-#   the cluster's address $SUBNET.10:6379. ENVSCALER_RAY_SUBNET (default 100.78.0) picks another /24.
+#   the cluster's address $SUBNET.10:6379, its Ray Client server ray://$SUBNET.10:10001.
+#   ENVSCALER_RAY_SUBNET (default 100.78.0) picks another /24.
 # ENVSCALER_PYTHON names the interpreter whose `ray` runs the nodes (default: .venv/bin/python).
 set -euo pipefail
 
@@ -25,6 +26,9 @@ HEAD_ADDRESS="$SUBNET.10:6379"
 # Logical CPUs each node offers: more than this machine's cores, as servers mostly wait.
 NODE_CPUS=4
 OBJECT_STORE_BYTES=$((100 * 1024 * 1024))
+# A private bridge, and the same for every node whatever ~/.ray holds (Ray turns token authentication on
+# for a head when a token file exists there, and a worker started without it cannot join).
+export RAY_AUTH_MODE=disabled
 
 # shellcheck source=bridge.sh
 source .ci/bridge.sh
@@ -48,7 +52,8 @@ namespace_up() {
     if ! ip netns list | grep -qw "$ns"; then
         ip netns add "$ns"
     fi
-    if ! ip link show "$ns-h" >/dev/null 2>&1; then
+    if ! ip -n "$ns" link show eth0 >/dev/null 2>&1; then
+        ip link delete "$ns-h" 2>/dev/null || true  # the end of a pair whose namespace is going
         ip link add "$ns-h" type veth peer name eth0 netns "$ns"
         ip link set "$ns-h" master "$BRIDGE" up
         ip -n "$ns" addr add "$(address_of "$node")/24" dev eth0
@@ -72,7 +77,7 @@ node_up() {
     fi
     namespace_up "$node"
     if [ "$node" = head ]; then
-        role=(--head --port 6379 --include-dashboard=false)
+        role=(--head --port 6379 --ray-client-server-port 10001 --include-dashboard=false)
     else
         role=(--address "$HEAD_ADDRESS")
     fi
@@ -119,7 +124,8 @@ import json, sys
 path, head, subnet = sys.argv[1:]
 nodes = {name: {"address": f"{subnet}.{10 + i}", "namespace": f"esray-{name}", "resource": f"node_{name}"}
          for i, name in enumerate(["head", "w1", "w2"])}
-json.dump({"address": head, "host": f"{subnet}.1", "nodes": nodes}, open(path, "w"), indent=2)
+client = "ray://" + head.rsplit(":", 1)[0] + ":10001"
+json.dump({"address": head, "client": client, "host": f"{subnet}.1", "nodes": nodes}, open(path, "w"), indent=2)
 EOF
 }
 
@@ -132,6 +138,11 @@ kill_node() {
     if [ -n "$pids" ]; then
         kill -9 $pids 2>/dev/null || true
     fi
+    # Gone, not only signalled: a namespace deleted before its last process exits lingers with its veth.
+    for _ in $(seq 1 100); do
+        [ -z "$(ip netns pids "$ns" 2>/dev/null || true)" ] && break
+        sleep 0.1
+    done
     rm -f "$ROOT/$node.pid"
     say "killed node $node"
 }
@@ -151,6 +162,8 @@ up() {
 teardown() {
     for node in "${NODES[@]}"; do
         kill_node "$node" 2>/dev/null || true
+        # The pair goes now: a namespace outlives its name while TIME_WAIT sockets hold it.
+        ip link delete "$(namespace_of "$node")-h" 2>/dev/null || true
         ip netns delete "$(namespace_of "$node")" 2>/dev/null || true
     done
     ip link delete "$BRIDGE" 2>/dev/null || true

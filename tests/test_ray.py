@@ -53,6 +53,14 @@ def nodes_of(cluster: RayCluster, catalog: Path) -> dict[str, str]:
     return {env_id: cluster.node_named(record["url"]) for env_id, record in read_state(catalog)["envs"].items()}
 
 
+def wait_until_gone(farm_id: str, timeout_s: float = 30.0) -> None:
+    """Until no process of the farm is left on any node (its actors end with the daemon's Ray job)."""
+    deadline = time.monotonic() + timeout_s
+    while farm_processes(farm_id):
+        assert time.monotonic() < deadline, [Path(f"/proc/{pid}/cmdline").read_bytes()[:120] for pid in farm_processes(farm_id)]
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def cluster() -> RayCluster:
     return CLUSTER
@@ -103,6 +111,26 @@ def test_status_shows_the_node_of_every_environment(farm, cluster):
     for env_id, node in nodes_of(cluster, farm).items():
         line = next(line for line in status.stdout.splitlines() if line.startswith(env_id + " "))
         assert f"http://{cluster.nodes[node].address}:" in line
+
+
+def test_a_farm_started_off_the_cluster_through_ray_client(cluster, tmp_path):
+    """The daemon on a machine that is no node of the cluster (here: outside every node's namespace), a Ray
+    Client of its head; its gateway on this machine, the servers on the nodes."""
+    catalog = tmp_path / "farm.json"
+    bundles = catalog_copies(tmp_path / "envs", 3, scenarios_per_env=2)
+    try:
+        up = envscaler("farm", "up", *map(str, bundles), "--backend", "ray", "--ray-address", cluster.client, "--catalog", str(catalog))
+        assert up.returncode == 0, up.stderr
+        assert f"Ray cluster at {cluster.client}: {len(cluster.nodes)} node(s)" in up.stderr
+        out = tmp_path / "replay.jsonl"
+        run = envscaler("run", "--farm", str(catalog), "--agent", "replay", "--out", str(out), "--quiet")
+        assert run.returncode == 0, run.stderr
+        records = read_records(out)
+        assert len(records) == 6 and all(r["reward"] == 1.0 for r in records)
+        farm_id = read_state(catalog)["farm_id"]
+    finally:
+        envscaler("farm", "down", "--catalog", str(catalog))
+    wait_until_gone(farm_id)
 
 
 def wait_for_restart(catalog: Path, env_id: str, pid: int) -> dict:
@@ -176,9 +204,6 @@ def test_farm_down_leaves_nothing_on_any_node(farm):
     assert farm_processes(farm_id)  # the servers and their actors carry the farm's id, on every node
     down = envscaler("farm", "down", "--catalog", str(farm))
     assert down.returncode == 0, down.stderr
-    deadline = time.monotonic() + 30
-    while farm_processes(farm_id):
-        assert time.monotonic() < deadline, [Path(f"/proc/{pid}/cmdline").read_bytes()[:120] for pid in farm_processes(farm_id)]
-        time.sleep(0.5)
+    wait_until_gone(farm_id)
     assert not list(NODE_FILES.glob(f"{farm_id}.*"))
     assert not farm.exists()

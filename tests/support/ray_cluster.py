@@ -24,8 +24,10 @@ class Node:
 
 @dataclass
 class RayCluster:
-    # The head's GCS, HOST:PORT: what --ray-address takes.
+    # The head's GCS, HOST:PORT: what --ray-address takes on a node of the cluster.
     address: str
+    # Its Ray Client server, ray://HOST:PORT: what --ray-address takes off the cluster.
+    client: str
     nodes: dict[str, Node]
 
     def on_node(self, node: str, command: list[str]) -> list[str]:
@@ -53,7 +55,7 @@ def find_cluster() -> RayCluster | None:
         socket.create_connection((host, int(port)), timeout=5).close()
     except OSError:
         return None
-    return RayCluster(address=data["address"], nodes={name: Node(name=name, **node) for name, node in data["nodes"].items()})
+    return RayCluster(address=data["address"], client=data["client"], nodes={name: Node(name=name, **node) for name, node in data["nodes"].items()})
 
 
 def kill_node(name: str) -> None:

@@ -38,6 +38,7 @@ _STARTUP_ATTEMPTS = 3
 # While Ray brings an actor back, a call can still reach the old one: look again after this.
 _RESTART_POLL_S = 0.5
 _STOP_S = 10.0
+_CONNECT_ATTEMPTS, _CONNECT_PAUSE_S = 3, 2.0
 
 
 def namespace(farm_id: str) -> str:
@@ -56,15 +57,25 @@ def bundle_files(bundle_dir: str) -> dict[str, bytes]:
 
 
 def connect(placement: RayPlacement, farm_id: str) -> None:
-    """Join the cluster as a driver in the farm's namespace; FarmError when no cluster answers."""
+    """Join the cluster as a driver in the farm's namespace; FarmError when no cluster answers.
+
+    A few tries: a Ray Client server (``ray://``) starts a server process for each client, and gives up
+    on one that a busy head did not start within its own 30 s.
+    """
     import ray
 
-    try:
-        ray.init(address=placement.address, namespace=namespace(farm_id), log_to_driver=False, logging_level=logging.WARNING,
-                 configure_logging=False)
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        raise FarmError(f"no Ray cluster answers at {placement.address} ({str(e).splitlines()[0]}): start one with "
-                        "'ray start --head', or give its address with --ray-address") from None
+    for attempt in range(1, _CONNECT_ATTEMPTS + 1):
+        try:
+            ray.init(address=placement.address, namespace=namespace(farm_id), log_to_driver=False, logging_level=logging.WARNING,
+                     configure_logging=False)
+            return
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            if attempt == _CONNECT_ATTEMPTS:
+                raise FarmError(f"no Ray cluster answers at {placement.address} ({str(e).splitlines()[0]}): start one with "
+                                "'ray start --head', or give its address with --ray-address") from None
+            log.warning("the Ray cluster did not take the connection; trying again",
+                        extra={"address": placement.address, "error": str(e).splitlines()[0], "attempt": attempt})
+            time.sleep(_CONNECT_PAUSE_S)
 
 
 class Capacity(BaseModel):
