@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -207,3 +208,16 @@ def test_farm_down_leaves_nothing_on_any_node(farm):
     wait_until_gone(farm_id)
     assert not list(NODE_FILES.glob(f"{farm_id}.*"))
     assert not farm.exists()
+
+
+def test_an_address_where_no_cluster_answers_is_one_line_at_once(tmp_path):
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()
+    up = envscaler("farm", "up", "--backend", "ray", "--ray-address", f"127.0.0.1:{port}", "--catalog", str(tmp_path / "farm.json"),
+                   timeout=60)
+    assert up.returncode == 2
+    assert up.stderr.strip().splitlines()[-1] == (f"error: no Ray cluster answers at 127.0.0.1:{port} (Connection refused): start one "
+                                                  "with 'ray start --head', or give its address with --ray-address")
+    assert not (tmp_path / "farm.json.farm").exists()

@@ -17,6 +17,7 @@ to the daemon's Ray job and die with it.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ _STARTUP_ATTEMPTS = 3
 _RESTART_POLL_S = 0.5
 _STOP_S = 10.0
 _CONNECT_ATTEMPTS, _CONNECT_PAUSE_S = 3, 2.0
+_PROBE_TIMEOUT_S = 5.0
 
 
 def namespace(farm_id: str) -> str:
@@ -64,6 +66,7 @@ def connect(placement: RayPlacement, farm_id: str) -> None:
     """
     import ray
 
+    _answers(placement.address)
     for attempt in range(1, _CONNECT_ATTEMPTS + 1):
         try:
             ray.init(address=placement.address, namespace=namespace(farm_id), log_to_driver=False, logging_level=logging.WARNING,
@@ -76,6 +79,19 @@ def connect(placement: RayPlacement, farm_id: str) -> None:
             log.warning("the Ray cluster did not take the connection; trying again",
                         extra={"address": placement.address, "error": str(e).splitlines()[0], "attempt": attempt})
             time.sleep(_CONNECT_PAUSE_S)
+
+
+def _answers(address: str) -> None:
+    """FarmError at once when nothing listens at a ``HOST:PORT`` or ``ray://HOST:PORT`` address (Ray itself
+    tries for minutes); ``auto`` is Ray's to find."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=_PROBE_TIMEOUT_S).close()
+    except OSError as e:
+        raise FarmError(f"no Ray cluster answers at {address} ({e.strerror or e}): start one with 'ray start --head', "
+                        "or give its address with --ray-address") from None
 
 
 class Capacity(BaseModel):
