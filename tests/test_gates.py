@@ -185,6 +185,21 @@ def test_deterministic_fails_when_a_check_answers_differently_on_the_same_state(
     assert "different answers" in verdicts["deterministic"].detail
 
 
+def test_a_reference_whose_tools_warn_passes_every_gate(tmp_path):
+    # Python writes each warning into the module's __warningregistry__, hidden DeprecationWarnings included:
+    # its own bookkeeping, not state the episodes share.
+    code = "import warnings\n" + COUNTER_CODE.replace(
+        "        self.log.append(f\"add {item_id} {amount}\")\n        return",
+        "        self.log.append(f\"add {item_id} {amount}\")\n"
+        "        warnings.warn('add is deprecated', DeprecationWarning)\n"
+        "        warnings.warn('its caller too', DeprecationWarning, stacklevel=2)\n        return", 1)
+    assert "add is deprecated" in code
+    directory = write_bundle(tmp_path, counter_spec(env_class_code=code), [counter_scenario()])
+    result = envscaler("catalog", "check", str(directory))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "all gates pass" in result.stdout
+
+
 def test_catalog_check_cli_exit_codes(tmp_path):
     good = envscaler("catalog", "check", str(counter_bundle(tmp_path / "good")))
     assert good.returncode == 0, good.stdout + good.stderr

@@ -2,6 +2,7 @@
 
 import sys
 import threading
+import warnings
 import time
 
 import pytest
@@ -523,3 +524,38 @@ class Sharing:''') + '''
     assert time.monotonic() - started < 0.5
     assert runtime.env_globals.restore_checker() == ["envscaler.checks.run_check"]
     assert callable(sys.modules["envscaler.checks"].run_check)
+
+
+WARNING_CODE = SHARING_CODE.replace("import time", "import copy\nimport datetime\nimport locale\nimport time\nimport warnings") + '''
+    def old_ways(self) -> dict:
+        """Use deprecated paths: warnings Python hides by default, written to this module's registry."""
+        warnings.warn("bump is deprecated", DeprecationWarning)
+        warnings.warn("so is its caller", DeprecationWarning, stacklevel=2)
+        locale.getdefaultlocale()  # DeprecationWarning since 3.11, aimed at this module
+        datetime.datetime.utcnow()  # DeprecationWarning since 3.12
+        copy.deepcopy(self)  # copyreg caches __slotnames__ on the class
+        self.n += 1
+        return {"success": True}
+'''
+
+
+def test_python_bookkeeping_in_shared_namespaces_is_not_a_shared_change():
+    runtime = EnvRuntime(EnvSpec(env_id="warns", env_class_name="Sharing", env_class_code=WARNING_CODE))
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")  # every warning goes through the registry, not only the first
+        for episode in (runtime.new_episode({"n": 1}, scenario_key="s1"), runtime.new_episode({"n": 1})):
+            for _ in range(2):
+                outcome = episode.call("old_ways", {})
+                assert outcome.error is None, outcome.error
+            assert episode.state() == {"n": 3}
+        module = sys.modules[runtime.env_class.__module__]
+        assert "__warningregistry__" in vars(module)
+        # What is really shared is still watched, after the registry came.
+        assert "module global SEEN" in runtime.new_episode({"n": 1}).call("count", {}).error
+        # A check whose warning is aimed at the checker's own module does not read as a patched checker.
+        warn = CheckItem(check_item="warns", check_func=(
+            "import warnings\ndef check_func(final_state):\n"
+            "    warnings.warn('old check', DeprecationWarning, stacklevel=2)\n    return final_state['n'] == 1"))
+        assert runtime.new_episode({"n": 1}).validate([warn]).score == 1.0
+        assert "__warningregistry__" in vars(sys.modules["envscaler.checks"])
+        assert runtime.env_globals.restore_checker() == []
