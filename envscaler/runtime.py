@@ -415,7 +415,9 @@ class Episode:
     def _run(self, name: str, arguments: dict[str, Any]) -> ToolOutcome:
         """The method call and the serialisation of its result (both are env code: both run under the limit)."""
         runtime = self.runtime
-        raw = getattr(self.instance, name)(**arguments)
+        # A copy for every run: a method that keeps an argument (``self.tags = tags``) and changes it later
+        # would otherwise change the caller's value, the recorded call, or a preempted call's rerun.
+        raw = getattr(self.instance, name)(**plain(arguments))
         text, whole_chars = runtime.result_text(raw)
         truncated = whole_chars is not None
         reported = runtime.reported_failure(raw)

@@ -13,6 +13,7 @@ from tests.support.bundles import (
     counter_scenario,
     counter_spec,
     second_scenario,
+    tagger_bundle,
     write_bundle,
 )
 from tests.support.cli import envscaler
@@ -166,6 +167,15 @@ def test_a_reference_that_changes_class_attributes_fails_its_replay(tmp_path):
     failed = [g for g in verdicts.values() if not g.passed]
     assert not report.passed and failed, verdicts
     assert "class attribute Counter.calls" in failed[0].detail and "every episode shares" in failed[0].detail
+
+
+def test_a_reference_whose_tool_keeps_and_changes_a_list_argument_stays_deterministic(tmp_path):
+    # keep() stores its list argument and more() extends it: on the scenario's own argument objects,
+    # the second replay would start from ["a", "seen", "b"].
+    bundle = load_bundle(tagger_bundle(tmp_path))
+    report = check_bundle(bundle, call_timeout_s=1.0, check_timeout_s=1.0)
+    assert report.passed, report.failures()
+    assert bundle.scenarios[0].reference_solution[0].arguments == {"tags": ["a"]}
 
 
 def test_deterministic_fails_when_a_check_answers_differently_on_the_same_state(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 from envscaler import ChecklistError, EnvCodeError, EnvRuntime, EnvSpec, default_catalog, derive_tools, load_bundle
 from envscaler.guard import Preempted, call_preemptibly
 from envscaler.models import CheckItem
-from tests.support.bundles import CHECK_A_IS_3, COUNTER_CODE, counter_spec
+from tests.support.bundles import CHECK_A_IS_3, COUNTER_CODE, counter_spec, tagger_bundle
 
 INIT = {"items": {"a": {"name": "A", "count": 0}}}
 
@@ -559,3 +559,20 @@ def test_python_bookkeeping_in_shared_namespaces_is_not_a_shared_change():
         assert runtime.new_episode({"n": 1}).validate([warn]).score == 1.0
         assert "__warningregistry__" in vars(sys.modules["envscaler.checks"])
         assert runtime.env_globals.restore_checker() == []
+
+
+def test_a_method_gets_its_own_copy_of_the_arguments(tmp_path):
+    runtime = EnvRuntime(load_bundle(tagger_bundle(tmp_path)).spec, call_timeout_s=5.0)
+    episode = runtime.new_episode({}, scenario_key="tagger_001")
+    arguments = {"tags": ["a"]}
+    kept = episode.call("keep", arguments)
+    assert episode.call("more", {"tag": "b"}).result == {"success": True, "data": 3}
+    # Neither the call in the method nor a later call changed what the caller passed, or what was recorded.
+    assert arguments == {"tags": ["a"]} and kept.arguments == {"tags": ["a"]}
+    assert episode.state() == {"tags": ["a", "seen", "b"]}
+    # A preempted call runs again on the arguments as they were sent, not as its first run left them.
+    arguments = {"tags": ["x"], "seconds": 1.0}
+    with pytest.raises(Preempted):
+        episode.call("keep", arguments, inline_budget_s=0.05)
+    assert episode.call("keep", arguments).result == {"success": True, "data": 2}
+    assert episode.state() == {"tags": ["x", "seen"]} and arguments["tags"] == ["x"]

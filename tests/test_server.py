@@ -40,6 +40,7 @@ from tests.support.bundles import (
     counter_scenario,
     counter_spec,
     second_scenario,
+    tagger_bundle,
     write_bundle,
 )
 from tests.support.large_state import shop_bundle
@@ -650,3 +651,19 @@ def test_a_server_whose_call_threads_are_all_stuck_says_so_on_healthz(counter_di
         while http.get("/healthz").status_code != 200:
             assert time.monotonic() < deadline, "the threads never came back"
             time.sleep(0.2)
+
+
+async def test_a_tool_that_changes_its_list_argument_leaves_the_recorded_call_as_sent(tmp_path):
+    with serve(tagger_bundle(tmp_path)) as server:
+        episode = create(server, scenario_id="tagger_001")
+        http, client = await mcp_session(episode["mcp_url"])
+        async with http, client:
+            kept = await client.call_tool("keep", {"tags": ["a"]})
+            more = await client.call_tool("more", {"tag": "b"})
+        assert not kept.is_error and not more.is_error
+        with server.client() as control:
+            path = f"/episodes/{episode['episode_id']}"
+            calls = control.get(f"{path}/trajectory").json()["calls"]
+            validated = control.post(f"{path}/validate").json()
+    assert [c["arguments"] for c in calls] == [{"tags": ["a"]}, {"tag": "b"}]
+    assert validated["score"] == 1.0

@@ -203,3 +203,45 @@ def write_bundle(root: Path, spec: dict[str, Any], scenarios: list[dict[str, Any
 def counter_bundle(root: Path) -> Path:
     """The counter environment with two good scenarios."""
     return write_bundle(root, counter_spec(), [counter_scenario(), second_scenario()])
+
+
+TAGGER_CODE = '''
+import time
+
+
+class Tagger:
+    def __init__(self, init_config: dict):
+        self.tags = []
+
+    def keep(self, tags: list, seconds: float = 0.0) -> dict:
+        """Keep a list of tags as the state, marking it seen (in the argument itself).
+
+        Args:
+            tags (list): The tags.
+            seconds (float): How long to take.
+        """
+        tags.append("seen")
+        self.tags = tags
+        time.sleep(seconds)
+        return {"success": True, "data": len(self.tags)}
+
+    def more(self, tag: str) -> dict:
+        """Add a tag to the list kept.
+
+        Args:
+            tag (str): The tag.
+        """
+        self.tags.append(tag)
+        return {"success": True, "data": len(self.tags)}
+'''
+
+CHECK_TAGS = {"check_item": "tags a, seen, b", "check_func": "def check_func(final_state):\n    return final_state['tags'] == ['a', 'seen', 'b']"}
+
+
+def tagger_bundle(root: Path) -> Path:
+    """An environment whose tools keep and change a list argument: arguments must reach it as copies."""
+    spec = {"env_id": "tagger", "env_class_name": "Tagger", "env_class_code": TAGGER_CODE, "environment_introduction": "Tags."}
+    scenario = {"task_id": "tagger_001", "env_id": "tagger", "init_config": {}, "task": "Tag a, then b.",
+                "checklist_with_func": [CHECK_TAGS],
+                "reference_solution": [{"name": "keep", "arguments": {"tags": ["a"]}}, {"name": "more", "arguments": {"tag": "b"}}]}
+    return write_bundle(root, spec, [scenario])
