@@ -80,7 +80,8 @@ def _catalog_check(args: argparse.Namespace) -> int:
     workers = max(1, args.jobs // parallel_envs)
 
     def check(directory: Path) -> EnvReport:
-        return check_isolated(directory, args.timeout, workers=workers, on_scenario=_print_scenario)
+        return check_isolated(directory, args.timeout, workers=workers, on_scenario=_print_scenario,
+                              call_timeout_s=args.call_timeout, check_timeout_s=args.check_timeout)
 
     with ThreadPoolExecutor(max_workers=parallel_envs) as pool:
         for report in pool.map(check, directories):
@@ -136,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     from importlib.metadata import entry_points
 
     from envscaler.bundle import default_catalog
-    from envscaler.gates import GATES
+    from envscaler.gates import DEFAULT_CALL_TIMEOUT_S, DEFAULT_CHECK_TIMEOUT_S, GATES
 
     parser = OneLineParser(
         prog="envscaler",
@@ -176,6 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=positive_float, default=300.0,
         help="seconds allowed per scenario (and for loading each environment): a scenario that runs longer, or "
         "kills its worker, fails alone under the gate it was in, and the others go on (default: 300)",
+    )
+    check.add_argument(
+        "--call-timeout", type=positive_float, default=DEFAULT_CALL_TIMEOUT_S, metavar="SECONDS",
+        help=f"seconds allowed for one tool call (default: {DEFAULT_CALL_TIMEOUT_S:g})",
+    )
+    check.add_argument(
+        "--check-timeout", type=positive_float, default=DEFAULT_CHECK_TIMEOUT_S, metavar="SECONDS",
+        help=f"seconds allowed for one check function; a check stopped there fails, named as a timeout (default: {DEFAULT_CHECK_TIMEOUT_S:g})",
     )
     check.add_argument("--json", metavar="FILE", help="also write the full report as JSON")
     check.set_defaults(func=_catalog_check)

@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from envscaler.bundle import load_bundle
 from envscaler.errors import EnvScalerError
-from envscaler.gates import EnvReport, GateResult, ScenarioReport
+from envscaler.gates import DEFAULT_CALL_TIMEOUT_S, DEFAULT_CHECK_TIMEOUT_S, EnvReport, GateResult, ScenarioReport
 from envscaler.jsonl import validate_json
 from envscaler.sandbox import start_module
 
@@ -54,12 +54,19 @@ class WorkerEvent(BaseModel):
 
 
 def check_isolated(
-    directory: Path, timeout_s: float, *, workers: int = 1, on_scenario: ScenarioCallback | None = None
+    directory: Path,
+    timeout_s: float,
+    *,
+    workers: int = 1,
+    on_scenario: ScenarioCallback | None = None,
+    call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+    check_timeout_s: float = DEFAULT_CHECK_TIMEOUT_S,
 ) -> EnvReport:
     """Every gate on one bundle, in limited child processes.
 
     ``timeout_s`` applies to loading the environment and to each scenario. A worker that dies or
     hangs fails the scenario it was on (or ``class_loads``, while loading); the others still run.
+    ``call_timeout_s`` and ``check_timeout_s`` limit each tool call and each check inside the worker.
     """
     try:
         bundle = load_bundle(directory)  # JSON only: no environment code runs here
@@ -67,7 +74,8 @@ def check_isolated(
         return _broken(directory.name, str(e))
     ids = [s.task_id for s in bundle.scenarios]
     shards = [ids[start :: max(workers, 1)] for start in range(max(1, min(workers, len(ids))))]
-    runs = [_ShardRun(directory, bundle.env_id, shard, timeout_s, on_scenario) for shard in shards]
+    limits = ["--call-timeout", f"{call_timeout_s:g}", "--check-timeout", f"{check_timeout_s:g}"]
+    runs = [_ShardRun(directory, bundle.env_id, shard, timeout_s, on_scenario, limits) for shard in shards]
     with ThreadPoolExecutor(len(runs)) as pool:
         list(pool.map(_ShardRun.run, runs))
     report = runs[0].env  # every run ends with the environment's report (read, or broken)
@@ -86,8 +94,11 @@ def _broken(env_id: str, detail: str) -> EnvReport:
 class _ShardRun:
     """Some scenarios of one bundle, checked by one worker process at a time."""
 
-    def __init__(self, directory: Path, env_id: str, task_ids: list[str], timeout_s: float, on_scenario: ScenarioCallback | None) -> None:
+    def __init__(self, directory: Path, env_id: str, task_ids: list[str], timeout_s: float, on_scenario: ScenarioCallback | None,
+                 limits: list[str]) -> None:
+        """``limits``: the worker's options for its time limits per call and per check."""
         self.directory = directory
+        self.limits = limits
         self.env_id = env_id
         self.remaining = list(task_ids)
         self.timeout_s = timeout_s
@@ -122,7 +133,7 @@ class _ShardRun:
         """Run a worker over the remaining scenarios: None when it finished, else (gate, task_id, why) it stopped."""
         with tempfile.TemporaryFile() as errors:
             cpu_s = int(self.timeout_s * (len(self.remaining) + 1)) + 1
-            process = start_module("envscaler.check_worker", [str(self.directory.resolve()), *self.remaining],
+            process = start_module("envscaler.check_worker", [*self.limits, str(self.directory.resolve()), *self.remaining],
                                    memory_mb=WORKER_MEMORY_MB, cpu_s=cpu_s, stderr=errors, readable=[self.directory])
             lines = _line_queue(process.stdout)  # type: ignore[arg-type]
             gate, task_id = "class_loads", None

@@ -18,10 +18,15 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from envscaler.checks import timed_out
 from envscaler.errors import EnvScalerError
 from envscaler.models import Bundle, Scenario
 from envscaler.runtime import EnvRuntime, Episode
 from envscaler.tools import signature_problems
+
+# The gates' limits for one tool call and one check: looser than a server's, which serves agents.
+DEFAULT_CALL_TIMEOUT_S = 5.0
+DEFAULT_CHECK_TIMEOUT_S = 2.0
 
 GATES = (
     "class_loads",
@@ -74,7 +79,9 @@ class EnvReport(BaseModel):
         return lines
 
 
-def check_bundle(bundle: Bundle, *, call_timeout_s: float = 5.0, check_timeout_s: float = 2.0) -> EnvReport:
+def check_bundle(
+    bundle: Bundle, *, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S, check_timeout_s: float = DEFAULT_CHECK_TIMEOUT_S
+) -> EnvReport:
     """Run every gate on every scenario of ``bundle``, in this process (see ``envscaler.gate_workers``)."""
     report, runtime = check_environment(bundle, call_timeout_s=call_timeout_s, check_timeout_s=check_timeout_s)
     if runtime is None:
@@ -87,7 +94,7 @@ def check_bundle(bundle: Bundle, *, call_timeout_s: float = 5.0, check_timeout_s
 
 
 def check_environment(
-    bundle: Bundle, *, call_timeout_s: float = 5.0, check_timeout_s: float = 2.0
+    bundle: Bundle, *, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S, check_timeout_s: float = DEFAULT_CHECK_TIMEOUT_S
 ) -> tuple[EnvReport, EnvRuntime | None]:
     """The environment-wide gate (``class_loads``), and the runtime to check scenarios with (None if it cannot load)."""
     report = EnvReport(env_id=bundle.env_id)
@@ -174,19 +181,22 @@ def check_scenario(
 
     started("deterministic")
     second, _ = _replay(runtime, scenario, None, fresh=True)
-    answers = [
-        _verdicts(first.validate(scenario.checklist_with_func)),
-        _verdicts(on_reference),
-        _verdicts(second.validate(scenario.checklist_with_func)) if second else None,
-    ]
-    initial_again = _verdicts(start.validate(scenario.checklist_with_func))
-    same_checks = answers[0] == answers[1] == answers[2] and initial_again == _verdicts(on_initial)
-    same_state = second is not None and second.validate(scenario.checklist_with_func).state_hash == on_reference.state_hash
+    on_second = second.validate(scenario.checklist_with_func) if second else None
+    on_reference_again = first.validate(scenario.checklist_with_func)
+    on_initial_again = start.validate(scenario.checklist_with_func)
+    answers = [_verdicts(on_reference_again), _verdicts(on_reference), _verdicts(on_second) if on_second else None]
+    same_checks = answers[0] == answers[1] == answers[2] and _verdicts(on_initial_again) == _verdicts(on_initial)
+    same_state = on_second is not None and on_second.state_hash == on_reference.state_hash
     detail = ""
     if not same_state:
         detail = "two runs of the reference solution ended in different states (randomness, clock or ids?)"
     elif not same_checks:
-        detail = "checks gave different answers on identical states"
+        runs = [on_reference, on_initial, on_reference_again, on_initial_again, on_second]
+        slow = sorted({c.check_item for run in runs if run is not None for c in run.checks if timed_out(c)})
+        # A check near its time limit answers in one run and is stopped in another: that is the limit, not the check.
+        detail = (f"{', '.join(map(repr, slow))} ran past the check time limit ({runtime.check_timeout_s:g} s) in some runs "
+                  "and not in others (raise it with --check-timeout, or make the check faster)" if slow
+                  else "checks gave different answers on identical states")
     gates.append(GateResult(gate="deterministic", passed=same_checks and same_state, detail=detail))
     gates.append(
         GateResult(

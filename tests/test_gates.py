@@ -210,6 +210,41 @@ def test_a_reference_whose_tools_warn_passes_every_gate(tmp_path):
     assert "all gates pass" in result.stdout
 
 
+SLOW_EVERY_OTHER_RUN = {
+    "check_item": "slow on every other run",
+    "check_func": (
+        "import sys, time\n"
+        "def check_func(final_state):\n"
+        "    tally = sys.modules.setdefault('envscaler_test_slow', type(sys)('envscaler_test_slow'))\n"
+        "    tally.n = getattr(tally, 'n', 0) + 1\n"
+        "    if tally.n % 2 == 0:\n"
+        "        time.sleep(0.8)\n"
+        "    return True"
+    ),
+}
+
+
+def test_a_check_near_its_time_limit_is_reported_as_a_timeout_and_the_limit_can_be_raised(tmp_path):
+    # In the checker process: the tally starts again in each run of the command.
+    directory = write_bundle(tmp_path, counter_spec(), [counter_scenario(checklist_with_func=[CHECK_A_IS_3, SLOW_EVERY_OTHER_RUN])])
+    tight = envscaler("catalog", "check", str(directory), "--check-timeout", "0.3")
+    assert tight.returncode == 1
+    line = next(line for line in tight.stdout.splitlines() if "counter_001: deterministic" in line)
+    assert "'slow on every other run' ran past the check time limit (0.3 s) in some runs" in line, tight.stdout
+    assert "--check-timeout" in line and "different answers" not in tight.stdout
+    roomy = envscaler("catalog", "check", str(directory), "--check-timeout", "5")
+    assert roomy.returncode == 0, roomy.stdout + roomy.stderr
+
+
+def test_catalog_check_call_timeout_limits_each_tool_call(tmp_path):
+    slow = counter_scenario(reference_solution=[{"name": "slow_add", "arguments": {"item_id": "a", "amount": 3, "seconds": 0.8}}])
+    directory = write_bundle(tmp_path, counter_spec(), [slow])
+    tight = envscaler("catalog", "check", str(directory), "--call-timeout", "0.3")
+    assert tight.returncode == 1 and "counter_001: reference_runs: call 1 (slow_add)" in tight.stdout
+    assert "ran longer than 0.3 s" in tight.stdout
+    assert envscaler("catalog", "check", str(directory), "--call-timeout", "5").returncode == 0
+
+
 def test_catalog_check_cli_exit_codes(tmp_path):
     good = envscaler("catalog", "check", str(counter_bundle(tmp_path / "good")))
     assert good.returncode == 0, good.stdout + good.stderr
