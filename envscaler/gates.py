@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 
 from envscaler.checks import timed_out
 from envscaler.errors import EnvScalerError
-from envscaler.models import Bundle, Scenario
+from envscaler.models import Bundle, Scenario, ToolOutcome
 from envscaler.runtime import EnvRuntime, Episode
 from envscaler.tools import signature_problems
 
@@ -229,6 +229,11 @@ def _replay(
     episode = runtime.new_episode(scenario.init_config, scenario_key=None if fresh else scenario.task_id)
     for number, call in enumerate(scenario.reference_solution, start=1):
         outcome = episode.call(call.name, call.arguments)
+        if outcome.error_kind == "agent" and outcome.exception is not None:
+            problem = _declared_failure(runtime, number, outcome)
+            if problem is not None:
+                return episode, problem
+            continue  # a lookup that found nothing, and said so as the environment declares
         if outcome.error_kind == "tool":
             return episode, f"call {number} ({call.name}) failed, {outcome.error}: {outcome.agent_text[:300]}"
         if outcome.error:
@@ -237,3 +242,20 @@ def _replay(
             changed.append((number, call.name))
     return episode, None
 
+
+
+def _declared_failure(runtime: EnvRuntime, number: int, outcome: ToolOutcome) -> str | None:
+    """Why a reference call that raised a declared agent error (``agent_errors``) fails ``reference_runs``, or None.
+
+    A gold lookup may find nothing (tau-bench's tools raise on an unknown id), so such a call passes when
+    its tool is read-only and it changed nothing. A tool that changes the state is in the reference to
+    change it: its failure stays a failure, as does a call that changed the state before it raised,
+    whatever the tool's hints say.
+    """
+    call = f"call {number} ({outcome.name})"
+    if outcome.diff:
+        return f"{call} changed the state, then raised {outcome.exception} (a declared agent error): {outcome.error}"
+    if not runtime.annotations[outcome.name].readOnlyHint:
+        return (f"{call} failed, {outcome.error} (a declared agent error): a reference call of a tool that changes "
+                "the state must succeed; only a read-only lookup may find nothing")
+    return None

@@ -12,8 +12,11 @@ from tests.support.bundles import (
     counter_bundle,
     counter_scenario,
     counter_spec,
+    folders_bundle,
     second_scenario,
     tagger_bundle,
+    users_scenario,
+    users_spec,
     write_bundle,
 )
 from tests.support.cli import envscaler
@@ -102,6 +105,36 @@ def test_an_error_string_under_the_environments_policy_fails_the_reference(tmp_p
     _, verdicts = gate_verdicts(tmp_path, spec, [counter_scenario(reference_solution=[{"name": "note", "arguments": {"text": "x"}}])])
     assert not verdicts["reference_runs"].passed
     assert "Error: nothing to note" in verdicts["reference_runs"].detail
+
+
+RENAME_U1 = {"name": "rename_user", "arguments": {"user_id": "u1", "name": "Ann"}}
+
+
+def test_a_reference_lookup_that_finds_nothing_by_a_declared_agent_error_passes(tmp_path):
+    # tau-bench's tools raise on an unknown id: a gold lookup may find nothing, and changes nothing.
+    reference = [{"name": "find_user", "arguments": {"user_id": "u9"}}, RENAME_U1]
+    report, verdicts = gate_verdicts(tmp_path, users_spec(), [users_scenario(reference)])
+    assert report.passed, report.failures()
+    # Undeclared, the same exception is the environment's error.
+    _, verdicts = gate_verdicts(tmp_path / "undeclared", users_spec(tool_errors=None), [users_scenario(reference)])
+    assert not verdicts["reference_runs"].passed
+    assert "call 1 (find_user): Environment error in 'find_user': NotFound: no user u9" in verdicts["reference_runs"].detail
+
+
+@pytest.mark.parametrize(
+    ("call", "expected"),
+    [
+        ({"name": "rename_user", "arguments": {"user_id": "u9", "name": "Ann"}},
+         "call 1 (rename_user) failed, Error in 'rename_user': ValueError: no user u9 (a declared agent error): "
+         "a reference call of a tool that changes the state must succeed"),
+        ({"name": "tag_user", "arguments": {"user_id": "u1", "tag": "bad"}},
+         "call 1 (tag_user) changed the state, then raised ValueError (a declared agent error)"),
+    ],
+)
+def test_a_reference_write_that_fails_by_a_declared_agent_error_is_still_caught(tmp_path, call, expected):
+    _, verdicts = gate_verdicts(tmp_path, users_spec(), [users_scenario([call, RENAME_U1])])
+    assert not verdicts["reference_runs"].passed
+    assert expected in verdicts["reference_runs"].detail
 
 
 def test_checks_pass_on_reference_fails_when_the_reference_misses_a_check(tmp_path):
@@ -243,6 +276,12 @@ def test_catalog_check_call_timeout_limits_each_tool_call(tmp_path):
     assert tight.returncode == 1 and "counter_001: reference_runs: call 1 (slow_add)" in tight.stdout
     assert "ran longer than 0.3 s" in tight.stdout
     assert envscaler("catalog", "check", str(directory), "--call-timeout", "5").returncode == 0
+
+
+def test_catalog_check_passes_a_state_whose_nodes_link_back_to_their_parents(tmp_path):
+    result = envscaler("catalog", "check", str(folders_bundle(tmp_path)))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "all gates pass" in result.stdout
 
 
 def test_catalog_check_cli_exit_codes(tmp_path):
