@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field
 from envscaler.checks import timed_out
 from envscaler.errors import EnvScalerError
 from envscaler.models import Bundle, Scenario, ToolOutcome
+from envscaler.requirements import require_installed
 from envscaler.runtime import EnvRuntime, Episode
 from envscaler.tools import signature_problems
 
@@ -99,6 +100,7 @@ def check_environment(
     """The environment-wide gate (``class_loads``), and the runtime to check scenarios with (None if it cannot load)."""
     report = EnvReport(env_id=bundle.env_id)
     try:
+        require_installed(bundle.env_id, bundle.spec.requires)
         runtime = EnvRuntime(bundle.spec, call_timeout_s=call_timeout_s, check_timeout_s=check_timeout_s)
     except EnvScalerError as e:
         report.env_gates.append(GateResult(gate="class_loads", passed=False, detail=str(e)))

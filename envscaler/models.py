@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from envscaler.requirements import parse_requirement
 from envscaler.strict import strict_schema
 
 
@@ -116,6 +117,16 @@ class EnvSpec(_Open):
     tool_errors: ToolErrorPolicy | None = None
     # Per tool, hints that override the ones derived from the code (envscaler/annotations.py).
     tool_annotations: dict[str, ToolAnnotations] | None = None
+    # Python distributions the code imports beyond the standard library, as PEP 508 requirements
+    # (``"mpmath>=1.3"``): checked where the environment is served (envscaler/requirements.py).
+    requires: list[str] | None = None
+
+    @field_validator("requires")
+    @classmethod
+    def _pep_508(cls, requires: list[str] | None) -> list[str] | None:
+        for text in requires or []:
+            parse_requirement(text)
+        return requires
 
     def content_hash(self) -> str:
         """A stable 16-hex-digit digest of the whole spec (image tags, caches)."""

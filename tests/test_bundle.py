@@ -113,3 +113,12 @@ def test_declared_agent_errors_are_exception_class_names(tmp_path, names, expect
     assert "env.json" in str(caught.value) and expected in str(caught.value)
     write_bundle(tmp_path, counter_spec(tool_errors={"agent_errors": ["LookupError", "json.JSONDecodeError", "NotFound"]}), [counter_scenario()])
     assert load_bundle(tmp_path / "counter").spec.tool_errors.agent_errors == ["LookupError", "json.JSONDecodeError", "NotFound"]
+
+
+def test_declared_python_requirements_are_pep_508(tmp_path):
+    write_bundle(tmp_path, counter_spec(requires=["mpmath>=1.3", "numpy; python_version >= '3.11'", "not a requirement!"]), [counter_scenario()])
+    with pytest.raises(BundleError) as caught:
+        load_bundle(tmp_path / "counter")
+    message = str(caught.value)
+    assert "env.json: requires: Value error, 'not a requirement!' is not a PEP 508 requirement (such as 'mpmath>=1.3')" in message
+    assert "\n" not in message

@@ -137,6 +137,14 @@ def test_a_reference_write_that_fails_by_a_declared_agent_error_is_still_caught(
     assert expected in verdicts["reference_runs"].detail
 
 
+def test_class_loads_fails_when_the_python_requirements_are_not_installed(tmp_path):
+    spec = counter_spec(requires=["pydantic>=2", "envscaler-test-absent-distribution"])
+    report, verdicts = gate_verdicts(tmp_path, spec)
+    assert not verdicts["class_loads"].passed and not report.scenarios
+    assert "counter: needs Python distributions this interpreter lacks: envscaler-test-absent-distribution (not installed)" \
+        in verdicts["class_loads"].detail
+
+
 def test_checks_pass_on_reference_fails_when_the_reference_misses_a_check(tmp_path):
     wrong = {"check_item": "a counts 4", "check_func": "def check_func(final_state):\n    return final_state['items']['a']['count'] == 4"}
     _, verdicts = gate_verdicts(tmp_path, scenarios=[counter_scenario(checklist_with_func=[wrong, CHECK_NAME_KEPT, CHECK_ONE_ITEM])])

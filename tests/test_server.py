@@ -712,3 +712,27 @@ async def test_exceptions_the_environment_declares_are_the_agents_errors(tmp_pat
     assert [(c["error_kind"], c.get("exception")) for c in calls] == [("agent", "NotFound"), ("agent", "ValueError"), ("env", "KeyError"), (None, None)]
     assert (trajectory["agent_errors"], trajectory["env_errors"]) == (2, 1)
     assert validated["score"] == 1.0 and validated["agent_errors"] == 2
+
+
+@pytest.mark.parametrize(
+    ("requires", "unmet"),
+    [
+        (["envscaler-test-absent-distribution>=1.0"], "envscaler-test-absent-distribution>=1.0 (not installed)"),
+        (["pydantic<1"], "pydantic<1 (pydantic 2."),
+    ],
+)
+def test_serve_refuses_an_environment_whose_python_requirements_are_not_installed(tmp_path, requires, unmet):
+    directory = write_bundle(tmp_path, counter_spec(requires=["pydantic>=2", *requires]), [counter_scenario()])
+    done = subprocess.run([sys.executable, "-m", "servers.cli", str(directory), "--port", "0"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr and not done.stdout, done.stderr
+    assert f"counter: needs Python distributions this interpreter lacks: {unmet}" in done.stderr
+    assert f"Install them with: {sys.executable} -m pip install 'pydantic>=2' '{requires[0]}'" in done.stderr
+
+
+def test_serve_runs_an_environment_whose_python_requirements_are_installed(tmp_path):
+    # A marker that does not apply here leaves its requirement out.
+    requires = ["pydantic>=2", "httpx", "envscaler-test-absent-distribution; sys_platform == 'nowhere'"]
+    with serve(write_bundle(tmp_path, counter_spec(requires=requires), [counter_scenario()])) as server:
+        episode = create(server, scenario_id="counter_001")
+        with server.client() as control:
+            assert control.get(f"/episodes/{episode['episode_id']}/state").status_code == 200
