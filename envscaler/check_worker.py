@@ -16,7 +16,7 @@ from typing import TextIO
 from envscaler.bundle import load_bundle
 from envscaler.errors import EnvScalerError
 from envscaler.gate_workers import WorkerEvent
-from envscaler.gates import DEFAULT_CALL_TIMEOUT_S, DEFAULT_CHECK_TIMEOUT_S, check_environment, check_scenario
+from envscaler.gates import DEFAULT_CALL_TIMEOUT_S, DEFAULT_CHECK_TIMEOUT_S, ToolObservation, check_environment, check_scenario
 from envscaler.guard import protect_time_limits
 from envscaler.jsonl import dumps
 
@@ -42,13 +42,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     by_id = {s.task_id: s for s in bundle.scenarios}
     for scenario in [by_id[t] for t in args.task_ids if t in by_id] if args.task_ids else bundle.scenarios:
-        changing: set[str] = set()
+        observed: dict[str, ToolObservation] = {}
 
         def started(gate: str, task_id: str = scenario.task_id) -> None:
             _emit(events, WorkerEvent(gate=gate, task_id=task_id))
 
-        result = check_scenario(runtime, scenario, changing, on_gate=started)
-        _emit(events, WorkerEvent(scenario=result, changing_tools=sorted(changing)))
+        result = check_scenario(runtime, scenario, observed, on_gate=started)
+        _emit(events, WorkerEvent(scenario=result, observed=observed))
     return 0
 
 

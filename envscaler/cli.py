@@ -84,9 +84,11 @@ def _catalog_check(args: argparse.Namespace) -> int:
                               call_timeout_s=args.call_timeout, check_timeout_s=args.check_timeout)
 
     with ThreadPoolExecutor(max_workers=parallel_envs) as pool:
-        for report in pool.map(check, directories):
+        for directory, report in zip(directories, pool.map(check, directories)):
             reports.append(report)
             _print_report(report)
+            if args.write_annotations:
+                _write_observed_hints(directory, report)
     failed = [r for r in reports if not r.passed]
     scenarios = sum(len(r.scenarios) for r in reports)
     tools = sum(r.tools for r in reports)
@@ -117,6 +119,17 @@ def _print_report(report: EnvReport) -> None:
     )
     for line in report.failures():
         print(f"     {line}", flush=True)
+
+
+def _write_observed_hints(directory: Path, report: EnvReport) -> None:
+    """Write what the reference calls proved into the bundle's hints; list where the code read otherwise."""
+    from envscaler.observed_hints import findings, write_observed_hints
+
+    written = {finding.tool for finding in write_observed_hints(directory, report)}
+    for finding in findings(report):
+        if finding.disagrees or finding.tool in written:
+            action = "  -> readOnlyHint false written to env.json" if finding.tool in written else ""
+            print(f"     hint {finding.describe()}{action}", flush=True)
 
 
 def _import_envscaler(args: argparse.Namespace) -> int:
@@ -186,7 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--check-timeout", type=positive_float, default=DEFAULT_CHECK_TIMEOUT_S, metavar="SECONDS",
         help=f"seconds allowed for one check function; a check stopped there fails, named as a timeout (default: {DEFAULT_CHECK_TIMEOUT_S:g})",
     )
-    check.add_argument("--json", metavar="FILE", help="also write the full report as JSON")
+    check.add_argument("--json", metavar="FILE", help="also write the full report as JSON (with what each tool's reference calls did)")
+    check.add_argument(
+        "--write-annotations", action="store_true",
+        help="write readOnlyHint false into env.json for each tool whose reference calls changed the state though its "
+        "hints said read-only, and list every tool whose code reads otherwise than its calls behaved",
+    )
     check.set_defaults(func=_catalog_check)
 
     importer = commands.add_parser("import", help="convert released data sets into bundles")

@@ -26,7 +26,15 @@ from pydantic import BaseModel, Field, ValidationError
 
 from envscaler.bundle import load_bundle
 from envscaler.errors import EnvScalerError
-from envscaler.gates import DEFAULT_CALL_TIMEOUT_S, DEFAULT_CHECK_TIMEOUT_S, EnvReport, GateResult, ScenarioReport
+from envscaler.gates import (
+    DEFAULT_CALL_TIMEOUT_S,
+    DEFAULT_CHECK_TIMEOUT_S,
+    EnvReport,
+    GateResult,
+    ScenarioReport,
+    ToolObservation,
+    merge_observations,
+)
 from envscaler.jsonl import validate_json
 from envscaler.sandbox import start_module
 
@@ -49,8 +57,8 @@ class WorkerEvent(BaseModel):
     """A scenario gate starts (with ``task_id``): a worker stopped now is blamed on it."""
     task_id: str | None = None
     scenario: ScenarioReport | None = None
-    """A scenario's report, with the tools its reference solution saw change the state."""
-    changing_tools: list[str] = Field(default_factory=list)
+    """A scenario's report, with what its reference solution's calls of each tool did."""
+    observed: dict[str, ToolObservation] = Field(default_factory=dict)
 
 
 def check_isolated(
@@ -83,7 +91,8 @@ def check_isolated(
     reports = {task_id: r for run in runs for task_id, r in run.reports.items()}
     report.scenarios = [reports[task_id] for task_id in ids if task_id in reports]
     if any(run.checked_scenarios for run in runs):
-        report.state_changing_tools = len(set().union(*(run.changing for run in runs)))
+        for run in runs:
+            report.observe(run.observed)
     return report
 
 
@@ -105,7 +114,7 @@ class _ShardRun:
         self.on_scenario = on_scenario
         self.env: EnvReport | None = None
         self.reports: dict[str, ScenarioReport] = {}
-        self.changing: set[str] = set()
+        self.observed: dict[str, ToolObservation] = {}
         self.checked_scenarios = False
 
     def run(self) -> None:
@@ -159,7 +168,7 @@ class _ShardRun:
                             return None
                     elif event.scenario is not None:
                         self.checked_scenarios = True
-                        self.changing.update(event.changing_tools)
+                        merge_observations(self.observed, event.observed)
                         self._keep(event.scenario)
                         gate, task_id = "instantiates", None
                     elif event.gate is not None:

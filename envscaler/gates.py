@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from envscaler.annotations import derive_annotations
 from envscaler.checks import timed_out
 from envscaler.errors import EnvScalerError
 from envscaler.models import Bundle, Scenario, ToolOutcome
@@ -59,6 +60,22 @@ class ScenarioReport(BaseModel):
         return all(g.passed for g in self.gates)
 
 
+class ToolObservation(BaseModel):
+    """What the reference solutions' calls of one tool were seen to do (calls that ran without error)."""
+
+    calls: int = 0
+    changed: int = 0
+    """Of those, the calls that changed the state."""
+
+
+def merge_observations(into: dict[str, ToolObservation], more: dict[str, ToolObservation]) -> None:
+    """Add ``more``'s counts to ``into``'s, tool by tool."""
+    for name, seen in more.items():
+        total = into.setdefault(name, ToolObservation())
+        total.calls += seen.calls
+        total.changed += seen.changed
+
+
 class EnvReport(BaseModel):
     """Every gate's verdict for one environment."""
 
@@ -67,6 +84,15 @@ class EnvReport(BaseModel):
     state_changing_tools: int | None = None
     env_gates: list[GateResult] = Field(default_factory=list)
     scenarios: list[ScenarioReport] = Field(default_factory=list)
+    observed: dict[str, ToolObservation] = Field(default_factory=dict)
+    """Per tool, what the reference solutions' calls did (``envscaler.observed_hints`` writes it back as hints)."""
+    code_read_only: dict[str, bool] = Field(default_factory=dict)
+    """Per tool, whether its code reads as read-only (``envscaler.annotations``, before env.json's own hints)."""
+
+    def observe(self, observed: dict[str, ToolObservation]) -> None:
+        """Take the observations of some scenarios, and count the tools seen to change the state."""
+        merge_observations(self.observed, observed)
+        self.state_changing_tools = sum(1 for seen in self.observed.values() if seen.changed)
 
     @property
     def passed(self) -> bool:
@@ -87,10 +113,10 @@ def check_bundle(
     report, runtime = check_environment(bundle, call_timeout_s=call_timeout_s, check_timeout_s=check_timeout_s)
     if runtime is None:
         return report
-    changing: set[str] = set()
+    observed: dict[str, ToolObservation] = {}
     for scenario in bundle.scenarios:
-        report.scenarios.append(check_scenario(runtime, scenario, changing))
-    report.state_changing_tools = len(changing)
+        report.scenarios.append(check_scenario(runtime, scenario, observed))
+    report.observe(observed)
     return report
 
 
@@ -113,20 +139,23 @@ def check_environment(
         problems.append(f"tool_annotations names {name!r}, which is not a tool")
     report.tools = len(runtime.tools)
     report.env_gates.append(GateResult(gate="class_loads", passed=not problems, detail="; ".join(problems)))
+    derived = derive_annotations(bundle.spec.env_class_code, runtime.env_class, list(runtime.tools))
+    report.code_read_only = {name: hints.readOnlyHint for name, hints in derived.items() if hints.readOnlyHint is not None}
     return report, runtime
 
 
 def check_scenario(
     runtime: EnvRuntime,
     scenario: Scenario,
-    changing_tools: set[str] | None = None,
+    observed: dict[str, ToolObservation] | None = None,
     *,
     on_gate: Callable[[str], None] | None = None,
 ) -> ScenarioReport:
     """Run the per-scenario gates, stopping at the first gate the later ones depend on.
 
-    ``on_gate`` hears each gate's name as it starts, so that a driver that stops a hung check can
-    name the gate that hung.
+    ``observed`` gains what each tool's calls in the reference solution did, once it runs. ``on_gate``
+    hears each gate's name as it starts, so that a driver that stops a hung check can name the gate
+    that hung.
     """
     started = on_gate or (lambda gate: None)
     report = ScenarioReport(task_id=scenario.task_id)
@@ -143,15 +172,18 @@ def check_scenario(
         return report
 
     started("reference_runs")
-    changed: list[tuple[int, str]] = []
-    first, problem = _replay(runtime, scenario, changed)
+    calls: list[tuple[int, str, bool]] = []
+    first, problem = _replay(runtime, scenario, calls)
     gates.append(GateResult(gate="reference_runs", passed=problem is None, detail=problem or ""))
     if first is None or problem is not None:
         return report
-    if changing_tools is not None:
-        changing_tools.update(name for _, name in changed)
+    if observed is not None:
+        for _, name, changed in calls:
+            seen = observed.setdefault(name, ToolObservation())
+            seen.calls += 1
+            seen.changed += changed
     # A client runs a read-only tool without asking: one that changes the state must not say so.
-    lying = [f"call {number} ({name})" for number, name in changed if runtime.annotations[name].readOnlyHint]
+    lying = [f"call {number} ({name})" for number, name, changed in calls if changed and runtime.annotations[name].readOnlyHint]
     gates.append(GateResult(
         gate="read_only_tools",
         passed=not lying,
@@ -215,11 +247,11 @@ def _verdicts(result: Any) -> list[tuple[bool, str | None]]:
 
 
 def _replay(
-    runtime: EnvRuntime, scenario: Scenario, changed: list[tuple[int, str]] | None, *, fresh: bool = False
+    runtime: EnvRuntime, scenario: Scenario, calls: list[tuple[int, str, bool]] | None, *, fresh: bool = False
 ) -> tuple[Episode | None, str | None]:
     """Run the reference solution on a new episode: (episode, first problem or None).
 
-    ``changed`` collects (call number, tool name) of the calls that changed the state.
+    ``calls`` collects (call number, tool name, whether it changed the state) of the calls that ran without error.
 
     The episode shares the scenario's constructed state, or with ``fresh`` is constructed anew, so
     that a constructor that is not deterministic shows up in the determinism gate.
@@ -240,8 +272,8 @@ def _replay(
             return episode, f"call {number} ({call.name}) failed, {outcome.error}: {outcome.agent_text[:300]}"
         if outcome.error:
             return episode, f"call {number} ({call.name}): {outcome.error}"
-        if changed is not None and outcome.diff:
-            changed.append((number, call.name))
+        if calls is not None:
+            calls.append((number, call.name, bool(outcome.diff)))
     return episode, None
 
 

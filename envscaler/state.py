@@ -59,7 +59,7 @@ class _Converter:
 
 
 _JSON_SCALARS = (str, int, float, bool, type(None))
-BACK_LINK_NOTE = 'back-links -> {"$ref": JSON pointer to what they refer to}'
+_BACK_LINK_NOTE = 'back-links -> {"$ref": JSON pointer to what they refer to}'
 
 
 def _acyclic(value: Any, path: tuple[Any, ...], holders: dict[int, tuple[Any, ...]], converter: _Converter) -> Any:
@@ -73,7 +73,7 @@ def _acyclic(value: Any, path: tuple[Any, ...], holders: dict[int, tuple[Any, ..
         return value
     held = holders.get(id(value))
     if held is not None:
-        converter._note(BACK_LINK_NOTE)
+        converter._note(_BACK_LINK_NOTE)
         converter.back_links.append((path, held))
         return {"$ref": json_pointer(held)}
     holders[id(value)] = path
@@ -84,7 +84,8 @@ def _acyclic(value: Any, path: tuple[Any, ...], holders: dict[int, tuple[Any, ..
             return {key if isinstance(key, str) else str(key): _acyclic(child, (*path, key), holders, converter)
                     for key, child in list(dict.items(value))}
         if isinstance(value, (list, tuple)):
-            return [_acyclic(child, (*path, index), holders, converter) for index, child in enumerate(list(value))]
+            items = list(list.__iter__(value)) if isinstance(value, list) else list(value)
+            return [_acyclic(child, (*path, index), holders, converter) for index, child in enumerate(items)]
         if hasattr(value, "__dict__") and not isinstance(value, type):
             # Objects as public attributes, dataclasses too: ``dataclasses.asdict`` would follow a back-link forever.
             converter._note(f"{type(value).__name__} -> dict of public attributes")

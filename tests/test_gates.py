@@ -1,5 +1,7 @@
 """Every quality gate passes on a good scenario and fails on a scenario broken for that gate."""
 
+import json
+
 import pytest
 
 from envscaler import load_bundle
@@ -290,6 +292,42 @@ def test_catalog_check_passes_a_state_whose_nodes_link_back_to_their_parents(tmp
     result = envscaler("catalog", "check", str(folders_bundle(tmp_path)))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "all gates pass" in result.stdout
+
+
+# A tool whose write the code reading cannot see: it goes through a helper outside the class.
+PEEK_CODE = COUNTER_CODE.replace("import time", "import time\n\n\ndef _bump(store):\n    store['a']['count'] += 1\n").replace(
+    "    def _secret(self) -> dict:",
+    '    def peek(self) -> dict:\n        """Look at item a (and, through a helper, count the look)."""\n'
+    '        _bump(self.items)\n        return {"success": True}\n\n    def _secret(self) -> dict:')
+
+
+def test_catalog_check_writes_read_only_hints_its_reference_calls_disprove(tmp_path):
+    reference = [{"name": "peek", "arguments": {}}, {"name": "add", "arguments": {"item_id": "a", "amount": 2}},
+                 {"name": "rename", "arguments": {"item_id": "a", "name": "A"}}]  # a write that changes nothing
+    spec = counter_spec(env_class_code=PEEK_CODE, tool_annotations={"get_item": {"title": "Read an item"}}, extra_field=[1])
+    directory = write_bundle(tmp_path, spec, [counter_scenario(reference_solution=reference)])
+    checked = envscaler("catalog", "check", str(directory), "--json", str(tmp_path / "report.json"))
+    assert checked.returncode == 1 and "counter_001: read_only_tools: marked readOnlyHint but changed the state: call 1 (peek)" in checked.stdout
+    observed = json.loads((tmp_path / "report.json").read_text())[0]["observed"]
+    assert observed == {"peek": {"calls": 1, "changed": 1}, "add": {"calls": 1, "changed": 1}, "rename": {"calls": 1, "changed": 0}}
+    assert json.loads((directory / "env.json").read_text())["tool_annotations"] == {"get_item": {"title": "Read an item"}}
+
+    written = envscaler("catalog", "check", str(directory), "--write-annotations")
+    assert written.returncode == 1, written.stdout + written.stderr
+    lines = [line.strip() for line in written.stdout.splitlines() if line.strip().startswith("hint ")]
+    assert lines == [
+        "hint peek: writes (1 of 1 reference call changed the state); the code reads as read-only  -> readOnlyHint false written to env.json",
+        "hint rename: read-only (0 of 1 reference call changed the state); the code reads as writing",
+    ]
+    env = json.loads((directory / "env.json").read_text())
+    assert env["tool_annotations"] == {"get_item": {"title": "Read an item"},
+                                       "peek": {"readOnlyHint": False, "destructiveHint": True, "idempotentHint": False}}
+    assert env["extra_field"] == [1] and env["env_class_code"] == PEEK_CODE
+    again = envscaler("catalog", "check", str(directory), "--write-annotations")
+    assert again.returncode == 0, again.stdout
+    # The code still reads otherwise (said again), but env.json now settles it: nothing more is written.
+    assert [line.strip() for line in again.stdout.splitlines() if line.strip().startswith("hint ")] == [
+        lines[0].split("  -> ")[0], lines[1]]
 
 
 def test_catalog_check_cli_exit_codes(tmp_path):
