@@ -1,10 +1,13 @@
 """Quality gates: proof that every scenario is solvable and every checklist meaningful.
 
-For each bundle: the class loads and every listed tool exists with a matching signature. For each
-scored scenario: the init_config instantiates; the reference solution runs with no tool error; every
-check passes on the reference's final state; at least one check cleanly fails (returns False, no
-error) on the untouched initial state; checks give the same answers twice; a do-nothing agent
-scores below 1.0.
+For each bundle: the class loads, its declared Python requirements are installed, and every listed
+tool exists with a matching signature. For each scored scenario: the init_config instantiates; the
+reference solution runs with no tool error (a read-only lookup may fail with an exception the
+environment declares the caller's fault, if it changed nothing); every check passes on the
+reference's final state; at least one check cleanly fails (returns False, no error) on the untouched
+initial state; checks give the same answers twice (a check that only sometimes outruns its time
+limit is named as such); a do-nothing agent scores below 1.0. The report also keeps what each tool's
+reference calls did to the state (``envscaler.observed_hints``).
 
 :func:`envscaler.gate_workers.check_isolated` runs them in limited child processes, with a time
 limit per scenario, so that untrusted code never runs in the process that drives the check;

@@ -12,8 +12,9 @@ episode.
 A scenario is constructed once per process and its state shared by all its episodes
 (``envscaler.overlay``): creating an episode, a call that changes nothing and a validation then cost
 the same whatever the size of the state, and an episode's memory follows what it changed. State
-that is not JSON-shaped (sets, tuples, objects) cannot be shared safely: such episodes get a private
-instance built by the constructor, as EnvScaler does, and each call compares the whole state as JSON.
+that is not JSON-shaped (sets, tuples, objects, back-links up a tree) cannot be shared safely: such
+episodes get a private instance built by the constructor, as EnvScaler does, and each call compares
+the whole state as JSON (a back-link written as ``{"$ref": ...}``, see ``envscaler.state``).
 """
 
 from __future__ import annotations
