@@ -98,11 +98,16 @@ def save_bundle(bundle: Bundle, root: str | Path) -> Path:
     """Write ``bundle`` under ``root/<env_id>/`` and return that directory."""
     directory = Path(root) / bundle.spec.env_id
     directory.mkdir(parents=True, exist_ok=True)
-    env_json = escape_unsafe(json.dumps(bundle.spec.model_dump(mode="json", exclude_none=True), indent=2, ensure_ascii=False))
-    (directory / ENV_FILE).write_text(env_json + "\n", encoding="utf-8")
+    write_env_json(directory, bundle.spec.model_dump(mode="json", exclude_none=True))
     lines = [dumps(s.model_dump(mode="json", exclude_none=True)) for s in bundle.scenarios]
     (directory / SCENARIOS_FILE).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     return directory
+
+
+def write_env_json(directory: Path, spec: dict[str, Any]) -> None:
+    """Write ``spec`` (env.json's object, as JSON data) into bundle ``directory``, as every writer here does."""
+    text = escape_unsafe(json.dumps(spec, indent=2, ensure_ascii=False))
+    (directory / ENV_FILE).write_text(text + "\n", encoding="utf-8")
 
 
 def find_bundles(path: str | Path) -> list[Path]:

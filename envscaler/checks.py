@@ -18,6 +18,7 @@ from envscaler.models import CheckItem, CheckResult
 from envscaler.overlay import Overlay
 
 _CHECK_FILE = "<check>"
+_TIMEOUT_ERROR = "check ran longer than "
 _COMPILED: dict[str, Any] = {}
 
 Views = Callable[[], tuple[Any, Any, Callable[[], None]]]
@@ -68,7 +69,7 @@ def run_check(item: CheckItem, views: Views, limit_s: float) -> CheckResult:
     try:
         passed = call_with_limit(decide, limit_s)
     except TimeLimitExceeded:
-        return CheckResult(check_item=item.check_item, passed=False, error=f"check ran longer than {limit_s:g} s")
+        return CheckResult(check_item=item.check_item, passed=False, error=f"{_TIMEOUT_ERROR}{limit_s:g} s")
     except GuardSignal:
         raise
     except BaseException as e:  # noqa: BLE001 - check code is untrusted; any failure is reported
@@ -79,6 +80,11 @@ def run_check(item: CheckItem, views: Views, limit_s: float) -> CheckResult:
         namespace.clear()
         release()
     return CheckResult(check_item=item.check_item, passed=passed)
+
+
+def timed_out(result: CheckResult) -> bool:
+    """Whether the check was stopped at its time limit (rather than answering, or failing by itself)."""
+    return result.error is not None and result.error.startswith(_TIMEOUT_ERROR)
 
 
 def run_checks(checklist: list[CheckItem] | None, views: Views, limit_s: float) -> list[CheckResult]:

@@ -80,12 +80,15 @@ def _catalog_check(args: argparse.Namespace) -> int:
     workers = max(1, args.jobs // parallel_envs)
 
     def check(directory: Path) -> EnvReport:
-        return check_isolated(directory, args.timeout, workers=workers, on_scenario=_print_scenario)
+        return check_isolated(directory, args.timeout, workers=workers, on_scenario=_print_scenario,
+                              call_timeout_s=args.call_timeout, check_timeout_s=args.check_timeout)
 
     with ThreadPoolExecutor(max_workers=parallel_envs) as pool:
-        for report in pool.map(check, directories):
+        for directory, report in zip(directories, pool.map(check, directories)):
             reports.append(report)
             _print_report(report)
+            if args.write_annotations:
+                _write_observed_hints(directory, report)
     failed = [r for r in reports if not r.passed]
     scenarios = sum(len(r.scenarios) for r in reports)
     tools = sum(r.tools for r in reports)
@@ -118,6 +121,17 @@ def _print_report(report: EnvReport) -> None:
         print(f"     {line}", flush=True)
 
 
+def _write_observed_hints(directory: Path, report: EnvReport) -> None:
+    """Write what the reference calls proved into the bundle's hints; list where the code read otherwise."""
+    from envscaler.observed_hints import findings, write_observed_hints
+
+    written = {finding.tool for finding in write_observed_hints(directory, report)}
+    for finding in findings(report):
+        if finding.disagrees or finding.tool in written:
+            action = "  -> readOnlyHint false written to env.json" if finding.tool in written else ""
+            print(f"     hint {finding.describe()}{action}", flush=True)
+
+
 def _import_envscaler(args: argparse.Namespace) -> int:
     from envscaler.importer import import_envscaler
 
@@ -136,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     from importlib.metadata import entry_points
 
     from envscaler.bundle import default_catalog
-    from envscaler.gates import GATES
+    from envscaler.gates import DEFAULT_CALL_TIMEOUT_S, DEFAULT_CHECK_TIMEOUT_S, GATES
 
     parser = OneLineParser(
         prog="envscaler",
@@ -177,7 +191,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds allowed per scenario (and for loading each environment): a scenario that runs longer, or "
         "kills its worker, fails alone under the gate it was in, and the others go on (default: 300)",
     )
-    check.add_argument("--json", metavar="FILE", help="also write the full report as JSON")
+    check.add_argument(
+        "--call-timeout", type=positive_float, default=DEFAULT_CALL_TIMEOUT_S, metavar="SECONDS",
+        help=f"seconds allowed for one tool call (default: {DEFAULT_CALL_TIMEOUT_S:g})",
+    )
+    check.add_argument(
+        "--check-timeout", type=positive_float, default=DEFAULT_CHECK_TIMEOUT_S, metavar="SECONDS",
+        help=f"seconds allowed for one check function; a check stopped there fails, named as a timeout (default: {DEFAULT_CHECK_TIMEOUT_S:g})",
+    )
+    check.add_argument("--json", metavar="FILE", help="also write the full report as JSON (with what each tool's reference calls did)")
+    check.add_argument(
+        "--write-annotations", action="store_true",
+        help="write readOnlyHint false into env.json for each tool whose reference calls changed the state though its "
+        "hints said read-only, and list every tool whose code reads otherwise than its calls behaved",
+    )
     check.set_defaults(func=_catalog_check)
 
     importer = commands.add_parser("import", help="convert released data sets into bundles")

@@ -17,6 +17,10 @@ compared by identity of every entry before each validation: a replaced ``run_che
 before any episode is scored. That stops a patch by assignment of what scoring calls, not a
 replaced ``Episode.validate`` (the entry point that does the comparing) nor a determined attack from
 inside the process: the sandbox and the time limits bound what such code can reach.
+
+Some entries are Python's own bookkeeping, written into a namespace by the interpreter on the code's
+behalf (``PYTHON_BOOKKEEPING``: a warning's ``__warningregistry__``, ``__annotations__`` made on first
+read, ``copy``'s ``__slotnames__`` cache): they are not the environment's state and are never compared.
 """
 
 from __future__ import annotations
@@ -33,6 +37,15 @@ DEEP_CHECK_ITEMS = 2_000
 # The code that scores an episode: environment code may not patch it (``run_check = lambda ...``).
 _CHECKER_MODULES = ("envscaler.checks", "envscaler.runtime")
 _MISSING = object()
+# Names the interpreter and the standard library write into a module's or a class's namespace by
+# themselves: ``warnings.warn`` records what it showed in the caller's ``__warningregistry__`` (so any
+# warning from a tool, a DeprecationWarning Python hides included, would read as a shared change),
+# ``__annotations__`` is made on first read, ``copy``/``pickle`` cache ``__slotnames__`` on a class,
+# and the import system owns the module's spec, loader, file, cache path and builtins.
+PYTHON_BOOKKEEPING = frozenset({
+    "__warningregistry__", "__annotations__", "__slotnames__",
+    "__builtins__", "__cached__", "__file__", "__loader__", "__spec__",
+})
 
 
 @dataclass
@@ -126,8 +139,14 @@ class EnvGlobals:
     def restore_changed(self) -> list[str]:
         """Put back every shared value changed since load; the labels of those changed (none: ``[]``)."""
         changed = [shared for shared in self._shared if self._differs(shared)]
-        added = [(owner, prefix, name) for owner, entries, prefix, names in self._owners if len(entries) != len(names)
-                 for name in set(entries) - names]
+        added = []
+        for owner, entries, prefix, names in self._owners:
+            if len(entries) != len(names):
+                present = set(entries)
+                # Python's own entries come and go freely: follow them, so that the length tells again.
+                names -= PYTHON_BOOKKEEPING - present
+                names |= PYTHON_BOOKKEEPING & present
+                added += [(owner, prefix, name) for name in present - names]
         for shared in changed:
             value = shared.value if shared.pristine is _MISSING else copy.deepcopy(shared.pristine)
             setattr(shared.owner, shared.name, value)
@@ -161,7 +180,7 @@ class EnvGlobals:
 
 def _identities(entries: Any) -> tuple[int, ...]:
     # The originals are held in the snapshot, so no new object can take one of their ids.
-    return tuple(map(id, entries.values()))
+    return tuple(id(value) for name, value in entries.items() if name not in PYTHON_BOOKKEEPING)
 
 
 def _checker_namespaces() -> list[Any]:
@@ -178,7 +197,8 @@ def _qualified(namespace: Any) -> str:
 def _put_back(namespace: Any, entries: dict[str, Any]) -> list[str]:
     """Restore ``namespace`` (a module or a class) to ``entries``; the names that differed."""
     current = dict(vars(namespace))
-    names = sorted(name for name in current.keys() | entries.keys() if current.get(name, _MISSING) is not entries.get(name, _MISSING))
+    names = sorted(name for name in (current.keys() | entries.keys()) - PYTHON_BOOKKEEPING
+                   if current.get(name, _MISSING) is not entries.get(name, _MISSING))
     for name in names:
         if name in entries:
             setattr(namespace, name, entries[name])

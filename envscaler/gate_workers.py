@@ -26,7 +26,15 @@ from pydantic import BaseModel, Field, ValidationError
 
 from envscaler.bundle import load_bundle
 from envscaler.errors import EnvScalerError
-from envscaler.gates import EnvReport, GateResult, ScenarioReport
+from envscaler.gates import (
+    DEFAULT_CALL_TIMEOUT_S,
+    DEFAULT_CHECK_TIMEOUT_S,
+    EnvReport,
+    GateResult,
+    ScenarioReport,
+    ToolObservation,
+    merge_observations,
+)
 from envscaler.jsonl import validate_json
 from envscaler.sandbox import start_module
 
@@ -49,17 +57,24 @@ class WorkerEvent(BaseModel):
     """A scenario gate starts (with ``task_id``): a worker stopped now is blamed on it."""
     task_id: str | None = None
     scenario: ScenarioReport | None = None
-    """A scenario's report, with the tools its reference solution saw change the state."""
-    changing_tools: list[str] = Field(default_factory=list)
+    """A scenario's report, with what its reference solution's calls of each tool did."""
+    observed: dict[str, ToolObservation] = Field(default_factory=dict)
 
 
 def check_isolated(
-    directory: Path, timeout_s: float, *, workers: int = 1, on_scenario: ScenarioCallback | None = None
+    directory: Path,
+    timeout_s: float,
+    *,
+    workers: int = 1,
+    on_scenario: ScenarioCallback | None = None,
+    call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+    check_timeout_s: float = DEFAULT_CHECK_TIMEOUT_S,
 ) -> EnvReport:
     """Every gate on one bundle, in limited child processes.
 
     ``timeout_s`` applies to loading the environment and to each scenario. A worker that dies or
     hangs fails the scenario it was on (or ``class_loads``, while loading); the others still run.
+    ``call_timeout_s`` and ``check_timeout_s`` limit each tool call and each check inside the worker.
     """
     try:
         bundle = load_bundle(directory)  # JSON only: no environment code runs here
@@ -67,7 +82,8 @@ def check_isolated(
         return _broken(directory.name, str(e))
     ids = [s.task_id for s in bundle.scenarios]
     shards = [ids[start :: max(workers, 1)] for start in range(max(1, min(workers, len(ids))))]
-    runs = [_ShardRun(directory, bundle.env_id, shard, timeout_s, on_scenario) for shard in shards]
+    limits = ["--call-timeout", f"{call_timeout_s:g}", "--check-timeout", f"{check_timeout_s:g}"]
+    runs = [_ShardRun(directory, bundle.env_id, shard, timeout_s, on_scenario, limits) for shard in shards]
     with ThreadPoolExecutor(len(runs)) as pool:
         list(pool.map(_ShardRun.run, runs))
     report = runs[0].env  # every run ends with the environment's report (read, or broken)
@@ -75,7 +91,8 @@ def check_isolated(
     reports = {task_id: r for run in runs for task_id, r in run.reports.items()}
     report.scenarios = [reports[task_id] for task_id in ids if task_id in reports]
     if any(run.checked_scenarios for run in runs):
-        report.state_changing_tools = len(set().union(*(run.changing for run in runs)))
+        for run in runs:
+            report.observe(run.observed)
     return report
 
 
@@ -86,15 +103,18 @@ def _broken(env_id: str, detail: str) -> EnvReport:
 class _ShardRun:
     """Some scenarios of one bundle, checked by one worker process at a time."""
 
-    def __init__(self, directory: Path, env_id: str, task_ids: list[str], timeout_s: float, on_scenario: ScenarioCallback | None) -> None:
+    def __init__(self, directory: Path, env_id: str, task_ids: list[str], timeout_s: float, on_scenario: ScenarioCallback | None,
+                 limits: list[str]) -> None:
+        """``limits``: the worker's options for its time limits per call and per check."""
         self.directory = directory
+        self.limits = limits
         self.env_id = env_id
         self.remaining = list(task_ids)
         self.timeout_s = timeout_s
         self.on_scenario = on_scenario
         self.env: EnvReport | None = None
         self.reports: dict[str, ScenarioReport] = {}
-        self.changing: set[str] = set()
+        self.observed: dict[str, ToolObservation] = {}
         self.checked_scenarios = False
 
     def run(self) -> None:
@@ -122,7 +142,7 @@ class _ShardRun:
         """Run a worker over the remaining scenarios: None when it finished, else (gate, task_id, why) it stopped."""
         with tempfile.TemporaryFile() as errors:
             cpu_s = int(self.timeout_s * (len(self.remaining) + 1)) + 1
-            process = start_module("envscaler.check_worker", [str(self.directory.resolve()), *self.remaining],
+            process = start_module("envscaler.check_worker", [*self.limits, str(self.directory.resolve()), *self.remaining],
                                    memory_mb=WORKER_MEMORY_MB, cpu_s=cpu_s, stderr=errors, readable=[self.directory])
             lines = _line_queue(process.stdout)  # type: ignore[arg-type]
             gate, task_id = "class_loads", None
@@ -148,7 +168,7 @@ class _ShardRun:
                             return None
                     elif event.scenario is not None:
                         self.checked_scenarios = True
-                        self.changing.update(event.changing_tools)
+                        merge_observations(self.observed, event.observed)
                         self._keep(event.scenario)
                         gate, task_id = "instantiates", None
                     elif event.gate is not None:

@@ -1,10 +1,13 @@
 """Quality gates: proof that every scenario is solvable and every checklist meaningful.
 
-For each bundle: the class loads and every listed tool exists with a matching signature. For each
-scored scenario: the init_config instantiates; the reference solution runs with no tool error; every
-check passes on the reference's final state; at least one check cleanly fails (returns False, no
-error) on the untouched initial state; checks give the same answers twice; a do-nothing agent
-scores below 1.0.
+For each bundle: the class loads, its declared Python requirements are installed, and every listed
+tool exists with a matching signature. For each scored scenario: the init_config instantiates; the
+reference solution runs with no tool error (a read-only lookup may fail with an exception the
+environment declares the caller's fault, if it changed nothing); every check passes on the
+reference's final state; at least one check cleanly fails (returns False, no error) on the untouched
+initial state; checks give the same answers twice (a check that only sometimes outruns its time
+limit is named as such); a do-nothing agent scores below 1.0. The report also keeps what each tool's
+reference calls did to the state (``envscaler.observed_hints``).
 
 :func:`envscaler.gate_workers.check_isolated` runs them in limited child processes, with a time
 limit per scenario, so that untrusted code never runs in the process that drives the check;
@@ -18,10 +21,17 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from envscaler.annotations import derive_annotations
+from envscaler.checks import timed_out
 from envscaler.errors import EnvScalerError
-from envscaler.models import Bundle, Scenario
+from envscaler.models import Bundle, Scenario, ToolOutcome
+from envscaler.requirements import require_installed
 from envscaler.runtime import EnvRuntime, Episode
 from envscaler.tools import signature_problems
+
+# The gates' limits for one tool call and one check: looser than a server's, which serves agents.
+DEFAULT_CALL_TIMEOUT_S = 5.0
+DEFAULT_CHECK_TIMEOUT_S = 2.0
 
 GATES = (
     "class_loads",
@@ -53,6 +63,22 @@ class ScenarioReport(BaseModel):
         return all(g.passed for g in self.gates)
 
 
+class ToolObservation(BaseModel):
+    """What the reference solutions' calls of one tool were seen to do (calls that ran without error)."""
+
+    calls: int = 0
+    changed: int = 0
+    """Of those, the calls that changed the state."""
+
+
+def merge_observations(into: dict[str, ToolObservation], more: dict[str, ToolObservation]) -> None:
+    """Add ``more``'s counts to ``into``'s, tool by tool."""
+    for name, seen in more.items():
+        total = into.setdefault(name, ToolObservation())
+        total.calls += seen.calls
+        total.changed += seen.changed
+
+
 class EnvReport(BaseModel):
     """Every gate's verdict for one environment."""
 
@@ -61,6 +87,15 @@ class EnvReport(BaseModel):
     state_changing_tools: int | None = None
     env_gates: list[GateResult] = Field(default_factory=list)
     scenarios: list[ScenarioReport] = Field(default_factory=list)
+    observed: dict[str, ToolObservation] = Field(default_factory=dict)
+    """Per tool, what the reference solutions' calls did (``envscaler.observed_hints`` writes it back as hints)."""
+    code_read_only: dict[str, bool] = Field(default_factory=dict)
+    """Per tool, whether its code reads as read-only (``envscaler.annotations``, before env.json's own hints)."""
+
+    def observe(self, observed: dict[str, ToolObservation]) -> None:
+        """Take the observations of some scenarios, and count the tools seen to change the state."""
+        merge_observations(self.observed, observed)
+        self.state_changing_tools = sum(1 for seen in self.observed.values() if seen.changed)
 
     @property
     def passed(self) -> bool:
@@ -74,24 +109,27 @@ class EnvReport(BaseModel):
         return lines
 
 
-def check_bundle(bundle: Bundle, *, call_timeout_s: float = 5.0, check_timeout_s: float = 2.0) -> EnvReport:
+def check_bundle(
+    bundle: Bundle, *, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S, check_timeout_s: float = DEFAULT_CHECK_TIMEOUT_S
+) -> EnvReport:
     """Run every gate on every scenario of ``bundle``, in this process (see ``envscaler.gate_workers``)."""
     report, runtime = check_environment(bundle, call_timeout_s=call_timeout_s, check_timeout_s=check_timeout_s)
     if runtime is None:
         return report
-    changing: set[str] = set()
+    observed: dict[str, ToolObservation] = {}
     for scenario in bundle.scenarios:
-        report.scenarios.append(check_scenario(runtime, scenario, changing))
-    report.state_changing_tools = len(changing)
+        report.scenarios.append(check_scenario(runtime, scenario, observed))
+    report.observe(observed)
     return report
 
 
 def check_environment(
-    bundle: Bundle, *, call_timeout_s: float = 5.0, check_timeout_s: float = 2.0
+    bundle: Bundle, *, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S, check_timeout_s: float = DEFAULT_CHECK_TIMEOUT_S
 ) -> tuple[EnvReport, EnvRuntime | None]:
     """The environment-wide gate (``class_loads``), and the runtime to check scenarios with (None if it cannot load)."""
     report = EnvReport(env_id=bundle.env_id)
     try:
+        require_installed(bundle.env_id, bundle.spec.requires)
         runtime = EnvRuntime(bundle.spec, call_timeout_s=call_timeout_s, check_timeout_s=check_timeout_s)
     except EnvScalerError as e:
         report.env_gates.append(GateResult(gate="class_loads", passed=False, detail=str(e)))
@@ -104,20 +142,23 @@ def check_environment(
         problems.append(f"tool_annotations names {name!r}, which is not a tool")
     report.tools = len(runtime.tools)
     report.env_gates.append(GateResult(gate="class_loads", passed=not problems, detail="; ".join(problems)))
+    derived = derive_annotations(bundle.spec.env_class_code, runtime.env_class, list(runtime.tools))
+    report.code_read_only = {name: hints.readOnlyHint for name, hints in derived.items() if hints.readOnlyHint is not None}
     return report, runtime
 
 
 def check_scenario(
     runtime: EnvRuntime,
     scenario: Scenario,
-    changing_tools: set[str] | None = None,
+    observed: dict[str, ToolObservation] | None = None,
     *,
     on_gate: Callable[[str], None] | None = None,
 ) -> ScenarioReport:
     """Run the per-scenario gates, stopping at the first gate the later ones depend on.
 
-    ``on_gate`` hears each gate's name as it starts, so that a driver that stops a hung check can
-    name the gate that hung.
+    ``observed`` gains what each tool's calls in the reference solution did, once it runs. ``on_gate``
+    hears each gate's name as it starts, so that a driver that stops a hung check can name the gate
+    that hung.
     """
     started = on_gate or (lambda gate: None)
     report = ScenarioReport(task_id=scenario.task_id)
@@ -134,15 +175,18 @@ def check_scenario(
         return report
 
     started("reference_runs")
-    changed: list[tuple[int, str]] = []
-    first, problem = _replay(runtime, scenario, changed)
+    calls: list[tuple[int, str, bool]] = []
+    first, problem = _replay(runtime, scenario, calls)
     gates.append(GateResult(gate="reference_runs", passed=problem is None, detail=problem or ""))
     if first is None or problem is not None:
         return report
-    if changing_tools is not None:
-        changing_tools.update(name for _, name in changed)
+    if observed is not None:
+        for _, name, changed in calls:
+            seen = observed.setdefault(name, ToolObservation())
+            seen.calls += 1
+            seen.changed += changed
     # A client runs a read-only tool without asking: one that changes the state must not say so.
-    lying = [f"call {number} ({name})" for number, name in changed if runtime.annotations[name].readOnlyHint]
+    lying = [f"call {number} ({name})" for number, name, changed in calls if changed and runtime.annotations[name].readOnlyHint]
     gates.append(GateResult(
         gate="read_only_tools",
         passed=not lying,
@@ -174,19 +218,22 @@ def check_scenario(
 
     started("deterministic")
     second, _ = _replay(runtime, scenario, None, fresh=True)
-    answers = [
-        _verdicts(first.validate(scenario.checklist_with_func)),
-        _verdicts(on_reference),
-        _verdicts(second.validate(scenario.checklist_with_func)) if second else None,
-    ]
-    initial_again = _verdicts(start.validate(scenario.checklist_with_func))
-    same_checks = answers[0] == answers[1] == answers[2] and initial_again == _verdicts(on_initial)
-    same_state = second is not None and second.validate(scenario.checklist_with_func).state_hash == on_reference.state_hash
+    on_second = second.validate(scenario.checklist_with_func) if second else None
+    on_reference_again = first.validate(scenario.checklist_with_func)
+    on_initial_again = start.validate(scenario.checklist_with_func)
+    answers = [_verdicts(on_reference_again), _verdicts(on_reference), _verdicts(on_second) if on_second else None]
+    same_checks = answers[0] == answers[1] == answers[2] and _verdicts(on_initial_again) == _verdicts(on_initial)
+    same_state = on_second is not None and on_second.state_hash == on_reference.state_hash
     detail = ""
     if not same_state:
         detail = "two runs of the reference solution ended in different states (randomness, clock or ids?)"
     elif not same_checks:
-        detail = "checks gave different answers on identical states"
+        runs = [on_reference, on_initial, on_reference_again, on_initial_again, on_second]
+        slow = sorted({c.check_item for run in runs if run is not None for c in run.checks if timed_out(c)})
+        # A check near its time limit answers in one run and is stopped in another: that is the limit, not the check.
+        detail = (f"{', '.join(map(repr, slow))} ran past the check time limit ({runtime.check_timeout_s:g} s) in some runs "
+                  "and not in others (raise it with --check-timeout, or make the check faster)" if slow
+                  else "checks gave different answers on identical states")
     gates.append(GateResult(gate="deterministic", passed=same_checks and same_state, detail=detail))
     gates.append(
         GateResult(
@@ -203,11 +250,11 @@ def _verdicts(result: Any) -> list[tuple[bool, str | None]]:
 
 
 def _replay(
-    runtime: EnvRuntime, scenario: Scenario, changed: list[tuple[int, str]] | None, *, fresh: bool = False
+    runtime: EnvRuntime, scenario: Scenario, calls: list[tuple[int, str, bool]] | None, *, fresh: bool = False
 ) -> tuple[Episode | None, str | None]:
     """Run the reference solution on a new episode: (episode, first problem or None).
 
-    ``changed`` collects (call number, tool name) of the calls that changed the state.
+    ``calls`` collects (call number, tool name, whether it changed the state) of the calls that ran without error.
 
     The episode shares the scenario's constructed state, or with ``fresh`` is constructed anew, so
     that a constructor that is not deterministic shows up in the determinism gate.
@@ -219,11 +266,33 @@ def _replay(
     episode = runtime.new_episode(scenario.init_config, scenario_key=None if fresh else scenario.task_id)
     for number, call in enumerate(scenario.reference_solution, start=1):
         outcome = episode.call(call.name, call.arguments)
+        if outcome.error_kind == "agent" and outcome.exception is not None:
+            problem = _declared_failure(runtime, number, outcome)
+            if problem is not None:
+                return episode, problem
+            continue  # a lookup that found nothing, and said so as the environment declares
         if outcome.error_kind == "tool":
             return episode, f"call {number} ({call.name}) failed, {outcome.error}: {outcome.agent_text[:300]}"
         if outcome.error:
             return episode, f"call {number} ({call.name}): {outcome.error}"
-        if changed is not None and outcome.diff:
-            changed.append((number, call.name))
+        if calls is not None:
+            calls.append((number, call.name, bool(outcome.diff)))
     return episode, None
 
+
+
+def _declared_failure(runtime: EnvRuntime, number: int, outcome: ToolOutcome) -> str | None:
+    """Why a reference call that raised a declared agent error (``agent_errors``) fails ``reference_runs``, or None.
+
+    A gold lookup may find nothing (tau-bench's tools raise on an unknown id), so such a call passes when
+    its tool is read-only and it changed nothing. A tool that changes the state is in the reference to
+    change it: its failure stays a failure, as does a call that changed the state before it raised,
+    whatever the tool's hints say.
+    """
+    call = f"call {number} ({outcome.name})"
+    if outcome.diff:
+        return f"{call} changed the state, then raised {outcome.exception} (a declared agent error): {outcome.error}"
+    if not runtime.annotations[outcome.name].readOnlyHint:
+        return (f"{call} failed, {outcome.error} (a declared agent error): a reference call of a tool that changes "
+                "the state must succeed; only a read-only lookup may find nothing")
+    return None

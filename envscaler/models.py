@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from envscaler.requirements import parse_requirement
 from envscaler.strict import strict_schema
 
 
@@ -45,6 +47,11 @@ class ToolSchema(BaseModel):
         return entry
 
 
+_DOTTED_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+# Declared as the agent's fault, these would hide every environment bug.
+_TOO_BROAD = frozenset({"BaseException", "Exception"})
+
+
 class ToolErrorPolicy(BaseModel):
     """Which tool results count as errors, besides exceptions (``tool_errors`` in env.json).
 
@@ -59,6 +66,22 @@ class ToolErrorPolicy(BaseModel):
     """A dict result with ``"success": false`` is an error (EnvScaler's tool convention)."""
     text_prefixes: list[str] = Field(default_factory=list)
     """A string result starting with one of these (``"Error:"``, as benchmark tools answer) is an error."""
+    agent_errors: list[str] = Field(default_factory=list)
+    """Exceptions that mean the caller got it wrong (``"ValueError"``, ``"LookupError"``, ``"json.JSONDecodeError"``,
+    a class of the environment's own code by its name): a tool that raises one (or a subclass) answers the agent
+    with a tool error, counted as the agent's mistake. Any other exception is an environment error."""
+
+    @field_validator("agent_errors")
+    @classmethod
+    def _exception_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if not _DOTTED_NAME.fullmatch(name):
+                raise ValueError(f"{name!r} is not an exception class name (a name such as 'ValueError', or a "
+                                 "dotted one such as 'json.JSONDecodeError')")
+            if name.rsplit(".", 1)[-1] in _TOO_BROAD:
+                raise ValueError(f"{name!r} would make every bug in the environment's code the agent's fault: "
+                                 "name the exceptions its tools raise on bad input")
+        return list(dict.fromkeys(names))
 
 
 class ToolAnnotations(BaseModel):
@@ -94,6 +117,16 @@ class EnvSpec(_Open):
     tool_errors: ToolErrorPolicy | None = None
     # Per tool, hints that override the ones derived from the code (envscaler/annotations.py).
     tool_annotations: dict[str, ToolAnnotations] | None = None
+    # Python distributions the code imports beyond the standard library, as PEP 508 requirements
+    # (``"mpmath>=1.3"``): checked where the environment is served (envscaler/requirements.py).
+    requires: list[str] | None = None
+
+    @field_validator("requires")
+    @classmethod
+    def _pep_508(cls, requires: list[str] | None) -> list[str] | None:
+        for text in requires or []:
+            parse_requirement(text)
+        return requires
 
     def content_hash(self) -> str:
         """A stable 16-hex-digit digest of the whole spec (image tags, caches)."""
@@ -183,6 +216,9 @@ class ToolOutcome(BaseModel):
     result_chars: int | None = None
     error: str | None = None
     error_kind: ErrorKind | None = None
+    # The class of the exception the tool raised (``ValueError``, ``mymodule.NotFound``): with ``error_kind``
+    # "agent", one the environment declares the caller's fault (``ToolErrorPolicy.agent_errors``).
+    exception: str | None = None
     latency_s: float = 0.0
     diff: list[StateChange] | None = None
     # True when ``diff`` was not kept: the episode's trajectory had reached its limit.

@@ -40,7 +40,7 @@ from typing import Any
 from envscaler.models import StateChange
 from envscaler.state import diff as json_diff
 from envscaler.state import list_changes
-from envscaler.state import to_json_text
+from envscaler.state import find_back_link, json_pointer, json_ready, to_json_text
 
 Path = tuple[str | int, ...]
 
@@ -77,13 +77,16 @@ class SharedState:
 
 
 def _collect_native(value: Any, ids: set[int]) -> None:
-    """Add the ids of every container under ``value``; NotNative when something is not JSON-shaped."""
+    """Add the ids of every container under ``value``; NotNative when something is not JSON-shaped, a
+    back-link (a container holding one that holds it) included."""
     stack = [value]
+    repeated = False
     while stack:
         item = stack.pop()
         kind = type(item)
         if kind is dict:
             if id(item) in ids:
+                repeated = True
                 continue
             ids.add(id(item))
             for key, child in item.items():
@@ -92,6 +95,7 @@ def _collect_native(value: Any, ids: set[int]) -> None:
                 stack.append(child)
         elif kind is list:
             if id(item) in ids:
+                repeated = True
                 continue
             ids.add(id(item))
             stack.extend(item)
@@ -100,6 +104,10 @@ def _collect_native(value: Any, ids: set[int]) -> None:
                 raise NotNative(f"the float {item!r}")
         elif kind not in _NATIVE_SCALARS:
             raise NotNative(f"a value of type {kind.__name__}")
+    # A container met twice is held in two places, or holds itself: only a search tells (rare, so paid only then).
+    back_link = find_back_link(value) if repeated else None
+    if back_link is not None:
+        raise NotNative(f"a back-link: {back_link}")
 
 
 # -- overlay containers --------------------------------------------------------------------------
@@ -385,6 +393,26 @@ def plain(value: Any) -> Any:
     return _deep_plain(value)
 
 
+def plain_graph(value: Any, memo: dict[int, Any]) -> Any:
+    """A deep, plain copy like :func:`plain` in which what is held in two places (a back-link included) is
+    one copy held in two places: for an episode that leaves shared state with such links in it."""
+    kind = type(value)
+    if kind not in _CONTAINERS:
+        return value
+    done = memo.get(id(value))
+    if done is not None:
+        return done
+    copy: Any
+    if kind is dict or kind is OverlayDict:
+        copy = memo[id(value)] = {}
+        for key, child in list(dict.items(value)):
+            copy[key] = plain_graph(child, memo)
+    else:
+        copy = memo[id(value)] = []
+        copy.extend([plain_graph(child, memo) for child in list.__iter__(value)])
+    return copy
+
+
 # -- the overlay -----------------------------------------------------------------------------------
 
 
@@ -471,31 +499,36 @@ class Overlay:
 
     # -- the end of a call --------------------------------------------------------------------------
 
-    def adopt(self, value: Any, path: Path, adopted: dict[int, Any]) -> Any:
+    def adopt(self, value: Any, path: Path, adopted: dict[int, Any], holders: tuple[int, ...] = ()) -> Any:
         """``value`` with the plain containers the running call made turned into owned ones (recursively).
 
         Shared originals and owned copies inside it stay as they are. NotNative when it holds
-        something that is not JSON-shaped.
+        something that is not JSON-shaped, or refers back to one of ``holders`` (the ids of the
+        containers it is stored under) or to a container of its own that holds it.
         """
         kind = type(value)
         if kind is dict or kind is list:
             if self.shared is not None and id(value) in self.shared.container_ids:
                 return value
+            if id(value) in holders:
+                raise NotNative(f"a back-link: {json_pointer(path)} refers back to a container that holds it")
             done = adopted.get(id(value))
             if done is not None:
                 return done
             copy: Any
+            inner = (*holders, id(value))
             if kind is dict:
                 copy = adopted[id(value)] = _init(OverlayDict(), self, path, written=True)
                 for key, child in value.items():
                     if type(key) is not str:
                         raise NotNative(f"a dict key of type {type(key).__name__} ({key!r})")
-                    dict.__setitem__(copy, key, self.adopt(child, (*path, key), adopted))
+                    dict.__setitem__(copy, key, self.adopt(child, (*path, key), adopted, inner))
             else:
                 copy = adopted[id(value)] = _init(OverlayList(), self, path, written=True)
-                list.extend(copy, [self.adopt(child, (*path, i), adopted) for i, child in enumerate(value)])
+                list.extend(copy, [self.adopt(child, (*path, i), adopted, inner) for i, child in enumerate(value)])
             return copy
         if kind is OverlayDict or kind is OverlayList:
+            self._refuse_back_link(value, path, holders)
             return value
         if kind is float and not math.isfinite(value):
             raise NotNative(f"the float {value!r}")
@@ -521,8 +554,7 @@ class Overlay:
             try:
                 self._adopt_written(container, before, adopted)
             except NotNative as e:
-                problem = problem or e
-                continue
+                problem = problem or e  # still listed: values JSON lacks, back-links too, are diffed as JSON text has them
             changes.extend(_container_changes(container, before))
         self.settle()
         return changes, problem
@@ -545,15 +577,49 @@ class Overlay:
         self.settle()
 
     def _adopt_written(self, container: Any, before: Any, adopted: dict[int, Any]) -> None:
+        holders = (id(container),)
         if type(container) is OverlayDict:
-            for key in before:
+            for key, old in before.items():
                 value = dict.get(container, key, MISSING)
-                if type(value) is dict or type(value) is list:
-                    dict.__setitem__(container, key, self.adopt(value, (*container._path, key), adopted))
+                kind = type(value)
+                if kind is dict or kind is list:
+                    dict.__setitem__(container, key, self.adopt(value, (*container._path, key), adopted, holders))
+                elif (kind is OverlayDict or kind is OverlayList) and value is not old:
+                    self._refuse_back_link(value, (*container._path, key), holders)
         else:
+            was_here: set[int] | None = None
             for index, value in enumerate(list.__iter__(container)):
-                if type(value) is dict or type(value) is list:
-                    list.__setitem__(container, index, self.adopt(value, (*container._path, index), adopted))
+                kind = type(value)
+                if kind is dict or kind is list:
+                    list.__setitem__(container, index, self.adopt(value, (*container._path, index), adopted, holders))
+                elif kind is OverlayDict or kind is OverlayList:
+                    # Only an item new to the list makes a new link (a sort or a reverse moves the old ones).
+                    was_here = {id(item) for item in before} if was_here is None else was_here
+                    if id(value) not in was_here:
+                        self._refuse_back_link(value, (*container._path, index), holders)
+
+    def _refuse_back_link(self, owned: Any, path: Path, holders: tuple[int, ...]) -> None:
+        """NotNative when ``owned`` (an owned container a call stored at ``path``) reaches one of ``holders``.
+
+        A search of the episode's own containers under it, paid only when a call stores a container the
+        episode already holds elsewhere: frozen originals hold no owned container, so it stops at them.
+        """
+        if not holders:
+            return
+        targets = set(holders)
+        seen: set[int] = set()
+        stack = [owned]
+        shared = self.shared.container_ids if self.shared is not None else ()
+        while stack:
+            item = stack.pop()
+            if id(item) in targets:
+                raise NotNative(f"a back-link: {json_pointer(path)} refers back to a container that holds it "
+                                f"({json_pointer(owned._path)})")
+            if id(item) in seen or id(item) in shared:
+                continue
+            seen.add(id(item))
+            children = dict.values(item) if isinstance(item, dict) else list.__iter__(item)
+            stack.extend(child for child in children if isinstance(child, (dict, list)))
 
     def settle(self) -> None:
         """Give back the copies made during this call that were never written and nothing else holds.
@@ -628,7 +694,10 @@ def _jsonable(value: Any) -> Any:
     """A plain copy of a value, converted the way the state is for JSON when it is not JSON-shaped."""
     if type(value) in _NATIVE_SCALARS:
         return value
-    copied = _deep_plain(value)
+    try:
+        copied = _deep_plain(value)
+    except RecursionError:  # a back-link the call stored (the episode then goes private): written as {"$ref": ...}
+        return json_ready(value)
     try:
         _collect_native(copied, set())
     except NotNative:

@@ -12,13 +12,15 @@ episode.
 A scenario is constructed once per process and its state shared by all its episodes
 (``envscaler.overlay``): creating an episode, a call that changes nothing and a validation then cost
 the same whatever the size of the state, and an episode's memory follows what it changed. State
-that is not JSON-shaped (sets, tuples, objects) cannot be shared safely: such episodes get a private
-instance built by the constructor, as EnvScaler does, and each call compares the whole state as JSON.
+that is not JSON-shaped (sets, tuples, objects, back-links up a tree) cannot be shared safely: such
+episodes get a private instance built by the constructor, as EnvScaler does, and each call compares
+the whole state as JSON (a back-link written as ``{"$ref": ...}``, see ``envscaler.state``).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import json
 import logging
@@ -42,10 +44,10 @@ from envscaler.models import (
     ToolSchema,
     ValidationResult,
 )
-from envscaler.overlay import MISSING, NotNative, Overlay, SharedState, plain, value_changes
+from envscaler.overlay import MISSING, NotNative, Overlay, SharedState, plain, plain_graph, value_changes
 from envscaler.schema import schema_problems, validate
 from envscaler.strict import omit_nulls
-from envscaler.state import changes_since, diff, public_attributes, public_items, snapshot, state_hash, to_json_text
+from envscaler.state import changes_since, diff, json_ready, public_attributes, public_items, snapshot, state_hash, to_json_text
 from envscaler.tools import derive_tools, public_methods, result_schema
 
 log = logging.getLogger("envscaler.runtime")
@@ -77,6 +79,7 @@ class EnvRuntime:
         self.check_timeout_s = check_timeout_s
         self.max_result_chars = max_result_chars
         self.error_policy = spec.tool_errors or ToolErrorPolicy()
+        self._agent_errors = _declared_exceptions(self.error_policy.agent_errors)
         methods = public_methods(self.env_class)
         listed = spec.listed_tools()
         schemas = listed if listed is not None else derive_tools(self.env_class)
@@ -147,15 +150,28 @@ class EnvRuntime:
             raise EnvCodeError(f"{self.env_id}: the constructor {describe_change(changed)}")
         return instance
 
-    def describe_exception(self, error: BaseException) -> str:
-        """``Type: message (env code line N)`` for an exception raised by environment code."""
-        frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == self._env_file]
-        where = f" (env code line {frames[-1].lineno}, in {frames[-1].name})" if frames else ""
+    def describe_exception(self, error: BaseException, *, where: bool = True) -> str:
+        """``Type: message (env code line N)`` for an exception raised by environment code (``where``: with the line)."""
+        frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == self._env_file] if where else []
+        line = f" (env code line {frames[-1].lineno}, in {frames[-1].name})" if frames else ""
         try:
             message = str(error)
         except BaseException:  # noqa: BLE001 - an exception whose __str__ fails is still reported
             message = "(its message cannot be shown)"
-        return f"{type(error).__name__}: {message}{where}"
+        return f"{type(error).__name__}: {message}{line}"
+
+    def exception_name(self, kind: type) -> str:
+        """How env.json names an exception class: bare for Python's own and the environment's, else dotted."""
+        module = kind.__module__
+        return kind.__qualname__ if module in ("builtins", self.env_class.__module__) else f"{module}.{kind.__qualname__}"
+
+    def is_agent_error(self, error: BaseException) -> bool:
+        """Whether the environment declares ``error`` the caller's fault (``agent_errors``: its class or a base)."""
+        classes, names = self._agent_errors
+        if classes and isinstance(error, classes):
+            return True
+        return bool(names) and any(kind.__qualname__ in names or f"{kind.__module__}.{kind.__qualname__}" in names
+                                   for kind in type(error).__mro__)
 
     def given_arguments(self, name: str, arguments: Any) -> Any:
         """The arguments the method gets: a null for an optional parameter that does not take null is left
@@ -186,7 +202,14 @@ class EnvRuntime:
     def result_text(self, raw: Any) -> tuple[str, int | None]:
         """What the agent is shown for a result: a string as itself, anything else as JSON, cut at
         ``max_result_chars``; (text, the whole text's length when it was cut, else None)."""
-        text = raw if isinstance(raw, str) else to_json_text(plain(raw), ascii_only=False)[0]
+        if isinstance(raw, str):
+            text = raw
+        else:
+            try:
+                value = plain(raw)
+            except RecursionError:  # a result that holds a back-link (a tree node with its parent)
+                value = json_ready(raw)
+            text = to_json_text(value, ascii_only=False)[0]
         if len(text) > self.max_result_chars:
             return text[: self.max_result_chars], len(text)
         return text, None
@@ -201,6 +224,30 @@ class EnvRuntime:
                 if raw.startswith(prefix):
                     return f"the tool's answer starts with {prefix!r}"
         return None
+
+
+def _declared_exceptions(names: list[str]) -> tuple[tuple[type, ...], frozenset[str]]:
+    """``agent_errors`` as (the classes dotted names import as, the names to match by name).
+
+    ``json.JSONDecodeError`` is the class ``json`` exports (defined in ``json.decoder``): imported, it
+    matches as the class. A bare name (``ValueError``, a class of the environment's code) and a dotted
+    one that does not import match an exception's class or bases by name.
+    """
+    classes: list[type] = []
+    by_name: set[str] = set()
+    for name in names:
+        module, _, attribute = name.rpartition(".")
+        found = None
+        if module:
+            try:
+                found = getattr(importlib.import_module(module), attribute, None)
+            except Exception:  # noqa: BLE001 - a module that does not import (any error in it) leaves the name to match
+                pass
+        if isinstance(found, type) and issubclass(found, BaseException):
+            classes.append(found)
+        else:
+            by_name.add(name)
+    return tuple(classes), frozenset(by_name)
 
 
 def _accepted_parameters(function: Any) -> set[str] | None:
@@ -404,7 +451,11 @@ class Episode:
         except GuardSignal:
             raise
         except BaseException as e:  # noqa: BLE001 - environment code is untrusted; report, keep the episode
-            outcome = ToolOutcome.failure(name, arguments, "env", f"Environment error in {name!r}: {runtime.describe_exception(e)}")
+            if runtime.is_agent_error(e):  # bad input, as the environment says its tools answer it
+                outcome = ToolOutcome.failure(name, arguments, "agent", f"Error in {name!r}: {runtime.describe_exception(e, where=False)}")
+            else:
+                outcome = ToolOutcome.failure(name, arguments, "env", f"Environment error in {name!r}: {runtime.describe_exception(e)}")
+            outcome.exception = runtime.exception_name(type(e))
         changed = runtime.env_globals.restore_changed() if check_shared else []
         if changed:
             outcome = ToolOutcome.failure(name, arguments, "env", f"Environment error in {name!r}: the call {describe_change(changed)}")
@@ -415,7 +466,9 @@ class Episode:
     def _run(self, name: str, arguments: dict[str, Any]) -> ToolOutcome:
         """The method call and the serialisation of its result (both are env code: both run under the limit)."""
         runtime = self.runtime
-        raw = getattr(self.instance, name)(**arguments)
+        # A copy for every run: a method that keeps an argument (``self.tags = tags``) and changes it later
+        # would otherwise change the caller's value, the recorded call, or a preempted call's rerun.
+        raw = getattr(self.instance, name)(**plain(arguments))
         text, whole_chars = runtime.result_text(raw)
         truncated = whole_chars is not None
         reported = runtime.reported_failure(raw)
@@ -485,7 +538,8 @@ class Episode:
         """The call stored state JSON cannot hold: carry on with a private instance of the current state."""
         overlay = self._overlay
         assert overlay is not None
-        attributes = {k: plain(v) for k, v in self._logical_attributes().items()}
+        memo: dict[int, Any] = {}
+        attributes = {k: plain_graph(v, memo) for k, v in self._logical_attributes().items()}
         self.initial_text = to_json_text(self.initial_state())[0]
         self.instance = object.__new__(self.runtime.env_class)
         self.instance.__dict__.update(attributes)

@@ -23,6 +23,8 @@ class _Converter:
 
     def __init__(self) -> None:
         self.notes: list[str] = []
+        # (path, path of what it refers to) for each back-link met (see _acyclic).
+        self.back_links: list[tuple[tuple[Any, ...], tuple[Any, ...]]] = []
 
     def __call__(self, value: Any) -> Any:
         kind = type(value).__name__
@@ -56,13 +58,65 @@ class _Converter:
             self.notes.append(text)
 
 
-def _stringify_keys(value: Any) -> Any:
-    """Copy of ``value`` whose dict keys are all strings (JSON rejects tuple keys and the like)."""
-    if isinstance(value, dict):
-        return {k if isinstance(k, str) else str(k): _stringify_keys(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_stringify_keys(v) for v in value]
-    return value
+_JSON_SCALARS = (str, int, float, bool, type(None))
+_BACK_LINK_NOTE = 'back-links -> {"$ref": JSON pointer to what they refer to}'
+
+
+def _acyclic(value: Any, path: tuple[Any, ...], holders: dict[int, tuple[Any, ...]], converter: _Converter) -> Any:
+    """A JSON-ready copy of ``value`` (at ``path``) in which a reference back to a container or an object that
+    holds it (a ``parent`` link up a tree: ``holders`` are those on the way down) becomes ``{"$ref": "#/path"}``.
+
+    The slow way to JSON, for what ``json.dumps`` refuses: every key is made a string and every other value
+    converted as ``converter`` does. Containers are read from raw storage, so an overlay makes no copies.
+    """
+    if type(value) in _JSON_SCALARS:
+        return value
+    held = holders.get(id(value))
+    if held is not None:
+        converter._note(_BACK_LINK_NOTE)
+        converter.back_links.append((path, held))
+        return {"$ref": json_pointer(held)}
+    holders[id(value)] = path
+    try:
+        if isinstance(value, dict):
+            if any(not isinstance(key, str) for key in dict.keys(value)):
+                converter._note("non-string keys -> strings")
+            return {key if isinstance(key, str) else str(key): _acyclic(child, (*path, key), holders, converter)
+                    for key, child in list(dict.items(value))}
+        if isinstance(value, (list, tuple)):
+            items = list(list.__iter__(value)) if isinstance(value, list) else list(value)
+            return [_acyclic(child, (*path, index), holders, converter) for index, child in enumerate(items)]
+        if hasattr(value, "__dict__") and not isinstance(value, type):
+            # Objects as public attributes, dataclasses too: ``dataclasses.asdict`` would follow a back-link forever.
+            converter._note(f"{type(value).__name__} -> dict of public attributes")
+            replacement: Any = public_attributes(value)
+        else:
+            replacement = converter(value)
+        return _acyclic(replacement, path, holders, converter)
+    finally:
+        del holders[id(value)]
+
+
+def json_pointer(path: tuple[Any, ...] | list[Any]) -> str:
+    """``path`` as a URI fragment JSON pointer from the state's root (RFC 6901): ``#/root/children/0``."""
+    return "#" + "".join("/" + str(part).replace("~", "~0").replace("/", "~1") for part in path)
+
+
+def json_ready(value: Any) -> Any:
+    """A JSON-ready copy of ``value``, converted as ``to_json_text`` does (back-links as ``{"$ref": ...}``),
+    read from raw storage: for a value ``json.dumps`` cannot take as it is."""
+    return _acyclic(value, (), {}, _Converter())
+
+
+def find_back_link(value: Any) -> str | None:
+    """The first reference in ``value`` back to a container or object that holds it, as ``'path' refers back
+    to 'path'`` (JSON pointers); None when ``value`` is a tree (or a graph without cycles)."""
+    converter = _Converter()
+    _acyclic(value, (), {}, converter)
+    if not converter.back_links:
+        return None
+    path, held = converter.back_links[0]
+    return f"{json_pointer(path)} refers back to {json_pointer(held)}"
 
 
 def public_attributes(instance: Any) -> dict[str, Any]:
@@ -81,15 +135,19 @@ def to_json_text(value: Any, *, canonical: bool = False, ascii_only: bool = True
     ``canonical`` sorts keys, so equal values give equal text (for hashing). ``ascii_only`` escapes
     other characters: such text takes one byte a character in memory (states are kept per episode);
     text meant for a model to read is clearer without the escapes.
+
+    A value that refers back to a container or an object holding it (a ``parent`` link up a tree) is
+    written as ``{"$ref": "#/path/to/it"}``, and noted.
     """
     converter = _Converter()
     options: dict[str, Any] = {"default": converter, "sort_keys": canonical, "ensure_ascii": ascii_only, "separators": (",", ":")}
     try:
         text = json.dumps(value, **options)
-    except (TypeError, ValueError):
-        # Non-string keys that json cannot coerce (tuples, objects) or keys of mixed types.
-        converter.notes.append("non-string keys -> strings")
-        text = json.dumps(_stringify_keys(value), **options)
+    except (TypeError, ValueError, RecursionError):
+        # Non-string keys json cannot coerce (tuples, objects) or keys of mixed types; or a back-link
+        # ("Circular reference detected"; a RecursionError where the converter made new dicts each time).
+        converter = _Converter()
+        text = json.dumps(_acyclic(value, (), {}, converter), **{**options, "default": converter})
     return text, converter.notes
 
 

@@ -20,6 +20,7 @@ from envscaler import EnvScalerError, logs
 from envscaler.arguments import with_examples
 from envscaler.bundle import bundle_path, load_bundle
 from envscaler.loader import precheck_class
+from envscaler.requirements import require_installed
 from envscaler.sandbox import no_new_privileges, sandbox_problem, warn_unprotected
 from servers.app import ServerConfig
 from servers.episodes.ids import new_replica_id
@@ -59,8 +60,11 @@ def _serve(args: argparse.Namespace) -> int:
         problems = "; ".join(f"{_FLAGS.get(str(item['loc'][0]), item['loc'][0])}: {item['msg']}" for item in e.errors())
         raise EnvScalerError(f"serve: {problems}") from None
     env_dir = str(bundle_path(args.env_dir))
-    # A class that cannot compile is named once, here, before any process or sandbox is started for it.
-    precheck_class(load_bundle(env_dir).spec)
+    # A class that cannot compile, or whose Python requirements are not installed, is named once, here,
+    # before any process or sandbox is started for it.
+    spec = load_bundle(env_dir).spec
+    precheck_class(spec)
+    require_installed(spec.env_id, spec.requires)
     if config.openenv is not None:
         openenv_listener()  # the extra is missing: said here, not by a sandboxed child's traceback
     logs.configure(args.log_level)
@@ -212,7 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="envscaler-serve")
     register_serve(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
+    try:
+        return args.func(args)
+    except EnvScalerError as e:
+        # One line and its exit code (2: the bundle cannot be served here), as from ``envscaler serve``: a
+        # farm's process backend and a container's entry point start servers this way.
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
 
 
 if __name__ == "__main__":

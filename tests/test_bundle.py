@@ -96,3 +96,29 @@ def test_duplicate_task_ids_are_refused_by_load_and_import(tmp_path):
     with pytest.raises(BundleError, match="counter: duplicate task_id 'counter_001'"):
         import_envscaler(tmp_path / "meta.json", [tmp_path / "tasks.json"], tmp_path / "out")
     assert not (tmp_path / "out" / "counter").exists()
+
+
+@pytest.mark.parametrize(
+    ("names", "expected"),
+    [
+        (["ValueError", "not a name"], "tool_errors.agent_errors: Value error, 'not a name' is not an exception class name"),
+        (["KeyError", "Exception"], "'Exception' would make every bug in the environment's code the agent's fault"),
+        ("ValueError", "tool_errors.agent_errors: Input should be a valid list"),
+    ],
+)
+def test_declared_agent_errors_are_exception_class_names(tmp_path, names, expected):
+    write_bundle(tmp_path, counter_spec(tool_errors={"agent_errors": names}), [counter_scenario()])
+    with pytest.raises(BundleError) as caught:
+        load_bundle(tmp_path / "counter")
+    assert "env.json" in str(caught.value) and expected in str(caught.value)
+    write_bundle(tmp_path, counter_spec(tool_errors={"agent_errors": ["LookupError", "json.JSONDecodeError", "NotFound"]}), [counter_scenario()])
+    assert load_bundle(tmp_path / "counter").spec.tool_errors.agent_errors == ["LookupError", "json.JSONDecodeError", "NotFound"]
+
+
+def test_declared_python_requirements_are_pep_508(tmp_path):
+    write_bundle(tmp_path, counter_spec(requires=["mpmath>=1.3", "numpy; python_version >= '3.11'", "not a requirement!"]), [counter_scenario()])
+    with pytest.raises(BundleError) as caught:
+        load_bundle(tmp_path / "counter")
+    message = str(caught.value)
+    assert "env.json: requires: Value error, 'not a requirement!' is not a PEP 508 requirement (such as 'mpmath>=1.3')" in message
+    assert "\n" not in message

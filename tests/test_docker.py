@@ -90,6 +90,17 @@ def test_build_tags_by_spec_hash_and_rebuilding_is_a_no_op(engine):
     assert engine.images.get(tag).id == image.id
 
 
+def test_an_environment_image_installs_the_python_requirements_its_bundle_declares(engine, tmp_path):
+    # iniconfig: small, pure Python, installed here (pytest needs it), not in the runtime image.
+    bundle = write_bundle(tmp_path, counter_spec(requires=["iniconfig>=1"]), [counter_scenario()])
+    built = envscaler("build", str(bundle), timeout=DOCKER_TIMEOUT_S)
+    assert built.returncode == 0, built.stderr
+    tag = env_image_tag("counter", load_bundle(bundle).spec.content_hash())
+    probe = "import iniconfig, os; from envscaler.requirements import unmet; print(os.getuid(), unmet(['iniconfig>=1']))"
+    output = engine.containers.run(tag, entrypoint=["python3", "-c", probe], remove=True)
+    assert output.decode().split() == ["10001", "[]"]
+
+
 def test_reference_replay_through_the_gateway_scores_one(farm):
     replay = replay_through_gateway(farm, "it_helpdesk")
     assert replay.mcp_url.startswith(replay.gateway)

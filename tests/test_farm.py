@@ -16,6 +16,7 @@ import pytest
 from envscaler import default_catalog, load_bundle
 from envscaler.sandbox import sandbox_problem
 from servers.farm.teardown import farm_processes
+from tests.support.bundles import counter_scenario, counter_spec, write_bundle
 from tests.support.cli import envscaler
 from tests.support.farm import bundled_farm, farm_members, read_state, two_counters_up
 from tests.support.gateway import replay_through_gateway
@@ -120,6 +121,15 @@ def test_up_with_a_broken_bundle_fails_and_cleans_up(tmp_path):
     (broken / "scenarios.jsonl").write_text("")
     result = envscaler("farm", "up", str(tmp_path / "bundles"), "--backend", "process", "--catalog", str(tmp_path / "farm.json"))
     assert result.returncode == 2 and "env.json" in result.stderr
+    assert not (tmp_path / "farm.json").exists()
+
+
+def test_up_with_a_bundle_whose_python_requirements_are_missing_names_them_and_cleans_up(tmp_path):
+    write_bundle(tmp_path / "bundles", counter_spec(requires=["envscaler-test-absent-distribution>=1.0"]), [counter_scenario()])
+    result = envscaler("farm", "up", str(tmp_path / "bundles"), "--backend", "process", "--catalog", str(tmp_path / "farm.json"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert ("counter: failed (exit 2: error: counter: needs Python distributions this interpreter lacks: "
+            "envscaler-test-absent-distribution>=1.0 (not installed). Install them with:") in result.stderr
     assert not (tmp_path / "farm.json").exists()
 
 

@@ -1,5 +1,7 @@
 """Every quality gate passes on a good scenario and fails on a scenario broken for that gate."""
 
+import json
+
 import pytest
 
 from envscaler import load_bundle
@@ -12,7 +14,11 @@ from tests.support.bundles import (
     counter_bundle,
     counter_scenario,
     counter_spec,
+    folders_bundle,
     second_scenario,
+    tagger_bundle,
+    users_scenario,
+    users_spec,
     write_bundle,
 )
 from tests.support.cli import envscaler
@@ -103,6 +109,44 @@ def test_an_error_string_under_the_environments_policy_fails_the_reference(tmp_p
     assert "Error: nothing to note" in verdicts["reference_runs"].detail
 
 
+RENAME_U1 = {"name": "rename_user", "arguments": {"user_id": "u1", "name": "Ann"}}
+
+
+def test_a_reference_lookup_that_finds_nothing_by_a_declared_agent_error_passes(tmp_path):
+    # tau-bench's tools raise on an unknown id: a gold lookup may find nothing, and changes nothing.
+    reference = [{"name": "find_user", "arguments": {"user_id": "u9"}}, RENAME_U1]
+    report, verdicts = gate_verdicts(tmp_path, users_spec(), [users_scenario(reference)])
+    assert report.passed, report.failures()
+    # Undeclared, the same exception is the environment's error.
+    _, verdicts = gate_verdicts(tmp_path / "undeclared", users_spec(tool_errors=None), [users_scenario(reference)])
+    assert not verdicts["reference_runs"].passed
+    assert "call 1 (find_user): Environment error in 'find_user': NotFound: no user u9" in verdicts["reference_runs"].detail
+
+
+@pytest.mark.parametrize(
+    ("call", "expected"),
+    [
+        ({"name": "rename_user", "arguments": {"user_id": "u9", "name": "Ann"}},
+         "call 1 (rename_user) failed, Error in 'rename_user': ValueError: no user u9 (a declared agent error): "
+         "a reference call of a tool that changes the state must succeed"),
+        ({"name": "tag_user", "arguments": {"user_id": "u1", "tag": "bad"}},
+         "call 1 (tag_user) changed the state, then raised ValueError (a declared agent error)"),
+    ],
+)
+def test_a_reference_write_that_fails_by_a_declared_agent_error_is_still_caught(tmp_path, call, expected):
+    _, verdicts = gate_verdicts(tmp_path, users_spec(), [users_scenario([call, RENAME_U1])])
+    assert not verdicts["reference_runs"].passed
+    assert expected in verdicts["reference_runs"].detail
+
+
+def test_class_loads_fails_when_the_python_requirements_are_not_installed(tmp_path):
+    spec = counter_spec(requires=["pydantic>=2", "envscaler-test-absent-distribution"])
+    report, verdicts = gate_verdicts(tmp_path, spec)
+    assert not verdicts["class_loads"].passed and not report.scenarios
+    assert "counter: needs Python distributions this interpreter lacks: envscaler-test-absent-distribution (not installed)" \
+        in verdicts["class_loads"].detail
+
+
 def test_checks_pass_on_reference_fails_when_the_reference_misses_a_check(tmp_path):
     wrong = {"check_item": "a counts 4", "check_func": "def check_func(final_state):\n    return final_state['items']['a']['count'] == 4"}
     _, verdicts = gate_verdicts(tmp_path, scenarios=[counter_scenario(checklist_with_func=[wrong, CHECK_NAME_KEPT, CHECK_ONE_ITEM])])
@@ -168,6 +212,15 @@ def test_a_reference_that_changes_class_attributes_fails_its_replay(tmp_path):
     assert "class attribute Counter.calls" in failed[0].detail and "every episode shares" in failed[0].detail
 
 
+def test_a_reference_whose_tool_keeps_and_changes_a_list_argument_stays_deterministic(tmp_path):
+    # keep() stores its list argument and more() extends it: on the scenario's own argument objects,
+    # the second replay would start from ["a", "seen", "b"].
+    bundle = load_bundle(tagger_bundle(tmp_path))
+    report = check_bundle(bundle, call_timeout_s=1.0, check_timeout_s=1.0)
+    assert report.passed, report.failures()
+    assert bundle.scenarios[0].reference_solution[0].arguments == {"tags": ["a"]}
+
+
 def test_deterministic_fails_when_a_check_answers_differently_on_the_same_state(tmp_path):
     # The check keeps a tally in the env class (reachable from the state's module), so it flips between runs.
     flip = {
@@ -183,6 +236,98 @@ def test_deterministic_fails_when_a_check_answers_differently_on_the_same_state(
     _, verdicts = gate_verdicts(tmp_path, scenarios=[counter_scenario(checklist_with_func=[CHECK_A_IS_3, CHECK_NAME_KEPT, flip])])
     assert not verdicts["deterministic"].passed
     assert "different answers" in verdicts["deterministic"].detail
+
+
+def test_a_reference_whose_tools_warn_passes_every_gate(tmp_path):
+    # Python writes each warning into the module's __warningregistry__, hidden DeprecationWarnings included:
+    # its own bookkeeping, not state the episodes share.
+    code = "import warnings\n" + COUNTER_CODE.replace(
+        "        self.log.append(f\"add {item_id} {amount}\")\n        return",
+        "        self.log.append(f\"add {item_id} {amount}\")\n"
+        "        warnings.warn('add is deprecated', DeprecationWarning)\n"
+        "        warnings.warn('its caller too', DeprecationWarning, stacklevel=2)\n        return", 1)
+    assert "add is deprecated" in code
+    directory = write_bundle(tmp_path, counter_spec(env_class_code=code), [counter_scenario()])
+    result = envscaler("catalog", "check", str(directory))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "all gates pass" in result.stdout
+
+
+SLOW_EVERY_OTHER_RUN = {
+    "check_item": "slow on every other run",
+    "check_func": (
+        "import sys, time\n"
+        "def check_func(final_state):\n"
+        "    tally = sys.modules.setdefault('envscaler_test_slow', type(sys)('envscaler_test_slow'))\n"
+        "    tally.n = getattr(tally, 'n', 0) + 1\n"
+        "    if tally.n % 2 == 0:\n"
+        "        time.sleep(0.8)\n"
+        "    return True"
+    ),
+}
+
+
+def test_a_check_near_its_time_limit_is_reported_as_a_timeout_and_the_limit_can_be_raised(tmp_path):
+    # In the checker process: the tally starts again in each run of the command.
+    directory = write_bundle(tmp_path, counter_spec(), [counter_scenario(checklist_with_func=[CHECK_A_IS_3, SLOW_EVERY_OTHER_RUN])])
+    tight = envscaler("catalog", "check", str(directory), "--check-timeout", "0.3")
+    assert tight.returncode == 1
+    line = next(line for line in tight.stdout.splitlines() if "counter_001: deterministic" in line)
+    assert "'slow on every other run' ran past the check time limit (0.3 s) in some runs" in line, tight.stdout
+    assert "--check-timeout" in line and "different answers" not in tight.stdout
+    roomy = envscaler("catalog", "check", str(directory), "--check-timeout", "5")
+    assert roomy.returncode == 0, roomy.stdout + roomy.stderr
+
+
+def test_catalog_check_call_timeout_limits_each_tool_call(tmp_path):
+    slow = counter_scenario(reference_solution=[{"name": "slow_add", "arguments": {"item_id": "a", "amount": 3, "seconds": 0.8}}])
+    directory = write_bundle(tmp_path, counter_spec(), [slow])
+    tight = envscaler("catalog", "check", str(directory), "--call-timeout", "0.3")
+    assert tight.returncode == 1 and "counter_001: reference_runs: call 1 (slow_add)" in tight.stdout
+    assert "ran longer than 0.3 s" in tight.stdout
+    assert envscaler("catalog", "check", str(directory), "--call-timeout", "5").returncode == 0
+
+
+def test_catalog_check_passes_a_state_whose_nodes_link_back_to_their_parents(tmp_path):
+    result = envscaler("catalog", "check", str(folders_bundle(tmp_path)))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "all gates pass" in result.stdout
+
+
+# A tool whose write the code reading cannot see: it goes through a helper outside the class.
+PEEK_CODE = COUNTER_CODE.replace("import time", "import time\n\n\ndef _bump(store):\n    store['a']['count'] += 1\n").replace(
+    "    def _secret(self) -> dict:",
+    '    def peek(self) -> dict:\n        """Look at item a (and, through a helper, count the look)."""\n'
+    '        _bump(self.items)\n        return {"success": True}\n\n    def _secret(self) -> dict:')
+
+
+def test_catalog_check_writes_read_only_hints_its_reference_calls_disprove(tmp_path):
+    reference = [{"name": "peek", "arguments": {}}, {"name": "add", "arguments": {"item_id": "a", "amount": 2}},
+                 {"name": "rename", "arguments": {"item_id": "a", "name": "A"}}]  # a write that changes nothing
+    spec = counter_spec(env_class_code=PEEK_CODE, tool_annotations={"get_item": {"title": "Read an item"}}, extra_field=[1])
+    directory = write_bundle(tmp_path, spec, [counter_scenario(reference_solution=reference)])
+    checked = envscaler("catalog", "check", str(directory), "--json", str(tmp_path / "report.json"))
+    assert checked.returncode == 1 and "counter_001: read_only_tools: marked readOnlyHint but changed the state: call 1 (peek)" in checked.stdout
+    observed = json.loads((tmp_path / "report.json").read_text())[0]["observed"]
+    assert observed == {"peek": {"calls": 1, "changed": 1}, "add": {"calls": 1, "changed": 1}, "rename": {"calls": 1, "changed": 0}}
+    assert json.loads((directory / "env.json").read_text())["tool_annotations"] == {"get_item": {"title": "Read an item"}}
+
+    written = envscaler("catalog", "check", str(directory), "--write-annotations")
+    assert written.returncode == 1, written.stdout + written.stderr
+    lines = [line.strip() for line in written.stdout.splitlines() if line.strip().startswith("hint ")]
+    assert lines == [
+        "hint peek: writes (1 of 1 reference call changed the state); the code reads as read-only  -> readOnlyHint false written to env.json",
+        "hint rename: read-only (0 of 1 reference call changed the state); the code reads as writing",
+    ]
+    env = json.loads((directory / "env.json").read_text())
+    assert env["tool_annotations"] == {"get_item": {"title": "Read an item"},
+                                       "peek": {"readOnlyHint": False, "destructiveHint": True, "idempotentHint": False}}
+    assert env["extra_field"] == [1] and env["env_class_code"] == PEEK_CODE
+    again = envscaler("catalog", "check", str(directory), "--write-annotations")
+    assert again.returncode == 0, again.stdout
+    # The code still reads otherwise (said again), but env.json now settles it: nothing more is written.
+    assert [line.strip() for line in again.stdout.splitlines() if line.strip().startswith("hint ")] == [
+        lines[0].split("  -> ")[0], lines[1]]
 
 
 def test_catalog_check_cli_exit_codes(tmp_path):

@@ -1,15 +1,26 @@
 """The guarded runtime: EnvScaler semantics, the tool allowlist, argument checks, limits, checks."""
 
+import json
 import sys
 import threading
 import time
+import warnings
 
 import pytest
 
 from envscaler import ChecklistError, EnvCodeError, EnvRuntime, EnvSpec, default_catalog, derive_tools, load_bundle
 from envscaler.guard import Preempted, call_preemptibly
 from envscaler.models import CheckItem
-from tests.support.bundles import CHECK_A_IS_3, COUNTER_CODE, counter_spec
+from tests.support.bundles import (
+    CHECK_A_IS_3,
+    CHECK_TMP_UNDER_ROOT,
+    COUNTER_CODE,
+    LINKS_CODE,
+    counter_spec,
+    folders_bundle,
+    tagger_bundle,
+    users_spec,
+)
 
 INIT = {"items": {"a": {"name": "A", "count": 0}}}
 
@@ -523,3 +534,100 @@ class Sharing:''') + '''
     assert time.monotonic() - started < 0.5
     assert runtime.env_globals.restore_checker() == ["envscaler.checks.run_check"]
     assert callable(sys.modules["envscaler.checks"].run_check)
+
+
+WARNING_CODE = SHARING_CODE.replace("import time", "import copy\nimport datetime\nimport locale\nimport time\nimport warnings") + '''
+    def old_ways(self) -> dict:
+        """Use deprecated paths: warnings Python hides by default, written to this module's registry."""
+        warnings.warn("bump is deprecated", DeprecationWarning)
+        warnings.warn("so is its caller", DeprecationWarning, stacklevel=2)
+        locale.getdefaultlocale()  # DeprecationWarning since 3.11, aimed at this module
+        datetime.datetime.utcnow()  # DeprecationWarning since 3.12
+        copy.deepcopy(self)  # copyreg caches __slotnames__ on the class
+        self.n += 1
+        return {"success": True}
+'''
+
+
+def test_python_bookkeeping_in_shared_namespaces_is_not_a_shared_change():
+    runtime = EnvRuntime(EnvSpec(env_id="warns", env_class_name="Sharing", env_class_code=WARNING_CODE))
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")  # every warning goes through the registry, not only the first
+        for episode in (runtime.new_episode({"n": 1}, scenario_key="s1"), runtime.new_episode({"n": 1})):
+            for _ in range(2):
+                outcome = episode.call("old_ways", {})
+                assert outcome.error is None, outcome.error
+            assert episode.state() == {"n": 3}
+        module = sys.modules[runtime.env_class.__module__]
+        assert "__warningregistry__" in vars(module)
+        # What is really shared is still watched, after the registry came.
+        assert "module global SEEN" in runtime.new_episode({"n": 1}).call("count", {}).error
+        # A check whose warning is aimed at the checker's own module does not read as a patched checker.
+        warn = CheckItem(check_item="warns", check_func=(
+            "import warnings\ndef check_func(final_state):\n"
+            "    warnings.warn('old check', DeprecationWarning, stacklevel=2)\n    return final_state['n'] == 1"))
+        assert runtime.new_episode({"n": 1}).validate([warn]).score == 1.0
+        assert "__warningregistry__" in vars(sys.modules["envscaler.checks"])
+        assert runtime.env_globals.restore_checker() == []
+
+
+def test_a_method_gets_its_own_copy_of_the_arguments(tmp_path):
+    runtime = EnvRuntime(load_bundle(tagger_bundle(tmp_path)).spec, call_timeout_s=5.0)
+    episode = runtime.new_episode({}, scenario_key="tagger_001")
+    arguments = {"tags": ["a"]}
+    kept = episode.call("keep", arguments)
+    assert episode.call("more", {"tag": "b"}).result == {"success": True, "data": 3}
+    # Neither the call in the method nor a later call changed what the caller passed, or what was recorded.
+    assert arguments == {"tags": ["a"]} and kept.arguments == {"tags": ["a"]}
+    assert episode.state() == {"tags": ["a", "seen", "b"]}
+    # A preempted call runs again on the arguments as they were sent, not as its first run left them.
+    arguments = {"tags": ["x"], "seconds": 1.0}
+    with pytest.raises(Preempted):
+        episode.call("keep", arguments, inline_budget_s=0.05)
+    assert episode.call("keep", arguments).result == {"success": True, "data": 2}
+    assert episode.state() == {"tags": ["x", "seen"]} and arguments["tags"] == ["x"]
+
+
+def test_a_state_whose_nodes_link_back_to_their_parents_is_served_with_references(tmp_path):
+    runtime = EnvRuntime(load_bundle(folders_bundle(tmp_path)).spec)
+    episode = runtime.new_episode({"names": ["home"]}, scenario_key="folders_001")
+    home = {"name": "home", "parent": {"$ref": "#/root"}, "children": []}
+    assert episode.state() == {"root": {"name": "/", "parent": None, "children": [home]}, "names": ["home"]}
+    assert any("$ref" in note for note in episode.conversions)
+    made = episode.call("mkdir", {"name": "tmp"})
+    assert made.error is None and made.result["data"] == ["home", "tmp"]
+    assert [(c.path, c.after) for c in made.diff] == [(["root", "children", 1], {"name": "tmp", "parent": {"$ref": "#/root"}, "children": []})]
+    shown = episode.call("root_folder", {})
+    assert shown.error is None and shown.result["children"][0] == {"name": "home", "parent": {"$ref": "#"}, "children": []}
+    check = CheckItem.model_validate(CHECK_TMP_UNDER_ROOT)
+    assert episode.validate([check]).score == 1.0
+    assert runtime.new_episode({"names": ["home"]}, scenario_key="folders_001").validate([check]).score == 0.0
+
+
+def test_a_call_that_links_shared_state_back_to_itself_moves_the_episode_to_its_own_copy():
+    runtime = EnvRuntime(EnvSpec(env_id="links", env_class_name="Links", env_class_code=LINKS_CODE))
+    episode = runtime.new_episode({}, scenario_key="s1")
+    assert episode.shares_state
+    made = episode.call("mkdir", {"name": "tmp"})
+    assert made.error is None and not episode.shares_state
+    assert [c.path for c in made.diff] == [["root", "children", 0]]
+    assert episode.state() == {"root": {"name": "/", "children": [{"name": "tmp", "parent": {"$ref": "#/root"}}]}}
+    assert episode.call("mkdir", {"name": "var"}).result["data"] == ["tmp", "var"]
+    # The scenario's shared state, and the episodes on it, saw nothing.
+    other = runtime.new_episode({}, scenario_key="s1")
+    assert other.shares_state and other.state() == {"root": {"name": "/", "children": []}}
+    assert episode.state_hash() != other.state_hash()
+
+
+def test_a_declared_agent_error_covers_its_subclasses_and_names_dotted_classes():
+    spec = users_spec(tool_errors={"agent_errors": ["LookupError", "json.JSONDecodeError"]})
+    runtime = EnvRuntime(EnvSpec.model_validate(spec))
+    episode = runtime.new_episode({"users": {}})
+    found, bug, bad = episode.call("find_user", {"user_id": "u9"}), episode.call("broken", {}), episode.call("rename_user", {"user_id": "u9", "name": "A"})
+    assert (found.error_kind, found.exception) == ("agent", "NotFound")
+    assert (bug.error_kind, bug.exception) == ("agent", "KeyError")
+    assert (bad.error_kind, bad.exception) == ("env", "ValueError")
+    # Declared as json exports it, the class is matched, whatever module defines it.
+    with pytest.raises(json.JSONDecodeError) as decoding:
+        json.loads("{")
+    assert runtime.is_agent_error(decoding.value) and runtime.exception_name(decoding.type) == "json.decoder.JSONDecodeError"

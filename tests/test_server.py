@@ -40,6 +40,10 @@ from tests.support.bundles import (
     counter_scenario,
     counter_spec,
     second_scenario,
+    folders_bundle,
+    tagger_bundle,
+    users_scenario,
+    users_spec,
     write_bundle,
 )
 from tests.support.large_state import shop_bundle
@@ -650,3 +654,85 @@ def test_a_server_whose_call_threads_are_all_stuck_says_so_on_healthz(counter_di
         while http.get("/healthz").status_code != 200:
             assert time.monotonic() < deadline, "the threads never came back"
             time.sleep(0.2)
+
+
+async def test_a_tool_that_changes_its_list_argument_leaves_the_recorded_call_as_sent(tmp_path):
+    with serve(tagger_bundle(tmp_path)) as server:
+        episode = create(server, scenario_id="tagger_001")
+        http, client = await mcp_session(episode["mcp_url"])
+        async with http, client:
+            kept = await client.call_tool("keep", {"tags": ["a"]})
+            more = await client.call_tool("more", {"tag": "b"})
+        assert not kept.is_error and not more.is_error
+        with server.client() as control:
+            path = f"/episodes/{episode['episode_id']}"
+            calls = control.get(f"{path}/trajectory").json()["calls"]
+            validated = control.post(f"{path}/validate").json()
+    assert [c["arguments"] for c in calls] == [{"tags": ["a"]}, {"tag": "b"}]
+    assert validated["score"] == 1.0
+
+
+async def test_a_state_whose_nodes_link_back_to_their_parents_is_served(tmp_path):
+    with serve(folders_bundle(tmp_path)) as server:
+        episode = create(server, scenario_id="folders_001")
+        http, client = await mcp_session(episode["mcp_url"])
+        async with http, client:
+            made = await client.call_tool("mkdir", {"name": "tmp"})
+            shown = await client.call_tool("root_folder", {})
+        assert not made.is_error and not shown.is_error, made.content[0].text + shown.content[0].text
+        assert json.loads(shown.content[0].text)["children"][1] == {"name": "tmp", "parent": {"$ref": "#"}, "children": []}
+        with server.client() as control:
+            path = f"/episodes/{episode['episode_id']}"
+            state = control.get(f"{path}/state").json()["state"]
+            validated = control.post(f"{path}/validate").json()
+    assert state["root"]["children"][1] == {"name": "tmp", "parent": {"$ref": "#/root"}, "children": []}
+    assert validated["score"] == 1.0 and validated["env_errors"] == 0
+
+
+async def test_exceptions_the_environment_declares_are_the_agents_errors(tmp_path):
+    # Declared: the environment's own NotFound and ValueError; the KeyError of a bug is not.
+    directory = write_bundle(tmp_path, users_spec(), [users_scenario([{"name": "rename_user", "arguments": {"user_id": "u1", "name": "Ann"}}])])
+    with serve(directory) as server:
+        episode = create(server, scenario_id="users_001")
+        http, client = await mcp_session(episode["mcp_url"])
+        async with http, client:
+            missing = await client.call_tool("find_user", {"user_id": "u9"})
+            bad = await client.call_tool("rename_user", {"user_id": "u9", "name": "Ann"})
+            bug = await client.call_tool("broken", {})
+            fine = await client.call_tool("rename_user", {"user_id": "u1", "name": "Ann"})
+        with server.client() as control:
+            path = f"/episodes/{episode['episode_id']}"
+            trajectory = control.get(f"{path}/trajectory").json()
+            validated = control.post(f"{path}/validate").json()
+    assert missing.is_error and missing.content[0].text == "Error in 'find_user': NotFound: no user u9"
+    assert bad.is_error and bad.content[0].text == "Error in 'rename_user': ValueError: no user u9"
+    assert bug.is_error and "Environment error in 'broken': KeyError: 'missing' (env code line" in bug.content[0].text
+    assert not fine.is_error
+    calls = trajectory["calls"]
+    assert [(c["error_kind"], c.get("exception")) for c in calls] == [("agent", "NotFound"), ("agent", "ValueError"), ("env", "KeyError"), (None, None)]
+    assert (trajectory["agent_errors"], trajectory["env_errors"]) == (2, 1)
+    assert validated["score"] == 1.0 and validated["agent_errors"] == 2
+
+
+@pytest.mark.parametrize(
+    ("requires", "unmet"),
+    [
+        (["envscaler-test-absent-distribution>=1.0"], "envscaler-test-absent-distribution>=1.0 (not installed)"),
+        (["pydantic<1"], "pydantic<1 (pydantic 2."),
+    ],
+)
+def test_serve_refuses_an_environment_whose_python_requirements_are_not_installed(tmp_path, requires, unmet):
+    directory = write_bundle(tmp_path, counter_spec(requires=["pydantic>=2", *requires]), [counter_scenario()])
+    done = subprocess.run([sys.executable, "-m", "servers.cli", str(directory), "--port", "0"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr and not done.stdout, done.stderr
+    assert f"counter: needs Python distributions this interpreter lacks: {unmet}" in done.stderr
+    assert f"Install them with: {sys.executable} -m pip install 'pydantic>=2' '{requires[0]}'" in done.stderr
+
+
+def test_serve_runs_an_environment_whose_python_requirements_are_installed(tmp_path):
+    # A marker that does not apply here leaves its requirement out.
+    requires = ["pydantic>=2", "httpx", "envscaler-test-absent-distribution; sys_platform == 'nowhere'"]
+    with serve(write_bundle(tmp_path, counter_spec(requires=requires), [counter_scenario()])) as server:
+        episode = create(server, scenario_id="counter_001")
+        with server.client() as control:
+            assert control.get(f"/episodes/{episode['episode_id']}/state").status_code == 200

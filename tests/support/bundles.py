@@ -203,3 +203,168 @@ def write_bundle(root: Path, spec: dict[str, Any], scenarios: list[dict[str, Any
 def counter_bundle(root: Path) -> Path:
     """The counter environment with two good scenarios."""
     return write_bundle(root, counter_spec(), [counter_scenario(), second_scenario()])
+
+
+TAGGER_CODE = '''
+import time
+
+
+class Tagger:
+    def __init__(self, init_config: dict):
+        self.tags = []
+
+    def keep(self, tags: list, seconds: float = 0.0) -> dict:
+        """Keep a list of tags as the state, marking it seen (in the argument itself).
+
+        Args:
+            tags (list): The tags.
+            seconds (float): How long to take.
+        """
+        tags.append("seen")
+        self.tags = tags
+        time.sleep(seconds)
+        return {"success": True, "data": len(self.tags)}
+
+    def more(self, tag: str) -> dict:
+        """Add a tag to the list kept.
+
+        Args:
+            tag (str): The tag.
+        """
+        self.tags.append(tag)
+        return {"success": True, "data": len(self.tags)}
+'''
+
+CHECK_TAGS = {"check_item": "tags a, seen, b", "check_func": "def check_func(final_state):\n    return final_state['tags'] == ['a', 'seen', 'b']"}
+
+
+def tagger_bundle(root: Path) -> Path:
+    """An environment whose tools keep and change a list argument: arguments must reach it as copies."""
+    spec = {"env_id": "tagger", "env_class_name": "Tagger", "env_class_code": TAGGER_CODE, "environment_introduction": "Tags."}
+    scenario = {"task_id": "tagger_001", "env_id": "tagger", "init_config": {}, "task": "Tag a, then b.",
+                "checklist_with_func": [CHECK_TAGS],
+                "reference_solution": [{"name": "keep", "arguments": {"tags": ["a"]}}, {"name": "more", "arguments": {"tag": "b"}}]}
+    return write_bundle(root, spec, [scenario])
+
+
+FOLDERS_CODE = '''
+class Folder:
+    def __init__(self, name, parent=None):
+        self.name = name
+        self.parent = parent
+        self.children = []
+
+
+class Folders:
+    def __init__(self, init_config: dict):
+        self.root = Folder("/")
+        for name in init_config.get("names", []):
+            self.root.children.append(Folder(name, self.root))
+
+    def mkdir(self, name: str) -> dict:
+        """Make a folder under the root, linked back to it.
+
+        Args:
+            name (str): The folder's name.
+        """
+        self.root.children.append(Folder(name, self.root))
+        return {"success": True, "data": [child.name for child in self.root.children]}
+
+    def root_folder(self):
+        """The root folder itself (a tree whose nodes link to their parents)."""
+        return self.root
+'''
+
+LINKS_CODE = '''
+class Links:
+    def __init__(self, init_config: dict):
+        self.root = {"name": "/", "children": []}
+
+    def mkdir(self, name: str) -> dict:
+        """Make a folder under the root, linked back to it.
+
+        Args:
+            name (str): The folder's name.
+        """
+        self.root["children"].append({"name": name, "parent": self.root})
+        return {"success": True, "data": [child["name"] for child in self.root["children"]]}
+'''
+
+CHECK_TMP_UNDER_ROOT = {
+    "check_item": "tmp is made under the root, and links back to it",
+    "check_func": ("def check_func(final_state):\n"
+                   "    names = [c['name'] for c in final_state['root']['children']]\n"
+                   "    return names[-1] == 'tmp' and final_state['root']['children'][-1]['parent'] == {'$ref': '#/root'}"),
+}
+
+
+def folders_bundle(root: Path) -> Path:
+    """An environment whose state is not a tree: every folder links back to its parent."""
+    spec = {"env_id": "folders", "env_class_name": "Folders", "env_class_code": FOLDERS_CODE, "environment_introduction": "Folders."}
+    scenario = {"task_id": "folders_001", "env_id": "folders", "init_config": {"names": ["home"]}, "task": "Make tmp.",
+                "checklist_with_func": [CHECK_TMP_UNDER_ROOT], "reference_solution": [{"name": "mkdir", "arguments": {"name": "tmp"}}]}
+    return write_bundle(root, spec, [scenario])
+
+
+USERS_CODE = '''
+class NotFound(LookupError):
+    """No such record: the caller asked for an id that is not there."""
+
+
+class Users:
+    def __init__(self, init_config: dict):
+        self.users = {}
+
+    def find_user(self, user_id: str) -> dict:
+        """Look a user up (raises NotFound for an unknown id, as benchmark tools do).
+
+        Args:
+            user_id (str): The user's id.
+        """
+        if user_id not in self.users:
+            raise NotFound(f"no user {user_id}")
+        return self.users[user_id]
+
+    def rename_user(self, user_id: str, name: str) -> dict:
+        """Rename a user (raises ValueError for an unknown id).
+
+        Args:
+            user_id (str): The user's id.
+            name (str): The new name.
+        """
+        if user_id not in self.users:
+            raise ValueError(f"no user {user_id}")
+        self.users[user_id]["name"] = name
+        return self.users[user_id]
+
+    def tag_user(self, user_id: str, tag: str) -> dict:
+        """Tag a user, checking the tag only after storing it (a bug).
+
+        Args:
+            user_id (str): The user's id.
+            tag (str): The tag.
+        """
+        self.users[user_id]["tag"] = tag
+        if tag == "bad":
+            raise ValueError("a bad tag")
+        return self.users[user_id]
+
+    def broken(self) -> dict:
+        """Fail with an exception the environment does not declare (an environment bug)."""
+        return {}["missing"]
+'''
+
+CHECK_U1_RENAMED = {"check_item": "u1 is Ann", "check_func": "def check_func(final_state):\n    return final_state['users']['u1']['name'] == 'Ann'"}
+
+
+def users_spec(**overrides: Any) -> dict[str, Any]:
+    """An environment whose tools raise on bad input, declared the agent's fault."""
+    spec = {"env_id": "users", "env_class_name": "Users", "env_class_code": USERS_CODE, "environment_introduction": "Users.",
+            "tool_errors": {"agent_errors": ["NotFound", "ValueError"]}}
+    spec.update(overrides)
+    return spec
+
+
+def users_scenario(reference: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"task_id": "users_001", "env_id": "users", "init_config": {"users": {"u1": {"name": "Al"}}}, "task": "Rename u1 to Ann.",
+            "checklist_with_func": [CHECK_U1_RENAMED], "reference_solution": reference}

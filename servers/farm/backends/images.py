@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import io
+import shlex
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -113,10 +115,24 @@ def current_runtime(client: Any) -> str:
         return build_runtime(client)
 
 
-def _context(bundle_dir: Path, runtime: str, labels: dict[str, str]) -> io.BytesIO:
-    """A build context holding the bundle and a two-line Dockerfile."""
+def requirement_wheels(requires: list[str], wheels: Path) -> None:
+    """Wheels of an environment's declared requirements (env.json's ``requires``) and their dependencies, into
+    ``wheels``: from the project's wheels when they are all there, else from the host's pip index (its
+    configuration: a mirror or a local wheelhouse works offline). The image build itself needs no network."""
+    pip = [sys.executable, "-m", "pip", "wheel", "-q", "--wheel-dir", str(wheels), "--find-links", str(PROJECT_ROOT / "dist" / "wheels")]
+    if subprocess.run([*pip, "--no-index", *requires], capture_output=True).returncode != 0:
+        subprocess.run([*pip, *requires], check=True)
+
+
+def _context(bundle_dir: Path, runtime: str, labels: dict[str, str], requires: list[str], wheels: Path | None) -> io.BytesIO:
+    """A build context holding the bundle, the wheels of its requirements (if any) and a short Dockerfile."""
     label_text = " ".join(f'{k}="{v}"' for k, v in labels.items())
-    dockerfile = f"FROM {runtime}\nCOPY --chown=0:0 bundle /bundle\nLABEL {label_text}\n".encode()
+    lines = [f"FROM {runtime}", "COPY --chown=0:0 bundle /bundle"]
+    if requires:
+        lines += ["USER 0:0", "COPY wheels /tmp/env-wheels",
+                  "RUN /opt/envscaler/bin/pip install --no-cache-dir --no-index --find-links /tmp/env-wheels "
+                  f"{shlex.join(requires)} && rm -rf /tmp/env-wheels", "USER 10001:10001"]
+    dockerfile = "\n".join([*lines, f"LABEL {label_text}", ""]).encode()
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as tar:
         info = tarfile.TarInfo("Dockerfile")
@@ -124,6 +140,8 @@ def _context(bundle_dir: Path, runtime: str, labels: dict[str, str]) -> io.Bytes
         tar.addfile(info, io.BytesIO(dockerfile))
         for name in ("env.json", "scenarios.jsonl"):
             tar.add(bundle_dir / name, arcname=f"bundle/{name}")
+        if wheels is not None:
+            tar.add(wheels, arcname="wheels")
     buffer.seek(0)
     return buffer
 
@@ -139,7 +157,12 @@ def build_env_image(client: Any, bundle_dir: Path, runtime: str) -> tuple[str, b
     except Exception:  # noqa: BLE001 - not built yet
         pass
     labels = {LABEL_ENV: bundle.env_id, LABEL_HASH: spec_hash, LABEL_RUNTIME: runtime}
-    client.images.build(fileobj=_context(Path(bundle_dir), runtime, labels), custom_context=True, tag=tag, rm=True, pull=False)
+    requires = bundle.spec.requires or []
+    with tempfile.TemporaryDirectory(prefix="envscaler-wheels-") as wheels:
+        if requires:
+            requirement_wheels(requires, Path(wheels))
+        context = _context(Path(bundle_dir), runtime, labels, requires, Path(wheels) if requires else None)
+    client.images.build(fileobj=context, custom_context=True, tag=tag, rm=True, pull=False)
     return tag, True
 
 
