@@ -10,8 +10,10 @@ tool-call parser, turn and length limits) with the farm in place of verl's tools
 - every tool call the parser finds goes to the episode over MCP, in order;
 - a plain answer ends the trajectory, or, in a conversation, gets the simulated user's reply as a
   user turn (masked out of the loss like tool results) until the user ends it;
-- at the end ``reward_score`` is the validator's score and ``extra_fields["envscaler"]`` holds every
-  check's result; the episode is ended on every path (done, error, cancellation).
+- at the end ``reward_score`` is the validator's score, ``extra_fields["reward_extra_info"]`` the
+  verdict's numbers (verl's trainer logs them: share of checks passed, turns, tool calls, agent errors)
+  and ``extra_fields["envscaler"]`` every check's result; the episode is ended on every path (done,
+  error, cancellation).
 
 A server that cannot be reached raises :class:`InfraError` out of ``run``: verl's worker fails the
 step instead of training on a reward of 0. Verl's own ``BaseTool`` path could not do this: it creates
@@ -80,6 +82,8 @@ class FarmAgentLoop(ToolAgentLoop):
         finally:
             await episode.end()
         output.reward_score = score.reward
+        # verl logs reward_extra_info (numbers under the same keys in every row) and keeps extra_fields per trajectory.
+        output.extra_fields["reward_extra_info"] = score.metrics()
         output.extra_fields["envscaler"] = score.details()
         return output
 
