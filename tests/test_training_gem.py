@@ -1,8 +1,14 @@
 """GEM's own vector env loop (gem.make_vec) drives the registered envscaler:farm env on a real farm, and the ROLL
-example's env entries make and play it as ROLL's env manager does (ROLL itself is not on PyPI)."""
+example's env entries make and play it as ROLL's env manager does (ROLL itself is not on PyPI: its own env manager
+runs only where a checkout is given, see the last test)."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -135,3 +141,25 @@ def test_the_roll_examples_conversational_entry_plays_its_simulated_user(catalog
         seed = next(s for s in range(3) if FarmGemEnv(**entry["config"]).scenarios[s][1] == "lamp_chat")
         scenario, score, _ = roll_trajectory(entry, seed, [SOLUTION, "It is on, at 3."])
         assert (scenario, score) == ("lamp_chat", 1.0)
+
+
+@pytest.mark.skipif(not os.environ.get("ENVSCALER_ROLL_CHECKOUT"), reason="ROLL is not on PyPI: set ENVSCALER_ROLL_CHECKOUT "
+                    "(its source) and ENVSCALER_ROLL_PYTHON (a Python with its dependencies) to run its env manager")
+def test_rolls_own_env_manager_plays_the_example_on_the_farm(catalog, tmp_path):
+    from tests.test_training import tiny_qwen
+
+    _, tokenizer = tiny_qwen()
+    tokenizer.save_pretrained(tmp_path / "model")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray, never a cluster already there
+    ray_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    env.update(PYTHONPATH=os.pathsep.join([os.environ["ENVSCALER_ROLL_CHECKOUT"], str(ROLL_EXAMPLE.parents[1])]), RAY_TMPDIR=ray_dir)
+    with ReplayServer({"policy": [{"content": SOLUTION}, {"content": "Done."}, {"content": "Done."}]}) as llm:
+        run = subprocess.run([os.environ["ENVSCALER_ROLL_PYTHON"], str(ROLL_EXAMPLE.parents[1] / "tests" / "interop" / "roll_env_manager.py"),
+                              str(catalog), llm.base_url, str(tmp_path / "model"), "2"], capture_output=True, text=True, env=env, timeout=300,
+                             cwd=tmp_path)  # ROLL writes its logs under ./output
+    shutil.rmtree(ray_dir, ignore_errors=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    solved, idle = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    # The group seed is random: episode 0 plays one scenario (solved), episode 1 the other (doing nothing).
+    assert solved["score"] == 1.0 and idle["score"] == {"lamp_dark": 0.0, "lamp_lit": 0.5}[idle["scenario"]]
+    assert solved["metrics"]["env/EnvScalerFarm/envscaler/checks_passed"] == 1.0 and solved["metrics"]["env/EnvScalerFarm/envscaler/tool_calls"] == 2.0
