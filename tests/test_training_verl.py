@@ -52,7 +52,7 @@ class ScriptedPolicy:
         return TokenOutput(token_ids=self.tokenizer.encode(text + "<|im_end|>", add_special_tokens=False), stop_reason="completed")
 
 
-def verl_config(root: Path, catalog: Path, conversational: bool = False, user_base_url: str | None = None) -> DictConfig:
+def verl_config(root: Path, catalog: Path, conversational: bool = False, user_base_url: str | None = None, *more: str) -> DictConfig:
     """verl's trainer config with the README's overrides: the farm's dataset and agent loop config file, a tiny local model."""
     model_dir = root / "model"
     if not model_dir.exists():
@@ -70,7 +70,7 @@ def verl_config(root: Path, catalog: Path, conversational: bool = False, user_ba
         f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loop_config}",
         # What a test on CPU sets: a local model, room for the prompt (the tools' schemas), the rollout engine's name.
         f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.rollout.name=vllm",
-        "data.max_prompt_length=4096", "data.max_response_length=2048", "data.dataloader_num_workers=0",
+        "data.max_prompt_length=4096", "data.max_response_length=2048", "data.dataloader_num_workers=0", *more,
     ]
     with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"), version_base=None):
         return compose(config_name="ppo_trainer", overrides=overrides)
@@ -101,8 +101,10 @@ def farm(tmp_path_factory):
 
 def test_verls_worker_runs_episodes_to_the_validators_reward(farm):
     root, catalog = farm
-    config = verl_config(root, catalog)
-    solved, _ = rollout(config, {"solve": True})
+    # Results are cut as verl cuts its own tools' (switch's result is 35 characters, dim's 40).
+    cut = "actor_rollout_ref.rollout.multi_turn.max_tool_response_length=36", "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=right"
+    solved, policy = rollout(verl_config(root, catalog, False, None, *cut), {"solve": True})
+    assert any('{"success":true,"data":{"on":true}}' in p and '{"success":true,"data":{"brightness"...(truncated)' in p for p in policy.prompts)
     rows = [info["scenario_id"] for info in solved.non_tensor_batch["extra_info"]]
     assert rows == ["lamp_dark", "lamp_dark", "lamp_lit", "lamp_lit"]  # the conversational one needs a user model
     rewards, extra = extract_reward(solved)  # what verl's trainer reads: the score at each response's last token
@@ -114,7 +116,7 @@ def test_verls_worker_runs_episodes_to_the_validators_reward(farm):
     assert 0 in mask[: int(solved.batch["attention_mask"][0, solved.batch["prompts"].size(1):].sum())]  # tool results masked out
     assert list(solved.non_tensor_batch["__num_turns__"]) == [4] * 4
     # Doing nothing scores what the validator says: 0 on the dark lamp, 0.5 on the lit one (one check of two).
-    idle, _ = rollout(config, {"solve": False})
+    idle, _ = rollout(verl_config(root, catalog), {"solve": False})
     rewards, extra = extract_reward(idle)
     assert rewards.sum(dim=1).tolist() == [0.0, 0.0, 0.5, 0.5] and list(extra["envscaler/tool_calls"]) == [0.0] * 4
     assert [[c["passed"] for c in e["checks"]] for e in idle.non_tensor_batch["envscaler"]][2] == [True, False]
