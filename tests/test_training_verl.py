@@ -37,6 +37,7 @@ class ScriptedPolicy:
     """Stands in for verl's LLMServerClient: answers each generate from the prompt so far, as token ids.
 
     ``solve``: the reference calls first, then ``closing`` once their results are in; else ``closing`` at once.
+    ``before``: called once, before the batch's first answer.
     """
 
     def __init__(self, tokenizer, solve: bool, closing: str = "Done.", before=None) -> None:
@@ -44,8 +45,9 @@ class ScriptedPolicy:
         self.prompts: list[str] = []
 
     async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs) -> TokenOutput:
-        if self.before is not None:
-            self.before()
+        before, self.before = self.before, None
+        if before is not None:
+            before()
         prompt = self.tokenizer.decode(prompt_ids)
         self.prompts.append(prompt)
         text = SOLUTION if self.solve and "<tool_response>" not in prompt else self.closing
