@@ -68,6 +68,8 @@ def main() -> int:
 
         # verl's loop runs on its worker's event loop: measured there, with the call its parser hands over.
         verl_loop = FarmAgentLoop.__new__(FarmAgentLoop)
+        # What the loop reads of verl's multi_turn config on a call (results here are far below the limit).
+        verl_loop.max_tool_response_length, verl_loop.tool_response_truncate_side = 4096, "middle"
         event_loop = asyncio.new_event_loop()
 
         async def open_verl() -> None:

@@ -16,11 +16,13 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM 
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.chat_template_utils import qwen3_chat_template  # noqa: E402
 
+from agent_client.errors import HarnessError  # noqa: E402
 from agent_client.training import TrainingFarm  # noqa: E402
 from envscaler.errors import InfraError  # noqa: E402
 from envscaler.wire import EnvEndpoint, FarmCatalog  # noqa: E402
 from tests.support.bundles import write_bundle  # noqa: E402
 from tests.support.server import serve  # noqa: E402
+from tests.support.training import PERSONA, lamp_farm  # noqa: E402
 
 LAMP_CODE = '''
 class Lamp:
@@ -158,3 +160,16 @@ def test_grpo_trainer_trains_on_the_farm_with_the_validators_reward(farm, tmp_pa
     assert [entry["rewards/LampEnv/mean"] for entry in steps] == [0.5, 0.5]
     assert [entry["reward"] for entry in steps] == [0.5, 0.5]
     assert all("loss" in entry for entry in steps)
+
+
+def test_conversational_scenarios_stay_out_of_trls_rows_and_prompts(tmp_path):
+    with lamp_farm(tmp_path) as catalog:
+        farm = TrainingFarm.connect(catalog)
+        rows = farm.rows()
+        assert sorted(r["scenario_id"] for r in rows) == ["lamp_dark", "lamp_lit"]
+        assert not any("You are Ada" in m["content"] or PERSONA in m["content"] for r in rows for m in r["prompt"])
+        lamp = farm.environment_factory()["lamp"]()
+        # A row made by hand cannot open one either: reset would hand the user's brief to the agent as its task.
+        with pytest.raises(HarnessError, match="lamp/lamp_chat is conversational"):
+            lamp.reset(env_id="lamp", scenario_id="lamp_chat")
+        assert lamp.reset(env_id="lamp", scenario_id="lamp_dark", prompt=[]) is None and lamp.get_reward() == 0.0

@@ -1,14 +1,24 @@
-"""GEM's own vector env loop (gem.make_vec) drives the registered envscaler:farm env on a real farm."""
+"""GEM's own vector env loop (gem.make_vec) drives the registered envscaler:farm env on a real farm, and the ROLL
+example's env entries make and play it as ROLL's env manager does (ROLL itself is not on PyPI: its own env manager
+runs only where a checkout is given, see the last test)."""
 
 from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from tests.support.extras import require
 
-require("gem", extra="gem")
+require("gem", "omegaconf", extra="gem")
 
 import gem  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
 
 from agent_client.training.gem import ENV_ID, FarmGemEnv  # noqa: E402
 from envscaler.errors import InfraError  # noqa: E402
@@ -76,3 +86,80 @@ def test_a_killed_server_is_an_infra_error(tmp_path):
         with pytest.raises(InfraError):
             env.step(SOLUTION)
         assert env.episode is None
+
+
+ROLL_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "roll_envscaler_farm.yaml"
+
+
+def roll_env_entry(tag: str, **overrides: str) -> dict:
+    """``custom_envs.<tag>`` of the ROLL example, resolved, as ROLL's AgenticConfig.make_env_configs hands it to an
+    env manager: the template's keys, with ``env_config`` moved to ``config``."""
+    config = OmegaConf.load(ROLL_EXAMPLE)
+    for key, value in overrides.items():
+        OmegaConf.update(config, key, value)
+    template = OmegaConf.to_container(config, resolve=True)["custom_envs"][tag]
+    return {**{k: v for k, v in template.items() if k != "env_config"}, "tag": tag, "config": dict(template["env_config"])}
+
+
+def roll_trajectory(entry: dict, seed: int, policy: list[str]) -> tuple[str, float, dict]:
+    """One trajectory as ROLL's TrajEnvManager plays it: gem.make(env_type, **config), reset(seed=group seed +
+    episode id), step with the model's text until terminated or max_steps; the trajectory's score is the rewards' sum."""
+    env = gem.make(env_id=entry["env_type"], **entry["config"])
+    try:
+        _, info = env.reset(seed=seed)
+        rewards, last = [], {}
+        for step, text in enumerate(policy, 1):
+            _, reward, terminated, _, last = env.step(action=text)
+            rewards.append(reward)
+            if terminated or step >= entry["max_steps"]:
+                return info["scenario_id"], sum(rewards), last
+        raise AssertionError("the policy ran out before the trajectory ended")
+    finally:
+        env.close()
+
+
+def test_the_roll_example_makes_and_plays_the_env_as_rolls_env_manager_does(catalog):
+    entry = roll_env_entry("EnvScalerFarm", farm_catalog=str(catalog))
+    assert entry["env_type"] == ENV_ID and entry["env_manager_cls"] == "agent_client.training.roll.TrajEnvManager"
+    assert entry["config"]["max_turns"] == entry["max_steps"] == 40  # the env scores before ROLL's limit cuts it
+    assert "{observation}" in entry["agent_template"] and entry["agent_system_template"]
+    # A group's envs share a seed (one scenario); seeds 7 and 8 pick the two scenarios.
+    played = {}
+    for seed in (7, 8):
+        for name, policy in (("solved", [SOLUTION, "Done."]), ("idle", ["Done."])):
+            scenario, score, info = roll_trajectory(entry, seed, policy)
+            played[scenario, name] = score
+            assert info["metrics"]["envscaler/reward"] == score  # ROLL logs info["metrics"] as env/<tag>/<name>
+    assert played == {("lamp_dark", "solved"): 1.0, ("lamp_dark", "idle"): 0.0, ("lamp_lit", "solved"): 1.0, ("lamp_lit", "idle"): 0.5}
+
+
+def test_the_roll_examples_conversational_entry_plays_its_simulated_user(catalog):
+    with ReplayServer({"user": [{"content": "Lamp on at 3, please."}, {"content": "###STOP###"}]}) as users:
+        entry = roll_env_entry("EnvScalerFarmConversation", farm_catalog=str(catalog),
+                               **{"custom_envs.EnvScalerFarmConversation.env_config.user_model": "user",
+                                  "custom_envs.EnvScalerFarmConversation.env_config.user_base_url": users.base_url})
+        seed = next(s for s in range(3) if FarmGemEnv(**entry["config"]).scenarios[s][1] == "lamp_chat")
+        scenario, score, _ = roll_trajectory(entry, seed, [SOLUTION, "It is on, at 3."])
+        assert (scenario, score) == ("lamp_chat", 1.0)
+
+
+@pytest.mark.skipif(not os.environ.get("ENVSCALER_ROLL_CHECKOUT"), reason="ROLL is not on PyPI: set ENVSCALER_ROLL_CHECKOUT "
+                    "(its source) and ENVSCALER_ROLL_PYTHON (a Python with its dependencies) to run its env manager")
+def test_rolls_own_env_manager_plays_the_example_on_the_farm(catalog, tmp_path):
+    from tests.test_training import tiny_qwen
+
+    _, tokenizer = tiny_qwen()
+    tokenizer.save_pretrained(tmp_path / "model")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray, never a cluster already there
+    ray_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    env.update(PYTHONPATH=os.pathsep.join([os.environ["ENVSCALER_ROLL_CHECKOUT"], str(ROLL_EXAMPLE.parents[1])]), RAY_TMPDIR=ray_dir)
+    with ReplayServer({"policy": [{"content": SOLUTION}, {"content": "Done."}, {"content": "Done."}]}) as llm:
+        run = subprocess.run([os.environ["ENVSCALER_ROLL_PYTHON"], str(ROLL_EXAMPLE.parents[1] / "tests" / "interop" / "roll_env_manager.py"),
+                              str(catalog), llm.base_url, str(tmp_path / "model"), "2"], capture_output=True, text=True, env=env, timeout=300,
+                             cwd=tmp_path)  # ROLL writes its logs under ./output
+    shutil.rmtree(ray_dir, ignore_errors=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    solved, idle = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    # The group seed is random: episode 0 plays one scenario (solved), episode 1 the other (doing nothing).
+    assert solved["score"] == 1.0 and idle["score"] == {"lamp_dark": 0.0, "lamp_lit": 0.5}[idle["scenario"]]
+    assert solved["metrics"]["env/EnvScalerFarm/envscaler/checks_passed"] == 1.0 and solved["metrics"]["env/EnvScalerFarm/envscaler/tool_calls"] == 2.0

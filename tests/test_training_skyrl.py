@@ -1,11 +1,15 @@
 """skyrl-gym's registry makes the envscaler_farm BaseTextEnv as SkyRL's generator does (skyrl_gym.make with
 env_config and the row as extras), and a multi-turn loop like its agent_loop drives it over a real farm.
 
-SkyRL's own generator (skyrl 0.3.0, ``SkyRLGymGenerator``) cannot be imported on Python 3.11: its
-``skyrl.tinker.types`` builds pydantic models from ``typing.TypedDict``, which pydantic refuses below 3.12.
+SkyRL's own generator (skyrl 0.3.0, ``SkyRLGymGenerator``) drives it too, on Python 3.12 and later: below
+that its ``skyrl.tinker.types`` cannot be imported (pydantic refuses ``typing.TypedDict`` there), and the
+test that runs it skips.
 """
 
 from __future__ import annotations
+
+import asyncio
+import sys
 
 import pytest
 
@@ -73,3 +77,44 @@ def test_a_killed_server_is_an_infra_error(tmp_path):
         with pytest.raises(InfraError):
             env.step(SOLUTION)
         assert env.episode is None
+
+
+class ScriptedEngine:
+    """Stands in for SkyRL's inference engine client: answers each prompt (token ids) with the reference calls,
+    then, once their results are in, with a plain answer; ``solve=False``: the plain answer at once."""
+
+    def __init__(self, tokenizer, solve: bool) -> None:
+        self.tokenizer, self.solve = tokenizer, solve
+
+    async def generate(self, engine_input, model=None):
+        prompt = self.tokenizer.decode(engine_input["prompt_token_ids"][0])
+        text = SOLUTION if self.solve and "<tool_response>" not in prompt else "Done."
+        ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        return {"responses": [text], "response_ids": [ids], "stop_reasons": ["stop"], "response_logprobs": None}
+
+    async def finish_session(self, session_id) -> None:
+        return None
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="SkyRL's generator imports only on Python 3.12 and later")
+def test_skyrls_generator_runs_episodes_to_the_validators_reward(catalog, monkeypatch):
+    from skyrl.train.config.config import GeneratorConfig, SamplingParams, SkyRLGymConfig
+    from skyrl.train.generators.skyrl_gym_generator import SkyRLGymGenerator
+
+    from tests.test_training import tiny_qwen
+
+    # SkyRL's config has no key for this env: the catalog comes from the environment, as the README says.
+    monkeypatch.setenv("ENVSCALER_FARM_CATALOG", str(catalog))
+    _, tokenizer = tiny_qwen()
+    rows = skyrl_rows(FarmConnection(catalog))
+    config = GeneratorConfig(max_turns=5, max_input_length=8192, sampling_params=SamplingParams(max_generate_length=256, logprobs=None),
+                             use_cache_salt=False)
+    batch = {"prompts": [r["prompt"] for r in rows], "env_classes": [r["env_class"] for r in rows],
+             "env_extras": [{k: v for k, v in r.items() if k != "prompt"} for r in rows], "sampling_params": None}
+    rewards = {}
+    for solve in (True, False):
+        generator = SkyRLGymGenerator(config, SkyRLGymConfig(max_env_workers=0), ScriptedEngine(tokenizer, solve), tokenizer)
+        output = asyncio.run(generator.generate({**batch, "env_extras": [dict(e) for e in batch["env_extras"]]}, disable_tqdm=True))
+        rewards[solve] = {r["scenario_id"]: sum(reward) if isinstance(reward, list) else reward for r, reward in zip(rows, output["rewards"])}
+        assert any(0 in mask for mask in output["loss_masks"]) == solve  # tool results are masked out of the loss
+    assert rewards == {True: {"lamp_dark": 1.0, "lamp_lit": 1.0}, False: {"lamp_dark": 0.0, "lamp_lit": 0.5}}

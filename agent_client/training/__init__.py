@@ -4,6 +4,7 @@
 - ``verl``: an agent loop registered as ``envscaler_farm`` (``agent_client.training.verl``);
 - ``skyrl``: a ``BaseTextEnv`` registered in skyrl-gym as ``envscaler_farm`` (``agent_client.training.skyrl``);
 - ``gem``: a ``gem.Env`` registered as ``envscaler:farm``, which ROLL and OpenRLHF make (``agent_client.training.gem``);
+- ``roll``: ROLL's trajectory env manager, named in ROLL's config so its workers register ``envscaler:farm``;
 - ``session``: the core they share (the farm, an episode, the validator's score); ``toolcalls``: tool
   calls read from model text.
 

@@ -1,19 +1,19 @@
 """GEM (and ROLL, OpenRLHF through it): a ``gem.Env`` holding one farm episode per trajectory, registered as ``envscaler:farm``.
 
 ``gem.make("envscaler:farm", catalog=..., scenarios=[...])`` makes one; ROLL makes it from its YAML
-(``custom_envs.<tag>.env_type: envscaler:farm`` and ``env_config``; see ``examples/roll_envscaler_farm.yaml``
-and the README).
+(``custom_envs.<tag>.env_type: envscaler:farm`` and ``env_config``, in the env manager that
+``agent_client.training.roll`` registers it for; see ``examples/roll_envscaler_farm.yaml`` and the README).
 
 - ``reset(seed)`` ends the previous episode and opens a scenario: ``scenarios[seed % len]`` with a
   seed, else the next one in order (``scenarios``: ``"env_id/scenario_id"`` strings; default every
-  scored, non-conversational scenario of the farm). The observation is the system prompt, the tools
+  scored scenario of the farm, conversational ones only with ``conversational=True``). The observation is the system prompt, the tools
   (as Qwen's and Hermes' templates list them) and the task, or in a conversation the simulated user's
   opening message; ``info["tools"]`` has the OpenAI tool schemas for env managers that template them.
 - ``step(text)`` reads the tool calls in the model's text (Hermes/Qwen ``<tool_call>`` or OpenAI JSON)
   and answers their results (``<tool_response>`` blocks, or a JSON list for OpenAI calls); a plain
   answer (or the simulated user ending the conversation) terminates the episode with the validator's
-  score as reward and every check's result in ``info["envscaler"]``; running out of ``max_turns``
-  truncates it, scored the same way.
+  score as reward, every check's result in ``info["envscaler"]`` and the verdict's numbers in
+  ``info["metrics"]`` (which ROLL logs); running out of ``max_turns`` truncates it, scored the same way.
 - ``close()`` ends the episode. A server that cannot be reached raises :class:`InfraError`.
 """
 
@@ -47,13 +47,13 @@ class FarmGemEnv(HeldEpisode, gem.Env):
     """Text in (the model's turn), text out; one farm episode from ``reset`` to the end."""
 
     def __init__(self, scenarios: list[str] | None = None, catalog: str | None = None, user_model: str | None = None,
-                 user_base_url: str | None = None, max_turns: int | None = None, **_unused: Any) -> None:
+                 user_base_url: str | None = None, max_turns: int | None = None, conversational: bool = False, **_unused: Any) -> None:
         super().__init__()
         settings = FarmSettings(catalog=catalog, user_model=user_model, user_base_url=user_base_url, max_turns=max_turns)
         self.farm = settings.connection()
         self.max_turns = max_turns
         if scenarios is None:
-            scenarios = [f"{d.env_id}/{s.scenario_id}" for d, s in farm_scenarios(self.farm)]
+            scenarios = [f"{d.env_id}/{s.scenario_id}" for d, s in farm_scenarios(self.farm, conversational=conversational)]
         self.scenarios = [_split(s) for s in scenarios]
         if not self.scenarios:
             raise HarnessError("no scenarios to play: name some (env_id/scenario_id) or start a farm with scored scenarios")
@@ -93,7 +93,8 @@ class FarmGemEnv(HeldEpisode, gem.Env):
         finished = not turn.replies and turn.user is None
         score = self.score = self._run(episode.score())
         self.close()
-        return "", score.reward, finished, not finished, {"envscaler": score.details()}
+        # ROLL's env managers log info["metrics"] per trajectory (as env/<tag>/<name>).
+        return "", score.reward, finished, not finished, {"envscaler": score.details(), "metrics": score.metrics()}
 
 
 def _split(name: str) -> tuple[str, str]:

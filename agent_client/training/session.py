@@ -271,6 +271,9 @@ class FarmEpisode:
         self.max_turns = max_turns
         self.turns = self.tool_calls = self.agent_errors = 0
         self.ended = False
+        # verl runs a turn's tool calls concurrently (asyncio.gather); the environment is stateful, so they run one
+        # at a time, in the order the model wrote them (the lock is FIFO and gather starts them in order).
+        self._calls = asyncio.Lock()
 
     @classmethod
     async def open(cls, farm: FarmConnection, http: LeanHttp, env_id: str, scenario_id: str, max_turns: int | None = None) -> FarmEpisode:
@@ -299,9 +302,11 @@ class FarmEpisode:
         return await self.user.start(self.user_usage)
 
     async def call(self, call_id: str, name: str, arguments: dict[str, Any]) -> ToolReply:
-        """One tool call on the episode; a tool's own error is a reply the model sees, a lost server raises InfraError."""
+        """One tool call on the episode (after the calls asked before it); a tool's own error is a reply the model
+        sees, a lost server raises InfraError."""
         self.tool_calls += 1
-        text, is_error = await self.tools.call(name, arguments)
+        async with self._calls:
+            text, is_error = await self.tools.call(name, arguments)
         return ToolReply(call_id=call_id, name=name, text=text, is_error=is_error)
 
     async def act(self, text: str) -> Turn:

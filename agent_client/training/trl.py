@@ -78,6 +78,11 @@ class FarmEnvironment:
             raise HarnessError(f"row for {row['env_id']!r} given to the {env_id!r} environment; pass the dict from environment_factory()")
         self._end_episode()
         created = Background.run(self._control.create(scenario_id))
+        if created.user_profile:
+            # Its task is the simulated user's brief (persona, goal): returned here, it would be the agent's prompt.
+            Background.run(self._control.end(created.episode_id))
+            raise HarnessError(f"{env_id}/{scenario_id} is conversational: TRL's tool loop has no user turn for its simulated user; "
+                               "train on it with verl, SkyRL or GEM, or leave it out (TrainingFarm.dataset() does)")
         self._episode_id = created.episode_id
         self._tools = McpTools(self._control.http, created.mcp_url)
         if "prompt" in row:

@@ -7,11 +7,15 @@ tool-call parser, turn and length limits) with the farm in place of verl's tools
 - ``run`` opens the row's scenario (``extra_info.env_id`` / ``extra_info.scenario_id``), takes the
   episode's tools as the tool schemas the chat template shows, and in a conversational scenario adds the
   simulated user's opening message to the prompt;
-- every tool call the parser finds goes to the episode over MCP, in order;
+- every tool call the parser finds (up to ``multi_turn.max_parallel_calls``) goes to the episode over
+  MCP, one at a time in order; its result is cut to ``multi_turn.max_tool_response_length`` as verl
+  cuts its own tools' results;
 - a plain answer ends the trajectory, or, in a conversation, gets the simulated user's reply as a
   user turn (masked out of the loss like tool results) until the user ends it;
-- at the end ``reward_score`` is the validator's score and ``extra_fields["envscaler"]`` holds every
-  check's result; the episode is ended on every path (done, error, cancellation).
+- at the end ``reward_score`` is the validator's score, ``extra_fields["reward_extra_info"]`` the
+  verdict's numbers (verl's trainer logs them: share of checks passed, turns, tool calls, agent errors)
+  and ``extra_fields["envscaler"]`` every check's result; the episode is ended on every path (done,
+  error, cancellation).
 
 A server that cannot be reached raises :class:`InfraError` out of ``run``: verl's worker fails the
 step instead of training on a reward of 0. Verl's own ``BaseTool`` path could not do this: it creates
@@ -80,6 +84,8 @@ class FarmAgentLoop(ToolAgentLoop):
         finally:
             await episode.end()
         output.reward_score = score.reward
+        # verl logs reward_extra_info (numbers under the same keys in every row) and keeps extra_fields per trajectory.
+        output.extra_fields["reward_extra_info"] = score.metrics()
         output.extra_fields["envscaler"] = score.details()
         return output
 
@@ -95,7 +101,18 @@ class FarmAgentLoop(ToolAgentLoop):
             episode.agent_errors += 1
             return ToolResponse(text=f"Error: the arguments of {tool_call.name!r} must be a JSON object."), 0.0, {}
         reply = await episode.call(tool_call.tool_call_id or "", tool_call.name, arguments)
-        return ToolResponse(text=reply.text), 0.0, {}
+        return ToolResponse(text=self._truncated(reply.text)), 0.0, {}
+
+    def _truncated(self, text: str) -> str:
+        # verl's bound on what one tool result adds to the context (multi_turn.max_tool_response_length, _side).
+        limit, side = self.max_tool_response_length, self.tool_response_truncate_side
+        if len(text) <= limit:
+            return text
+        if side == "left":
+            return "(truncated)..." + text[-limit:]
+        if side == "right":
+            return text[:limit] + "...(truncated)"
+        return text[: limit // 2] + "...(truncated)..." + text[-(limit // 2):]
 
     async def _handle_generating_state(self, agent_data: AgentData, sampling_params: dict[str, Any],
                                        ignore_termination: bool = False) -> AgentState:
