@@ -288,7 +288,7 @@ class ProcessBackend:
             if record.healthy_at is None:
                 failures += 1
                 if failures >= _STARTUP_ATTEMPTS:
-                    tail = _log_tail(self.paths.env_log(env.env_id))
+                    tail = log_tail(self.paths.env_log(env.env_id))
                     self.board.update(env.env_id, status="failed", pid=None, last_exit=f"{exit_text}: {tail}")
                     log.error("environment server failed to start", extra={"env": env.env_id, "exit": exit_text})
                     return
@@ -344,7 +344,8 @@ class ProcessBackend:
                 await anyio.sleep(_STOP_POLL_S)
 
 
-def _log_tail(path: Path, lines: int = 3) -> str:
+def log_tail(path: Path, lines: int = 3) -> str:
+    """The last ``lines`` lines of a server's log, on one line ("no log", "no output" when there are none)."""
     try:
         text = path.read_text(errors="replace").strip().splitlines()
     except OSError:

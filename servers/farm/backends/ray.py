@@ -143,7 +143,8 @@ class RayBackend:
         self.placement: RayPlacement = plan.ray
         self.paths = paths
         self.board = board
-        # env_id -> the actor that holds it.
+        # Every actor made, and env_id -> the actor that holds it.
+        self.groups: list[Any] = []
         self.actors: dict[str, Any] = {}
         # The bundles in Ray's object store (ObjectRefs), held for the farm's life: Ray restarts an actor
         # from its arguments, which must still exist then.
@@ -170,6 +171,7 @@ class RayBackend:
                     resources={name: amount * len(envs) for name, amount in self.placement.resources.items()} or None,
                     scheduling_strategy="SPREAD", runtime_env={"env_vars": {FARM_ID_VARIABLE: self.plan.farm_id}},
                 ).remote([self._start(env) for env in envs], *refs)
+                self.groups.append(actor)
                 for env in envs:
                     self.actors[env.env_id] = actor
                     tasks.start_soon(self._follow, env)
@@ -246,14 +248,13 @@ class RayBackend:
         import ray
 
         self._stopping = True
-        actors = list({id(actor): actor for actor in self.actors.values()}.values())
-        refs = [actor.stop.remote() for actor in actors]
+        refs = [actor.stop.remote() for actor in self.groups]
         with anyio.move_on_after(_STOP_S):
             for ref in refs:
                 try:
                     await ref
                 except Exception:  # noqa: BLE001 - an actor that died meanwhile has nothing left to stop
                     continue
-        for actor in actors:
+        for actor in self.groups:
             ray.kill(actor, no_restart=True)
         await anyio.to_thread.run_sync(ray.shutdown)

@@ -23,13 +23,12 @@ from pydantic import BaseModel
 
 from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment, sandbox_problem
 from servers.episodes.ids import new_replica_id
-from servers.farm.backends.process import describe_exit, server_preexec
+from servers.farm.backends.process import describe_exit, log_tail, server_preexec
 from servers.farm.backends.spawning import listening_line, serve_command
 from servers.serve import READY_FD_VARIABLE
 
 _LISTEN_TIMEOUT_S = 60.0
 _STOP_GRACE_S = 5.0
-_LOG_TAIL_BYTES = 2048
 
 
 class ServerStart(BaseModel):
@@ -112,29 +111,19 @@ class ServerSlot:
             os.close(write_fd)
         port = _read_ready_port(read_fd)
         if port is None:
-            self.problem = f"exited before it listened on {self.node} ({describe_exit(self.child.wait())}): {self.log_tail()}"
+            self.problem = f"exited before it listened on {self.node} ({describe_exit(self.child.wait())}): {log_tail(self.log_path)}"
         else:
             self.url = f"http://{self.address}:{port}"
         self.ready.set()
         self.exit_code = self.child.wait()
         self.exited.set()
 
-    def log_tail(self) -> str:
-        """The end of the server's output on this node, on one line."""
-        try:
-            with open(self.log_path, "rb") as handle:
-                handle.seek(max(0, handle.seek(0, os.SEEK_END) - _LOG_TAIL_BYTES))
-                text = handle.read().decode(errors="replace")
-        except OSError:
-            return "no log"
-        return " | ".join(text.strip().splitlines()[-3:]) or "no output"
-
     def place(self) -> ServerPlace:
         """Where the server listens once it does (or why it did not start), waiting up to a minute."""
         if not self.ready.wait(_LISTEN_TIMEOUT_S):
             self.signal(signal.SIGKILL)
             return ServerPlace(incarnation=self.incarnation, node=self.node, node_id=self.node_id,
-                               problem=f"did not listen within {_LISTEN_TIMEOUT_S:g} s on {self.node}: {self.log_tail()}")
+                               problem=f"did not listen within {_LISTEN_TIMEOUT_S:g} s on {self.node}: {log_tail(self.log_path)}")
         return ServerPlace(incarnation=self.incarnation, node=self.node, node_id=self.node_id, url=self.url, problem=self.problem,
                            pid=self.child.pid if self.child else None)
 
@@ -143,7 +132,7 @@ class ServerSlot:
         self.exited.wait()
         if self.exit_code is None:
             return self.problem or "did not start"
-        return f"{describe_exit(self.exit_code)} on {self.node}: {self.log_tail()}"
+        return f"{describe_exit(self.exit_code)} on {self.node}: {log_tail(self.log_path)}"
 
     def signal(self, signum: int) -> None:
         """Signal the server's whole process group (what it forked goes with it)."""
