@@ -221,3 +221,21 @@ def test_an_address_where_no_cluster_answers_is_one_line_at_once(tmp_path):
     assert up.stderr.strip().splitlines()[-1] == (f"error: no Ray cluster answers at 127.0.0.1:{port} (Connection refused): start one "
                                                   "with 'ray start --head', or give its address with --ray-address")
     assert not (tmp_path / "farm.json.farm").exists()
+
+
+def test_ray_flags_that_cannot_be_used_are_one_line_before_anything_starts(cluster, tmp_path):
+    catalog = str(tmp_path / "farm.json")
+    cases = [
+        (["--backend", "process", "--ray-address", cluster.address],
+         "error: --ray-address, --ray-resource and --envs-per-actor are for the ray backend: add --backend ray"),
+        (["--backend", "ray", "--ray-address", cluster.address, "--ray-resource", "farm_node"],
+         "error: --ray-resource 'farm_node': give NAME=AMOUNT, e.g. farm_node=0.01"),
+        (["--backend", "ray", "--ray-address", cluster.address, "--cpus-per-env", "1000"],
+         "error: the Ray cluster has room for 0 of the 6 environments (each takes CPU 1000 and 256 MB): add nodes, or lower "
+         "--cpus-per-env or --memory-mb"),
+    ]
+    for flags, message in cases:
+        up = envscaler("farm", "up", *flags, "--catalog", catalog, timeout=120)
+        assert up.returncode == 2, (flags, up.stderr)
+        assert up.stderr.strip().splitlines()[-1] == message
+        assert not (tmp_path / "farm.json.farm").exists() and not (tmp_path / "farm.json").exists()
