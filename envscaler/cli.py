@@ -133,7 +133,7 @@ def _write_observed_hints(directory: Path, report: EnvReport) -> None:
 
 
 def _import_envscaler(args: argparse.Namespace) -> int:
-    from envscaler.importer import import_envscaler
+    from envscaler.importers import import_envscaler
 
     report = import_envscaler(Path(args.envs), [Path(p) for p in args.scenarios], Path(args.out))
     print(

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from envscaler import BundleError, EnvSpec, load_bundle, save_bundle
-from envscaler.importer import import_envscaler
+from envscaler.importers import import_envscaler
 from tests.support.bundles import counter_bundle, counter_scenario, counter_spec, write_bundle
 
 

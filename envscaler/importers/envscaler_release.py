@@ -17,6 +17,13 @@ from envscaler.errors import BundleError
 from envscaler.models import Bundle, EnvSpec, Scenario
 
 
+class LeftOut(BaseModel):
+    """One thing of the source an import could not express, and why."""
+
+    item: str
+    reason: str
+
+
 class ImportReport(BaseModel):
     """What an import wrote and what it had to leave out."""
 
@@ -25,6 +32,7 @@ class ImportReport(BaseModel):
     unscored: int = 0
     orphans: dict[str, int] = Field(default_factory=dict)
     written: list[str] = Field(default_factory=list)
+    left_out: list[LeftOut] = Field(default_factory=list)
 
 
 def read_env_metadata(path: Path) -> list[EnvSpec]:

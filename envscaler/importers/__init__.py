@@ -1,0 +1,9 @@
+"""Importers: released data sets and public benchmarks -> bundles.
+
+Each importer reads the user's own copy of a data set and writes one bundle per environment; nothing
+of the source is kept in this repository. Every importer answers with an :class:`ImportReport`.
+"""
+
+from envscaler.importers.envscaler_release import ImportReport, LeftOut, import_envscaler
+
+__all__ = ["ImportReport", "LeftOut", "import_envscaler"]
