@@ -2,8 +2,9 @@
 
 For each bundle: the class loads, its declared Python requirements are installed, and every listed
 tool exists with a matching signature. For each scored scenario: the init_config instantiates; the
-reference solution runs with no tool error (a read-only lookup may fail with an exception the
-environment declares the caller's fault, if it changed nothing); every check passes on the
+reference solution runs with no tool error (a read-only lookup that changed nothing may fail as the
+environment declares: an exception it names the caller's fault, or a failure answer such as
+``"Error: ..."`` under ``tool_errors``); every check passes on the
 reference's final state; at least one check cleanly fails (returns False, no error) on the untouched
 initial state; checks give the same answers twice (a check that only sometimes outruns its time
 limit is named as such); a do-nothing agent scores below 1.0. The report also keeps what each tool's
@@ -266,13 +267,11 @@ def _replay(
     episode = runtime.new_episode(scenario.init_config, scenario_key=None if fresh else scenario.task_id)
     for number, call in enumerate(scenario.reference_solution, start=1):
         outcome = episode.call(call.name, call.arguments)
-        if outcome.error_kind == "agent" and outcome.exception is not None:
+        if outcome.error_kind == "tool" or (outcome.error_kind == "agent" and outcome.exception is not None):
             problem = _declared_failure(runtime, number, outcome)
             if problem is not None:
                 return episode, problem
             continue  # a lookup that found nothing, and said so as the environment declares
-        if outcome.error_kind == "tool":
-            return episode, f"call {number} ({call.name}) failed, {outcome.error}: {outcome.agent_text[:300]}"
         if outcome.error:
             return episode, f"call {number} ({call.name}): {outcome.error}"
         if calls is not None:
@@ -282,17 +281,25 @@ def _replay(
 
 
 def _declared_failure(runtime: EnvRuntime, number: int, outcome: ToolOutcome) -> str | None:
-    """Why a reference call that raised a declared agent error (``agent_errors``) fails ``reference_runs``, or None.
+    """Why a reference call that failed as the environment declares fails ``reference_runs``, or None.
 
-    A gold lookup may find nothing (tau-bench's tools raise on an unknown id), so such a call passes when
-    its tool is read-only and it changed nothing. A tool that changes the state is in the reference to
-    change it: its failure stays a failure, as does a call that changed the state before it raised,
-    whatever the tool's hints say.
+    The failure is a declared agent error (``agent_errors``) or the tool's own answer (``success:
+    false``, a ``text_prefixes`` string such as tau-bench's ``"Error: ..."``). A gold lookup may find
+    nothing (tau-bench's tools answer so for an unknown id), so such a call passes when its tool is
+    read-only and it changed nothing. A tool that changes the state is in the reference to change it:
+    its failure stays a failure, as does a call that changed the state before it failed, whatever the
+    tool's hints say.
     """
     call = f"call {number} ({outcome.name})"
+    if outcome.error_kind == "tool":
+        how = f"failed, {outcome.error}: {outcome.agent_text[:300]}"
+        then = f"then answered a failure ({outcome.error}): {outcome.agent_text[:300]}"
+    else:
+        how = f"failed, {outcome.error} (a declared agent error)"
+        then = f"then raised {outcome.exception} (a declared agent error): {outcome.error}"
     if outcome.diff:
-        return f"{call} changed the state, then raised {outcome.exception} (a declared agent error): {outcome.error}"
+        return f"{call} changed the state, {then}"
     if not runtime.annotations[outcome.name].readOnlyHint:
-        return (f"{call} failed, {outcome.error} (a declared agent error): a reference call of a tool that changes "
-                "the state must succeed; only a read-only lookup may find nothing")
+        return (f"{call} {how}: a reference call of a tool that changes the state must succeed; "
+                "only a read-only lookup may find nothing")
     return None

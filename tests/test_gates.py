@@ -101,12 +101,49 @@ def test_an_empty_reference_is_named_as_such(tmp_path):
     assert "empty (do nothing)" in verdicts["reference_runs"].detail
 
 
-def test_an_error_string_under_the_environments_policy_fails_the_reference(tmp_path):
-    code = COUNTER_CODE.replace("def get_item(", "def note(self, text: str) -> str:\n        \"\"\"Note.\"\"\"\n        return 'Error: nothing to note'\n\n    def get_item(")
-    spec = counter_spec(env_class_code=code, tool_errors={"text_prefixes": ["Error:"]})
-    _, verdicts = gate_verdicts(tmp_path, spec, [counter_scenario(reference_solution=[{"name": "note", "arguments": {"text": "x"}}])])
+# tau-bench's way: tools answer "Error: ..." instead of raising. A lookup may legitimately find nothing; a write may not fail.
+NOTE_TOOLS = """def note(self, text: str) -> str:
+        \"\"\"Note a text (a write that answers an error string for an empty text).
+
+        Args:
+            text (str): What to note.
+        \"\"\"
+        if not text:
+            return 'Error: nothing to note'
+        self.log.append(text)
+        return 'noted'
+
+    def find(self, item_id: str) -> str:
+        \"\"\"Look an item up (answers an error string for an unknown id).
+
+        Args:
+            item_id (str): Id of the item.
+        \"\"\"
+        if item_id not in self.items:
+            return 'Error: item not found'
+        return self.items[item_id]['name']
+
+    def get_item("""
+ERROR_PREFIX_SPEC = counter_spec(env_class_code=COUNTER_CODE.replace("def get_item(", NOTE_TOOLS), tool_errors={"text_prefixes": ["Error:"]})
+ADD_THREE = [{"name": "add", "arguments": {"item_id": "a", "amount": 2}}, {"name": "add", "arguments": {"item_id": "a"}}]
+
+
+def test_a_reference_write_that_answers_an_error_string_fails_the_reference(tmp_path):
+    reference = [{"name": "note", "arguments": {"text": ""}}, *ADD_THREE]
+    _, verdicts = gate_verdicts(tmp_path, ERROR_PREFIX_SPEC, [counter_scenario(reference_solution=reference)])
     assert not verdicts["reference_runs"].passed
-    assert "Error: nothing to note" in verdicts["reference_runs"].detail
+    assert ("call 1 (note) failed, the tool's answer starts with 'Error:': Error: nothing to note: a reference call of a "
+            "tool that changes the state must succeed") in verdicts["reference_runs"].detail
+
+
+def test_a_reference_lookup_that_answers_an_error_string_passes(tmp_path):
+    reference = [{"name": "find", "arguments": {"item_id": "zz"}}, *ADD_THREE]
+    report, _ = gate_verdicts(tmp_path, ERROR_PREFIX_SPEC, [counter_scenario(reference_solution=reference)])
+    assert report.passed, report.failures()
+    # Without the prefix in the policy the answer is no error at all: the same reference passes as well.
+    report, _ = gate_verdicts(tmp_path / "no_policy", counter_spec(env_class_code=ERROR_PREFIX_SPEC["env_class_code"]),
+                              [counter_scenario(reference_solution=reference)])
+    assert report.passed, report.failures()
 
 
 RENAME_U1 = {"name": "rename_user", "arguments": {"user_id": "u1", "name": "Ann"}}
