@@ -114,11 +114,19 @@ class _MethodScan(ast.NodeVisitor):
         elif isinstance(target, ast.Starred):
             self._store(target.value, augmented=augmented)
 
+    def _bind_value(self, target: ast.AST, value: ast.AST) -> None:
+        """Bind ``target`` to what ``value`` holds; ``a, b = x.a, 0`` pair by pair."""
+        pairs = isinstance(target, (ast.Tuple, ast.List)) and isinstance(value, (ast.Tuple, ast.List))
+        if pairs and len(target.elts) == len(value.elts) and not any(isinstance(e, ast.Starred) for e in [*target.elts, *value.elts]):
+            for element, part in zip(target.elts, value.elts):
+                self._bind_value(element, part)
+        else:
+            self._bind(target, self._level(value))
+
     def visit_Assign(self, node: ast.Assign) -> None:
-        level = self._level(node.value)
         for target in node.targets:
             self._store(target)
-            self._bind(target, level)
+            self._bind_value(target, node.value)
         self.generic_visit(node)
 
     def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
@@ -265,19 +273,30 @@ def derive_annotations(source: str, cls: type, tool_names: list[str]) -> dict[st
         if name not in own:
             annotations[name] = ToolAnnotations(title=title_of(name), openWorldHint=False)
             continue
-        writes = effective(name, frozenset({name}))
-        if not writes.writes:
-            annotations[name] = ToolAnnotations(title=title_of(name), readOnlyHint=True, destructiveHint=False,
-                                                idempotentHint=True, openWorldHint=False)
-        else:
-            annotations[name] = ToolAnnotations(
-                title=title_of(name),
-                readOnlyHint=False,
-                destructiveHint=writes.removes_or_replaces,
-                idempotentHint=not writes.accumulates,
-                openWorldHint=False,  # the environment is a closed simulation
-            )
+        annotations[name] = _hints(name, effective(name, frozenset({name})))
     return annotations
+
+
+def state_function_annotations(function: ast.FunctionDef | ast.AsyncFunctionDef, tool_name: str) -> ToolAnnotations:
+    """Hints for a tool written as a function of the state it is handed as its first parameter
+    (tau-bench's ``invoke(data, ...)``): it writes the state when it writes through that parameter."""
+    if not (function.args.posonlyargs + function.args.args):
+        return _hints(tool_name, _Writes())
+    scan = _body_scan(function, arguments_are_state=False)
+    return _hints(tool_name, _Writes(scan.writes, scan.removes_or_replaces, scan.accumulates))
+
+
+def _hints(name: str, writes: _Writes) -> ToolAnnotations:
+    if not writes.writes:
+        return ToolAnnotations(title=title_of(name), readOnlyHint=True, destructiveHint=False, idempotentHint=True,
+                               openWorldHint=False)
+    return ToolAnnotations(
+        title=title_of(name),
+        readOnlyHint=False,
+        destructiveHint=writes.removes_or_replaces,
+        idempotentHint=not writes.accumulates,
+        openWorldHint=False,  # the environment is a closed simulation
+    )
 
 
 def tool_annotations(spec: EnvSpec, cls: type, tool_names: list[str]) -> dict[str, ToolAnnotations]:

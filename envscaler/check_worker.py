@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("bundle")
     parser.add_argument("task_ids", nargs="*")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    events = _own_stdout()
+    events = own_stdout()
     protect_time_limits()
     try:
         bundle = load_bundle(args.bundle)
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _own_stdout() -> TextIO:
+def own_stdout() -> TextIO:
     """A private copy of stdout for the events; what environment code prints goes to stderr instead."""
     events = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)

@@ -145,6 +145,17 @@ def _import_envscaler(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _import_tau_bench(args: argparse.Namespace) -> int:
+    from envscaler.importers import import_tau_bench
+
+    report = import_tau_bench(Path(args.checkout), Path(args.out), domains=args.domain, splits=args.split, timeout_s=args.timeout)
+    for item in report.left_out:
+        print(f"left out {item.item}: {item.reason}", file=sys.stderr)
+    print(f"imported {report.environments} domain(s) and {report.scenarios} task(s) into {args.out} "
+          f"({len(report.left_out)} item(s) left out)")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full parser, including commands that other packages register."""
     from importlib.metadata import entry_points
@@ -217,6 +228,20 @@ def build_parser() -> argparse.ArgumentParser:
     envscaler.add_argument("--scenarios", required=True, nargs="+", metavar="FILE", help="scenario lists (JSON list or JSONL)")
     envscaler.add_argument("--out", required=True, metavar="DIR", help="folder to write one bundle per environment into")
     envscaler.set_defaults(func=_import_envscaler)
+    tau = sources.add_parser(
+        "tau-bench", help="tau-bench's domains, from your own checkout (its tools, data, tasks and policy)",
+        description="Reads a tau-bench checkout as text (nothing of it runs here; the gold actions run in a sandboxed "
+                    "child for their final data) and writes one bundle per domain. What cannot be expressed is listed on stderr.",
+        **with_examples("envscaler import tau-bench ~/src/tau-bench --out bundles/",
+                        "envscaler import tau-bench ~/src/tau-bench --domain retail --split test train --out bundles/")
+    )
+    tau.add_argument("checkout", metavar="PATH", help="the root of a tau-bench checkout (holding tau_bench/envs/)")
+    tau.add_argument("--out", required=True, metavar="DIR", help="folder to write one bundle per domain into")
+    tau.add_argument("--domain", nargs="+", metavar="NAME", help="domains to import (default: every one found)")
+    tau.add_argument("--split", nargs="+", default=["test"], metavar="SPLIT", help="task splits, tasks_<SPLIT>.py (default: test)")
+    tau.add_argument("--timeout", type=positive_float, default=600.0, metavar="SECONDS",
+                     help="seconds allowed for running one domain's gold actions (default: 600)")
+    tau.set_defaults(func=_import_tau_bench)
 
     for entry in sorted(entry_points(group="envscaler.commands"), key=lambda e: e.name):
         try:

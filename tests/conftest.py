@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+# Files written in benchmarks' own formats (tests/fixtures/tau_bench has a tasks_test.py): data, not tests.
+collect_ignore = ["fixtures"]
+
 
 @pytest.fixture
 def anyio_backend() -> str:

@@ -1,11 +1,14 @@
 """Tool annotations: derived from the methods' code, overridden by env.json, served in tools/list, gated."""
 
+import ast
+
 import httpx2
 import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
 from envscaler import EnvRuntime, default_catalog, load_bundle
+from envscaler.annotations import state_function_annotations
 from envscaler.models import EnvSpec
 from tests.support.bundles import counter_bundle, counter_scenario, counter_spec, write_bundle
 from tests.support.cli import envscaler
@@ -63,6 +66,11 @@ class Shop:
     def note(self, text: str) -> dict:
         self.log.append(text)
         return {"success": True}
+
+    def tally(self, order_id: str) -> dict:
+        orders, count = self.orders, 0
+        orders[order_id]["tally"] = count
+        return {"success": True}
 '''
 
 
@@ -80,9 +88,28 @@ def test_hints_follow_writes_through_aliases_helpers_and_loops():
         "put": (False, False, True),  # a record under the caller's key: additive, the same each time
         "forget": (False, True, False),
         "note": (False, False, False),
+        "tally": (False, True, True),  # through a name bound pair by pair (``a, b = x, y``)
     }
     assert runtime.annotations["close_all"].title == "Close all"
     assert runtime.annotations["view"].openWorldHint is False
+
+
+STATE_FUNCTIONS = '''
+def lookup(data, key):
+    return data["records"].get(key)
+
+def store(data, key, value):
+    records, stamp = data["records"], 1
+    records[key] = {"value": value, "stamp": stamp}
+'''
+
+
+def test_a_function_handed_the_state_as_its_first_parameter_writes_through_it():
+    # tau-bench's tools: ``invoke(data, ...)``, the data their first parameter.
+    functions = {node.name: node for node in ast.parse(STATE_FUNCTIONS).body}
+    assert state_function_annotations(functions["lookup"], "lookup").readOnlyHint is True
+    stored = state_function_annotations(functions["store"], "store")
+    assert (stored.readOnlyHint, stored.title) == (False, "Store")
 
 
 def test_explicit_annotations_in_env_json_win_field_by_field(tmp_path):

@@ -5,5 +5,6 @@ of the source is kept in this repository. Every importer answers with an :class:
 """
 
 from envscaler.importers.envscaler_release import ImportReport, LeftOut, import_envscaler
+from envscaler.importers.tau_bench import import_tau_bench
 
-__all__ = ["ImportReport", "LeftOut", "import_envscaler"]
+__all__ = ["ImportReport", "LeftOut", "import_envscaler", "import_tau_bench"]

@@ -30,8 +30,15 @@ def bundled_farm(root: Path, env_ids: list[str]) -> Iterator[Path]:
     """``farm up`` (process backend) of these bundled environments; yields the catalog file; ``farm down`` after."""
     from envscaler import default_catalog
 
+    with process_farm(root, [default_catalog() / e for e in env_ids]) as catalog:
+        yield catalog
+
+
+@contextmanager
+def process_farm(root: Path, bundles: list[Path]) -> Iterator[Path]:
+    """``farm up`` (process backend) of these bundles (or folders of bundles); yields the catalog file; ``farm down`` after."""
     catalog = root / "farm.json"
-    up = envscaler("farm", "up", *(str(default_catalog() / e) for e in env_ids), "--backend", "process", "--catalog", str(catalog))
+    up = envscaler("farm", "up", *map(str, bundles), "--backend", "process", "--catalog", str(catalog))
     assert up.returncode == 0, up.stderr
     try:
         yield catalog

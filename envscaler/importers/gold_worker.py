@@ -1,0 +1,57 @@
+"""The child behind ``envscaler.importers.gold``: ``python -m envscaler.importers.gold_worker BUNDLE_DIR``.
+
+Runs every scenario's reference solution on a fresh episode, through EnvRuntime (allowlisted tools,
+argument schemas, time limits), and prints one GoldRun per scenario as a JSON line. Every call runs,
+failed ones included, as the benchmark's own scoring does. It is its own module, not imported by the
+package, so that ``-m`` runs it without importing it twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from envscaler.bundle import load_bundle
+from envscaler.check_worker import own_stdout
+from envscaler.errors import EnvScalerError
+from envscaler.guard import protect_time_limits
+from envscaler.importers.gold import GoldCall, GoldRun, state_digest
+from envscaler.jsonl import dumps
+from envscaler.runtime import EnvRuntime
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the bundle's reference solutions, printing a GoldRun per scenario; exit 1 if the environment does not load."""
+    parser = argparse.ArgumentParser(prog="python -m envscaler.importers.gold_worker")
+    parser.add_argument("bundle")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    events = own_stdout()
+    protect_time_limits()
+    try:
+        bundle = load_bundle(args.bundle)
+        runtime = EnvRuntime(bundle.spec)
+    except EnvScalerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for scenario in bundle.scenarios:
+        run = GoldRun(task_id=scenario.task_id)
+        try:
+            episode = runtime.new_episode(scenario.init_config)
+        except EnvScalerError as e:
+            run.error = str(e)
+        else:
+            run.initial_digest = state_digest(episode.state())
+            for call in scenario.reference_solution or []:
+                outcome = episode.call(call.name, call.arguments)
+                hints = runtime.annotations.get(call.name)
+                run.calls.append(GoldCall(name=call.name, error=outcome.error, error_kind=outcome.error_kind,
+                                          changed=bool(outcome.diff), read_only=hints.readOnlyHint if hints else None))
+            run.digest = state_digest(episode.state())
+            episode.close()
+        events.write(dumps(run.model_dump(mode="json", exclude_defaults=True)) + "\n")
+        events.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
