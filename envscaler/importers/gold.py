@@ -22,15 +22,17 @@ from envscaler.sandbox import run_module
 
 DIGEST_CODE = '''
 def state_digest(state):
-    """sha256 of the state as canonical JSON (keys sorted), read through the mapping and sequence protocols."""
+    """sha256 of the state as canonical JSON (keys sorted)."""
     import hashlib
     import json
 
+    # dict.items and list.__iter__ read what a container holds as envscaler.state.state_hash does: a
+    # check's copy-on-access view of the state is read without a copy of every container in it.
     def plain(value):
         if isinstance(value, dict):
-            return {key: plain(child) for key, child in value.items()}
+            return {key: plain(child) for key, child in dict.items(value)}
         if isinstance(value, list):
-            return [plain(child) for child in value]
+            return [plain(child) for child in list.__iter__(value)]
         return value
 
     text = json.dumps(plain(state), sort_keys=True, ensure_ascii=False, separators=(",", ":"))
