@@ -8,7 +8,11 @@ from pathlib import Path
 import pytest
 
 from envscaler import load_bundle
+from envscaler.bundle import save_bundle
+from envscaler.errors import InfraError
+from envscaler.importers.gold import run_gold, state_digest
 from envscaler.importers.tau_bench import domain_spec, find_domains, read_domain
+from envscaler.models import Bundle, Scenario
 from envscaler.runtime import EnvRuntime
 from tests.support.cli import envscaler
 from tests.support.farm import process_farm
@@ -60,6 +64,27 @@ def test_the_generated_class_serves_the_tools_with_their_own_schemas_and_error_p
     borrowed = episode.call("borrow_book", {"member_id": "omar_chen_2048", "book_id": "B100"})
     assert borrowed.error is None and json.loads(borrowed.agent_text)["loans"] == ["B100"]
     assert episode.state()["books"]["B100"]["copies_available"] == 0
+
+
+def test_the_gold_actions_run_in_a_sandboxed_child_that_reports_each_call_and_the_final_digest(tmp_path):
+    domain = read_domain(LIBRARY)
+    spec = domain_spec(domain)
+    data = {key: json.loads(path.read_text()) for key, path in domain.data_files.items()}
+    scenarios = [Scenario(task_id=t.task_id, env_id=spec.env_id, init_config=data, reference_solution=t.actions) for t in domain.tasks]
+    runs = run_gold(save_bundle(Bundle(spec=spec, scenarios=scenarios), tmp_path), timeout_s=120)
+    assert sorted(runs) == ["test_0", "test_1", "test_2", "test_3", "test_4"]
+    lookup = runs["test_0"].calls[0]  # an unknown email: a lookup that finds nothing
+    assert (lookup.error_kind, lookup.read_only, lookup.changed) == ("tool", True, False)
+    assert runs["test_0"].calls[-1].changed and runs["test_0"].digest != runs["test_0"].initial_digest
+    assert runs["test_2"].digest == runs["test_2"].initial_digest == state_digest(data)
+    write = runs["test_4"].calls[1]  # no copy left: a gold write that fails
+    assert (write.name, write.error_kind, write.read_only, write.changed) == ("borrow_book", "tool", False, False)
+
+
+def test_a_gold_run_whose_environment_does_not_load_is_an_infra_error(tmp_path):
+    spec = domain_spec(read_domain(LIBRARY)).model_copy(update={"env_class_code": "class TauLibraryEnv(:\n    pass\n"})
+    with pytest.raises(InfraError, match="^tau_library: the gold run failed \\(exit 1\\): error: tau_library: syntax error in class code, line 1"):
+        run_gold(save_bundle(Bundle(spec=spec), tmp_path), timeout_s=120)
 
 
 @pytest.mark.parametrize(

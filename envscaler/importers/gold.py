@@ -75,13 +75,14 @@ class GoldRun(BaseModel):
 def run_gold(bundle_dir: Path, timeout_s: float) -> dict[str, GoldRun]:
     """Each scenario's GoldRun (task_id -> run) for the bundle at ``bundle_dir``, from a sandboxed child.
 
-    Raises InfraError when the child fails as a whole (the environment does not load, it dies or it runs past ``timeout_s``).
+    Raises InfraError, naming the environment (the bundle folder's name), when the child fails as a whole
+    (the environment does not load, it dies or it runs past ``timeout_s``).
     """
     try:
         done = run_module("envscaler.importers.gold_worker", [str(bundle_dir)], timeout_s=timeout_s,
                           memory_mb=GOLD_MEMORY_MB, readable=[bundle_dir])
     except TimeoutExpired:
-        raise InfraError(f"{bundle_dir}: running the gold actions took longer than {timeout_s:g} s "
+        raise InfraError(f"{bundle_dir.name}: running the gold actions took longer than {timeout_s:g} s "
                          "(raise --timeout, or import fewer tasks with --split)") from None
     runs: dict[str, GoldRun] = {}
     # Split on "\n" only: a message can hold U+2028 and the like, which splitlines() breaks on.
@@ -95,5 +96,5 @@ def run_gold(bundle_dir: Path, timeout_s: float) -> dict[str, GoldRun]:
         runs[run.task_id] = run
     if done.returncode != 0:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise InfraError(f"{bundle_dir}: the gold run failed (exit {done.returncode}): {tail}")
+        raise InfraError(f"{bundle_dir.name}: the gold run failed (exit {done.returncode}): {tail}")
     return runs

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ast
 import json
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -142,17 +143,16 @@ def read_domain(directory: Path, splits: tuple[str, ...] | list[str] = DEFAULT_S
 
 
 def write_domain(domain: TauDomain, out: Path, timeout_s: float, report: ImportReport) -> Path:
-    """Write the domain's bundle: its data files once, the gold actions run for their final data, the scenarios with checks."""
+    """Write the domain's bundle: its data files once, the gold actions run for their final data, the scenarios with checks.
+
+    The gold actions run on a staging copy of the bundle, so that a failed run leaves nothing half-written under ``out``.
+    """
     spec = domain_spec(domain)
     init_config = {key: {"$file": f"data/{key}.json"} for key in domain.data_files}
-    directory = out / spec.env_id
-    (directory / "data").mkdir(parents=True, exist_ok=True)
-    for key, source in domain.data_files.items():
-        shutil.copyfile(source, directory / "data" / f"{key}.json")
     gold_only = [Scenario(task_id=t.task_id, env_id=spec.env_id, init_config=init_config, reference_solution=t.actions)
                  for t in domain.tasks]
-    save_bundle(Bundle(spec=spec, scenarios=gold_only), out)
-    runs = run_gold(directory, timeout_s)
+    with tempfile.TemporaryDirectory(prefix="envscaler-tau-") as staging:
+        runs = run_gold(_with_data(save_bundle(Bundle(spec=spec, scenarios=gold_only), staging), domain), timeout_s)
     scenarios = []
     for task in domain.tasks:
         run = runs.get(task.task_id) or GoldRun(task_id=task.task_id, error="the gold run reported nothing for it")
@@ -162,8 +162,16 @@ def write_domain(domain: TauDomain, out: Path, timeout_s: float, report: ImportR
             continue
         assert run.digest is not None
         scenarios.append(_scenario(spec.env_id, init_config, task, run.digest))
-    save_bundle(Bundle(spec=spec, scenarios=scenarios), out)
+    directory = _with_data(save_bundle(Bundle(spec=spec, scenarios=scenarios), out), domain)
     report.scenarios += len(scenarios)
+    return directory
+
+
+def _with_data(directory: Path, domain: TauDomain) -> Path:
+    """Copy the domain's data files into the bundle at ``directory`` (once: every scenario names them)."""
+    (directory / "data").mkdir(exist_ok=True)
+    for key, source in domain.data_files.items():
+        shutil.copyfile(source, directory / "data" / f"{key}.json")
     return directory
 
 
