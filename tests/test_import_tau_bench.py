@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,28 @@ def test_a_domain_is_read_as_text_tools_tasks_data_wiki_and_rules():
     assert set(domain.data_files) == {"books", "members"}
     assert domain.wiki.startswith("# Library agent policy") and len(domain.rules) == 2
     assert [(o.item, o.reason) for o in domain.left_out] == [("library/dev", "the domain has no tasks_dev.py")]
+
+
+OTHER_TASK_SHAPES = '''
+tasks = [
+    {"user_id": "u1", "instruction": "Look up B100.", "actions": [{"name": "get_book_details", "kwargs": {"book_id": "B100"}}], "outputs": []},
+    Task(user_id="u2", instruction=f"You are {NAME}.", actions=[], outputs=[]),
+    Task(user_id="u3", instruction="Borrow B100.", actions=[Action(name="reserve_book", kwargs={"book_id": "B100"})], outputs=[]),
+]
+'''
+
+
+def test_tasks_written_as_dicts_are_read_and_computed_or_unknown_ones_are_left_out_with_the_reason(tmp_path):
+    domain = tmp_path / "library"
+    shutil.copytree(LIBRARY, domain)
+    (domain / "tasks_dev.py").write_text(OTHER_TASK_SHAPES)
+    read = read_domain(domain, ["dev"])
+    assert [(t.task_id, t.user_id, [a.name for a in t.actions]) for t in read.tasks] == [("dev_0", "u1", ["get_book_details"])]
+    assert [(o.item, o.reason) for o in read.left_out] == [
+        ("library/dev_1", "cannot be read without running the file: line 4: Task(user_id='u2', instruction=f'You are {NAME}.', "
+                          "actions=[], outputs=[]) is computed, not written as literals"),
+        ("library/dev_2", "its gold actions call reserve_book, which no imported tool serves"),
+    ]
 
 
 def test_the_generated_class_serves_the_tools_with_their_own_schemas_and_error_policy():

@@ -364,9 +364,10 @@ def _read_tasks(path: Path, split: str, tools: set[str], prefix: str, left_out: 
         task_id = f"{split}_{index}"
         try:
             fields = _fields(node)
-            actions = [_fields(action) for action in fields.get("actions", [])]
+            # Task(...) keeps Action(...) calls as nodes; a dict literal's actions are dicts already.
+            actions = [a if isinstance(a, dict) else _fields(a) for a in fields.get("actions", [])]
         except ValueError as e:
-            left_out.append(LeftOut(item=f"{prefix}{task_id}", reason=f"not a literal Task(...): {e}"))
+            left_out.append(LeftOut(item=f"{prefix}{task_id}", reason=f"cannot be read without running the file: {e}"))
             continue
         calls = []
         for number, action in enumerate(actions, start=1):
@@ -390,13 +391,16 @@ def _read_tasks(path: Path, split: str, tools: set[str], prefix: str, left_out: 
 
 def _fields(node: ast.expr) -> dict[str, Any]:
     """A ``Task(...)``/``Action(...)`` call's keywords, or a dict literal's items, as literal values (ValueError if not literal)."""
-    if isinstance(node, ast.Call) and not node.args:
-        return {kw.arg: _literal_or_list(kw.value) for kw in node.keywords if kw.arg is not None}
-    if isinstance(node, ast.Dict):
-        value = ast.literal_eval(node)
-        if isinstance(value, dict):
-            return value
-    raise ValueError(f"line {getattr(node, 'lineno', '?')}: {ast.unparse(node)[:80]}")
+    try:
+        if isinstance(node, ast.Call) and not node.args:
+            return {kw.arg: _literal_or_list(kw.value) for kw in node.keywords if kw.arg is not None}
+        if isinstance(node, ast.Dict):
+            value = ast.literal_eval(node)
+            if isinstance(value, dict):
+                return value
+    except ValueError:
+        pass
+    raise ValueError(f"line {getattr(node, 'lineno', '?')}: {ast.unparse(node)[:80]} is computed, not written as literals")
 
 
 def _literal_or_list(node: ast.expr) -> Any:
