@@ -11,7 +11,7 @@ import pytest
 from envscaler import load_bundle
 from envscaler.bundle import save_bundle
 from envscaler.errors import InfraError
-from envscaler.importers.gold import run_gold, state_digest
+from envscaler.importers.gold import NO_CHANGE, changes_digest, run_gold
 from envscaler.importers.tau_bench import domain_spec, find_domains, read_domain
 from envscaler.models import Bundle, Scenario
 from envscaler.runtime import EnvRuntime
@@ -98,8 +98,12 @@ def test_the_gold_actions_run_in_a_sandboxed_child_that_reports_each_call_and_th
     assert sorted(runs) == ["test_0", "test_1", "test_2", "test_3", "test_4"]
     lookup = runs["test_0"].calls[0]  # an unknown email: a lookup that finds nothing
     assert (lookup.error_kind, lookup.read_only, lookup.changed) == ("tool", True, False)
-    assert runs["test_0"].calls[-1].changed and runs["test_0"].digest != runs["test_0"].initial_digest
-    assert runs["test_2"].digest == runs["test_2"].initial_digest == state_digest(data)
+    assert runs["test_0"].calls[-1].changed
+    changed = json.loads(json.dumps(data))
+    changed["books"]["B100"]["copies_available"] = 0
+    changed["members"]["omar_chen_2048"]["loans"] = ["B100"]
+    assert runs["test_0"].digest == changes_digest(data, changed) != NO_CHANGE
+    assert runs["test_2"].digest == NO_CHANGE  # lookups only
     write = runs["test_4"].calls[1]  # no copy left: a gold write that fails
     assert (write.name, write.error_kind, write.read_only, write.changed) == ("borrow_book", "tool", False, False)
 
@@ -129,17 +133,19 @@ def imported(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tau") / "bundles"
     result = envscaler("import", "tau-bench", str(CHECKOUT), "--out", str(out), timeout=300)
     assert result.returncode == 0, result.stderr
-    assert "imported 1 domain(s) and 3 task(s)" in result.stdout
-    # The transfer-only task (doing nothing solves it) and the task whose gold write fails are left out, and why.
+    assert "imported 1 domain(s) and 4 task(s)" in result.stdout
+    # The transfer-only task (doing nothing solves it) is left out, and why; so is a gold write that fails and changes nothing.
     assert "left out library/test_3: its gold actions change no data and it expects no output" in result.stderr
-    assert "left out library/test_4: gold action 2 (borrow_book) fails" in result.stderr
+    assert ("left out library/test_4 action 2: the gold write borrow_book fails (the tool's answer starts with 'Error:') "
+            "and changes nothing, in tau-bench too: left out of the reference solution") in result.stderr
     return out / "tau_library"
 
 
 def test_the_bundle_holds_the_data_once_and_the_tasks_as_conversational_scenarios(imported):
     bundle = load_bundle(imported)
     assert sorted(p.name for p in (imported / "data").iterdir()) == ["books.json", "members.json"]
-    assert [s.task_id for s in bundle.scenarios] == ["test_0", "test_1", "test_2"]
+    assert [s.task_id for s in bundle.scenarios] == ["test_0", "test_1", "test_2", "test_4"]
+    assert [c.arguments.get("book_id") for c in bundle.scenarios[3].reference_solution] == [None, "B300"]
     for scenario in bundle.scenarios:
         assert scenario.init_config == {"books": {"$file": "data/books.json"}, "members": {"$file": "data/members.json"}}
         assert scenario.conversational and scenario.user_profile == scenario.task
@@ -166,11 +172,11 @@ def test_replay_scores_one_and_random_scores_less(tau_farm, tmp_path):
     replay = envscaler("run", "--farm", str(tau_farm), "--agent", "replay", "--out", str(tmp_path / "replay.jsonl"), timeout=300)
     assert replay.returncode == 0, replay.stderr
     replayed = records(tmp_path / "replay.jsonl")
-    assert len(replayed) == 3 and all(r["reward"] == 1.0 for r in replayed), [(r["task_id"], r["checks"]) for r in replayed]
+    assert len(replayed) == 4 and all(r["reward"] == 1.0 for r in replayed), [(r["task_id"], r["checks"]) for r in replayed]
     randomly = envscaler("run", "--farm", str(tau_farm), "--agent", "random", "--out", str(tmp_path / "random.jsonl"), timeout=300)
     assert randomly.returncode == 0, randomly.stderr
     rewards = [r["reward"] for r in records(tmp_path / "random.jsonl")]
-    assert len(rewards) == 3 and sum(rewards) / len(rewards) < 1.0
+    assert len(rewards) == 4 and sum(rewards) / len(rewards) < 1.0
 
 
 def test_a_conversation_with_the_simulated_user_is_scored_on_data_and_replies(tau_farm, tmp_path):

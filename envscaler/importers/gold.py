@@ -1,11 +1,15 @@
-"""Gold final states: a bundle's reference solutions run in a limited child, each final state's digest back.
+"""Gold final states: a bundle's reference solutions run in a limited child, what each changed comes back as a digest.
 
 Benchmarks score by comparing the data after the agent with the data after the gold actions
 (tau-bench). The importer cannot run the benchmark's tool code itself (it is untrusted), so it
 writes the bundle, runs ``python -m envscaler.importers.gold_worker BUNDLE_DIR`` through the sandbox
-(``envscaler.sandbox.run_module``) and reads one :class:`GoldRun` per scenario. The digest is
-computed by :data:`DIGEST_CODE`, the same text a check function embeds, so the check and the import
-agree on what equal data is.
+(``envscaler.sandbox.run_module``) and reads one :class:`GoldRun` per scenario.
+
+Two states that grew from the same initial state are equal exactly when they changed it in the same
+places to the same values, so the digest is of the change set (:data:`CHANGES_CODE`): a check that
+compares it costs in proportion to what changed, not to the size of the data (a benchmark's data is
+megabytes), as it walks past every container the episode shares, unchanged, with its initial state.
+The check embeds the same text that the worker runs, so both agree on what equal data is.
 """
 
 from __future__ import annotations
@@ -20,14 +24,18 @@ from pydantic import BaseModel, Field, ValidationError
 from envscaler.errors import InfraError
 from envscaler.sandbox import run_module
 
-DIGEST_CODE = '''
-def state_digest(state):
-    """sha256 of the state as canonical JSON (keys sorted)."""
+CHANGES_CODE = '''
+def changes_digest(before, after):
+    """sha256 of where and how ``after`` differs from ``before`` (JSON states), as canonical JSON."""
     import hashlib
     import json
 
-    # dict.items and list.__iter__ read what a container holds as envscaler.state.state_hash does: a
-    # check's copy-on-access view of the state is read without a copy of every container in it.
+    # A check sees the states through copy-on-access views (dict and list subclasses): dict.items,
+    # dict.get and list.__iter__ read what a container holds, as envscaler.state.state_hash does, so a
+    # container the final state shares with the initial one is the same object in both, and skipped.
+    absent = object()
+    changes = []
+
     def plain(value):
         if isinstance(value, dict):
             return {key: plain(child) for key, child in dict.items(value)}
@@ -35,20 +43,42 @@ def state_digest(state):
             return [plain(child) for child in list.__iter__(value)]
         return value
 
-    text = json.dumps(plain(state), sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    def walk(path, old, new):
+        if old is new:
+            return
+        if isinstance(old, dict) and isinstance(new, dict):
+            for key, child in dict.items(new):
+                was = dict.get(old, key, absent)
+                if was is absent:
+                    changes.append([path + [key], "set", plain(child)])
+                else:
+                    walk(path + [key], was, child)
+            changes.extend([path + [key], "del"] for key in dict.keys(old) if not dict.__contains__(new, key))
+        elif isinstance(old, list) and isinstance(new, list) and list.__len__(old) == list.__len__(new):
+            for index, (was, child) in enumerate(zip(list.__iter__(old), list.__iter__(new))):
+                walk(path + [index], was, child)
+        elif isinstance(old, (dict, list)) or isinstance(new, (dict, list)) or type(old) is not type(new) or old != new:
+            changes.append([path, "set", plain(new)])
+
+    walk([], before, after)
+    text = json.dumps(sorted(changes, key=lambda change: json.dumps(change[0])), sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 '''
-"""Defines ``state_digest(state) -> str``. Check code embeds this text; the worker runs the same text."""
+"""Defines ``changes_digest(before, after) -> str``. Check code embeds this text; the worker runs the same text."""
 
-# The worker holds a benchmark's whole data (tau-bench's domains: over 100 MB of JSON) a few times over.
+# The worker holds a benchmark's whole data (tau-bench's domains: megabytes of JSON) a few times over.
 GOLD_MEMORY_MB = 8192
 
 
-def state_digest(state: dict[str, Any]) -> str:
-    """The digest :data:`DIGEST_CODE` computes, for ``state`` (plain JSON data)."""
+def changes_digest(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """The digest :data:`CHANGES_CODE` computes, for two states (plain JSON data)."""
     namespace: dict[str, Any] = {}
-    exec(compile(DIGEST_CODE, "<state_digest>", "exec"), namespace)  # our own text, not environment code
-    return str(namespace["state_digest"](state))
+    exec(compile(CHANGES_CODE, "<changes_digest>", "exec"), namespace)  # our own text, not environment code
+    return str(namespace["changes_digest"](before, after))
+
+
+NO_CHANGE = changes_digest({}, {})
+"""The digest of a state that changed nothing."""
 
 
 class GoldCall(BaseModel):
@@ -63,11 +93,11 @@ class GoldCall(BaseModel):
 
 
 class GoldRun(BaseModel):
-    """One scenario's reference solution run on its initial state: the final state's digest, or why there is none."""
+    """One scenario's reference solution run on its initial state: the digest of what it changed, or why there is none."""
 
     task_id: str
     digest: str | None = None
-    initial_digest: str | None = None
+    """``changes_digest(initial state, final state)``: :data:`NO_CHANGE` when the calls changed nothing."""
     error: str | None = None
     calls: list[GoldCall] = Field(default_factory=list)
 

@@ -1,7 +1,7 @@
 """The child behind ``envscaler.importers.gold``: ``python -m envscaler.importers.gold_worker BUNDLE_DIR``.
 
 Runs every scenario's reference solution on a fresh episode, through EnvRuntime (allowlisted tools,
-argument schemas, time limits), and prints one GoldRun per scenario as a JSON line. Every call runs,
+argument schemas, time limits), and prints one GoldRun per scenario (the digest of what the calls changed) as a JSON line. Every call runs,
 failed ones included, as the benchmark's own scoring does. It is its own module, not imported by the
 package, so that ``-m`` runs it without importing it twice.
 """
@@ -15,7 +15,7 @@ from envscaler.bundle import load_bundle
 from envscaler.check_worker import own_stdout
 from envscaler.errors import EnvScalerError
 from envscaler.guard import protect_time_limits
-from envscaler.importers.gold import GoldCall, GoldRun, state_digest
+from envscaler.importers.gold import GoldCall, GoldRun, changes_digest
 from envscaler.jsonl import dumps
 from envscaler.runtime import EnvRuntime
 
@@ -40,13 +40,12 @@ def main(argv: list[str] | None = None) -> int:
         except EnvScalerError as e:
             run.error = str(e)
         else:
-            run.initial_digest = state_digest(episode.state())
             for call in scenario.reference_solution or []:
                 outcome = episode.call(call.name, call.arguments)
                 hints = runtime.annotations.get(call.name)
                 run.calls.append(GoldCall(name=call.name, error=outcome.error, error_kind=outcome.error_kind,
                                           changed=bool(outcome.diff), read_only=hints.readOnlyHint if hints else None))
-            run.digest = state_digest(episode.state())
+            run.digest = changes_digest(episode.initial_state(), episode.state())
             episode.close()
         events.write(dumps(run.model_dump(mode="json", exclude_defaults=True)) + "\n")
         events.flush()

@@ -12,8 +12,8 @@ process. The bundle holds:
 - the wiki as the environment's introduction, the rules as its constraints;
 - each task as a conversational scenario: the instruction is the simulated user's task and profile,
   the gold actions are the reference solution, the expected outputs (joined) the reference reply;
-- tau-bench's reward as checks: the final data equals the data after the gold actions (a digest,
-  computed by running the gold actions in a sandboxed child: ``envscaler.importers.gold``), and each
+- tau-bench's reward as checks: the final data equals the data after the gold actions (the digest
+  of what they change, computed by running them in a sandboxed child: ``envscaler.importers.gold``), and each
   expected output appears in what the agent said to the user.
 
 What the format cannot hold goes into the report's ``left_out`` with the reason.
@@ -34,7 +34,7 @@ from envscaler.annotations import state_function_annotations
 from envscaler.bundle import save_bundle
 from envscaler.errors import BundleError
 from envscaler.importers.envscaler_release import ImportReport, LeftOut
-from envscaler.importers.gold import DIGEST_CODE, GoldRun, run_gold
+from envscaler.importers.gold import CHANGES_CODE, NO_CHANGE, GoldRun, run_gold
 from envscaler.models import Bundle, CheckItem, EnvSpec, Scenario, ToolAnnotations, ToolCall, ToolErrorPolicy
 
 # tau-bench's tools answer "Error: ..." for what the caller got wrong; its environment also turns any
@@ -161,7 +161,8 @@ def write_domain(domain: TauDomain, out: Path, timeout_s: float, report: ImportR
             report.left_out.append(LeftOut(item=f"{domain.name}/{task.task_id}", reason=problem))
             continue
         assert run.digest is not None
-        scenarios.append(_scenario(spec.env_id, init_config, task, run.digest))
+        report.left_out += _dropped(domain.name, task, run)
+        scenarios.append(_scenario(spec.env_id, init_config, task.model_copy(update={"actions": _replayed(task, run)}), run.digest))
     directory = _with_data(save_bundle(Bundle(spec=spec, scenarios=scenarios), out), domain)
     report.scenarios += len(scenarios)
     return directory
@@ -448,17 +449,34 @@ def _gold_problem(task: TauTask, run: GoldRun) -> str | None:
     if run.error is not None or run.digest is None:
         return f"its gold actions could not run: {run.error}"
     for number, call in enumerate(run.calls, start=1):
-        if call.error is not None and (call.changed or not call.read_only):
-            return (f"gold action {number} ({call.name}) fails ({call.error}): a gold write must succeed, so the "
-                    "reference solution cannot be replayed")
         if call.error_kind in ("env", "timeout"):
             return f"gold action {number} ({call.name}) fails in the tool's own code ({call.error})"
-    if run.digest == run.initial_digest and not task.outputs:
+        if call.error is not None and call.changed:
+            return (f"gold action {number} ({call.name}) changes the data, then fails ({call.error}): the reference "
+                    "solution cannot be replayed")
+    if run.digest == NO_CHANGE and not task.outputs:
         return ("its gold actions change no data and it expects no output: doing nothing scores 1.0, and a scenario that "
                 "doing nothing solves cannot score an agent (the gates refuse it)")
-    if not task.actions:
-        return "it has no gold actions: the reference solution would be empty"
+    if not _replayed(task, run):
+        return "it has no gold action that succeeds: the reference solution would be empty"
     return None
+
+
+def _replayed(task: TauTask, run: GoldRun) -> list[ToolCall]:
+    """The gold actions the reference solution keeps: all but the writes that fail and change nothing.
+
+    Such a write does nothing in tau-bench either (the data check is the same without it), but a
+    reference call of a tool that changes the state must succeed (the ``reference_runs`` gate).
+    """
+    return [action for action, call in zip(task.actions, run.calls, strict=True)
+            if call.error is None or call.read_only]
+
+
+def _dropped(domain: str, task: TauTask, run: GoldRun) -> list[LeftOut]:
+    return [LeftOut(item=f"{domain}/{task.task_id} action {number}",
+                    reason=f"the gold write {call.name} fails ({call.error}) and changes nothing, in tau-bench too: left out "
+                           "of the reference solution (the data check is the same without it)")
+            for number, call in enumerate(run.calls, start=1) if call.error is not None and not call.read_only]
 
 
 def _scenario(env_id: str, init_config: dict[str, Any], task: TauTask, digest: str) -> Scenario:
@@ -478,7 +496,7 @@ def _scenario(env_id: str, init_config: dict[str, Any], task: TauTask, digest: s
 
 
 def _data_check(digest: str) -> str:
-    return f"{DIGEST_CODE}\n\ndef check_func(final_state):\n    return state_digest(final_state) == {digest!r}\n"
+    return f"{CHANGES_CODE}\n\ndef check_func(final_state):\n    return changes_digest(initial_state, final_state) == {digest!r}\n"
 
 
 def _output_check(output: str) -> str:
