@@ -9,7 +9,8 @@ one record (the baseline, measured in the same run, alternating).
 
     python benchmarks/tau_data_check.py [--mb 1.3] [--rounds 20]
 
-Target: the data check costs what a check that reads one record costs, within 3x (it reads what changed, not the whole data).
+Target: the data check's validate p50 stays under a tenth of the gates' default check limit (2 s) at
+that size: it reads what changed, not the whole data (a digest of the whole data took 0.7 s at 3 MB).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from common import EnvRuntime, Verdict, argument_parser, load_bundle, report
 
+from envscaler.gates import DEFAULT_CHECK_TIMEOUT_S
 from envscaler.importers.gold import CHANGES_CODE, changes_digest
 from envscaler.models import CheckItem
 from tests.support.large_state import shop_bundle, state_size
@@ -53,8 +55,9 @@ def main() -> int:
     data_p50, baseline_p50 = statistics.median(times["data"]), statistics.median(times["one record"])
     print(f"state {state_size(state) / 1e6:.2f} MB; validate p50: data check {data_p50 * 1000:.1f} ms, "
           f"one record {baseline_p50 * 1000:.1f} ms (x{data_p50 / baseline_p50:.1f})")
-    return report([Verdict("validate with the data check (p50)", f"{data_p50 * 1000:.1f} ms",
-                           f"<= 3x one record", data_p50 <= 3 * baseline_p50)])
+    limit = DEFAULT_CHECK_TIMEOUT_S / 10
+    return report([Verdict("validate with the data check (p50)", f"{data_p50 * 1000:.1f} ms", f"< {limit * 1000:g} ms",
+                           data_p50 < limit)])
 
 
 if __name__ == "__main__":

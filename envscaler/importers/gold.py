@@ -6,10 +6,11 @@ writes the bundle, runs ``python -m envscaler.importers.gold_worker BUNDLE_DIR``
 (``envscaler.sandbox.run_module``) and reads one :class:`GoldRun` per scenario.
 
 Two states that grew from the same initial state are equal exactly when they changed it in the same
-places to the same values, so the digest is of the change set (:data:`CHANGES_CODE`): a check that
-compares it costs in proportion to what changed, not to the size of the data (a benchmark's data is
-megabytes), as it walks past every container the episode shares, unchanged, with its initial state.
-The check embeds the same text that the worker runs, so both agree on what equal data is.
+places to the same values, so the digest is of the change set (:data:`CHANGES_CODE`, over
+``envscaler.state.changes_since``, which the trajectories' diffs use): a check that compares it costs
+in proportion to what changed, not to the size of the data (a benchmark's data is megabytes), as it
+skips every container the episode shares, unchanged, with its initial state. The check embeds the
+same text that the worker runs, so both agree on what equal data is.
 """
 
 from __future__ import annotations
@@ -26,42 +27,15 @@ from envscaler.sandbox import run_module
 
 CHANGES_CODE = '''
 def changes_digest(before, after):
-    """sha256 of where and how ``after`` differs from ``before`` (JSON states), as canonical JSON."""
+    """sha256 of where and how ``after`` differs from ``before`` (``envscaler.state.changes_since``), as canonical JSON."""
     import hashlib
     import json
 
-    # A check sees the states through copy-on-access views (dict and list subclasses): dict.items,
-    # dict.get and list.__iter__ read what a container holds, as envscaler.state.state_hash does, so a
-    # container the final state shares with the initial one is the same object in both, and skipped.
-    absent = object()
-    changes = []
+    from envscaler.state import changes_since
 
-    def plain(value):
-        if isinstance(value, dict):
-            return {key: plain(child) for key, child in dict.items(value)}
-        if isinstance(value, list):
-            return [plain(child) for child in list.__iter__(value)]
-        return value
-
-    def walk(path, old, new):
-        if old is new:
-            return
-        if isinstance(old, dict) and isinstance(new, dict):
-            for key, child in dict.items(new):
-                was = dict.get(old, key, absent)
-                if was is absent:
-                    changes.append([path + [key], "set", plain(child)])
-                else:
-                    walk(path + [key], was, child)
-            changes.extend([path + [key], "del"] for key in dict.keys(old) if not dict.__contains__(new, key))
-        elif isinstance(old, list) and isinstance(new, list) and list.__len__(old) == list.__len__(new):
-            for index, (was, child) in enumerate(zip(list.__iter__(old), list.__iter__(new))):
-                walk(path + [index], was, child)
-        elif isinstance(old, (dict, list)) or isinstance(new, (dict, list)) or type(old) is not type(new) or old != new:
-            changes.append([path, "set", plain(new)])
-
-    walk([], before, after)
-    text = json.dumps(sorted(changes, key=lambda change: json.dumps(change[0])), sort_keys=True, ensure_ascii=False)
+    changes = sorted(([change.path, change.op, change.after] for change in changes_since(before, after)),
+                     key=lambda change: json.dumps(change[0]))
+    text = json.dumps(changes, sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 '''
 """Defines ``changes_digest(before, after) -> str``. Check code embeds this text; the worker runs the same text."""
