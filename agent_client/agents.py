@@ -69,8 +69,7 @@ class EpisodeContext:
 
     def pending_replies(self) -> list[str]:
         """The agent's texts to the user since its last ended turn: what the checks read as ``agent_replies``."""
-        return [m["content"] for m in self.messages[self.replies_from:]
-                if m.get("role") == "assistant" and isinstance(m.get("content"), str) and m["content"]]
+        return agent_texts(self.messages[self.replies_from:])
 
     async def end_turn(self) -> str | None:
         """End the current scripted user turn (the agent answered without a tool call): the user's next
@@ -83,6 +82,18 @@ class EpisodeContext:
         if ended.next_message is not None:
             self.messages.append({"role": "user", "content": ended.next_message})
         return ended.next_message
+
+
+def agent_texts(messages: list[dict[str, Any]]) -> list[str]:
+    """The agent's texts to the user in ``messages`` (its non-empty assistant contents), as checks read them."""
+    return [m["content"] for m in messages if m.get("role") == "assistant" and isinstance(m.get("content"), str) and m["content"]]
+
+
+def texts_by_turn(messages: list[dict[str, Any]]) -> list[list[str]]:
+    """The agent's texts to the user, one list per user turn (a user message after the first starts the next)."""
+    starts = [i for i, m in enumerate(messages) if m.get("role") == "user"][1:]
+    bounds = [0, *starts, len(messages)]
+    return [agent_texts(messages[start:end]) for start, end in zip(bounds, bounds[1:])]
 
 
 class Agent(Protocol):

@@ -175,7 +175,7 @@ def check_scenario(
         gates.append(GateResult(gate="instantiates", passed=False, detail=str(e)))
         return report
     gates.append(GateResult(gate="instantiates", passed=True))
-    if not scenario.all_checks():
+    if not scenario.check_count():
         report.skipped = "unscored scenario (no checklist): only instantiation is checked"
         return report
 

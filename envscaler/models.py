@@ -207,7 +207,7 @@ class Scenario(_Open):
                              "message (leave task out, or make them equal)")
         return self
 
-    def all_checks(self) -> int:
+    def check_count(self) -> int:
         """How many checks score the scenario: every turn's, plus the scenario-level ones."""
         return len(self.checklist_with_func or []) + sum(len(t.checklist_with_func or []) for t in self.turns or [])
 

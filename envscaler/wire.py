@@ -84,6 +84,8 @@ class TurnEnded(BaseModel):
     checks: list[CheckResult] = Field(default_factory=list)
     next_message: str | None = None
     turns_left: int = 0
+    # The ended turn's tool calls, as the trajectory counts them (``envscaler reverify`` replays each turn's own).
+    calls: int = 0
 
 
 class EpisodeCreated(BaseModel):

@@ -385,7 +385,7 @@ class EnvServerApp:
                     task_id=s.task_id,
                     task=s.task,
                     conversational=s.conversational,
-                    checks=s.all_checks(),
+                    checks=s.check_count(),
                     has_reference=bool(s.reference_solution) or any(t.reference_solution for t in s.turns or []),
                     turns=len(s.turns or []),
                 )

@@ -46,7 +46,7 @@ def _call(http, episode, name, arguments, request_id=1):
 def test_a_scenario_with_turns_takes_its_task_from_the_first_turn_and_refuses_a_scenario_level_reference(tmp_path):
     bundle = load_bundle(stock_bundle(tmp_path / "good"))
     [scenario] = bundle.scenarios
-    assert scenario.task == "Add 2 to item a." and len(scenario.turns) == 3 and scenario.all_checks() == 5
+    assert scenario.task == "Add 2 to item a." and len(scenario.turns) == 3 and scenario.check_count() == 5
     cases = {
         "reference solution in each turn": stock_turns_scenario(reference_solution=[{"name": "add", "arguments": {"item_id": "a", "amount": 2}}]),
         "the task is the first turn's message": stock_turns_scenario(task="Something else."),
@@ -69,13 +69,13 @@ def test_turns_end_in_order_and_validation_covers_every_turn(stock_server):
         _call(http, episode, "add", {"item_id": "a", "amount": 2})
         first = http.post(turn_url, json={"agent_replies": ["Done."]}).json()
         assert first == {"episode_id": episode["episode_id"], "turn": 1, "score": 1.0, "next_message": "How many of item b are there?",
-                         "turns_left": 2, "checks": [{"check_item": "a counts 2", "passed": True, "error": None, "turn": 1}]}
+                         "turns_left": 2, "calls": 1, "checks": [{"check_item": "a counts 2", "passed": True, "error": None, "turn": 1}]}
 
         # Turn 2 is checked on its own calls: a look-up of a, then of b, and what the agent said.
         _call(http, episode, "count", {"item_id": "a"}, 2)
         _call(http, episode, "count", {"item_id": "b"}, 3)
         second = http.post(turn_url, json={"agent_replies": ["b: 7"]}).json()
-        assert second["score"] == 1.0 and second["next_message"] == "Add 1 to item b." and second["turns_left"] == 1
+        assert second["score"] == 1.0 and second["calls"] == 2 and second["next_message"] == "Add 1 to item b." and second["turns_left"] == 1
 
         # Validated before turn 3 ends: its checks run on the state now (b still counts 7); three calls so far.
         early = http.post(f"/episodes/{episode['episode_id']}/validate").json()
@@ -134,6 +134,24 @@ def test_replay_scores_one_over_mcp_and_random_fails_the_turn_checked_on_its_out
     users = [m["content"] for m in record["messages"] if m["role"] == "user"]
     assert users == ["Add 2 to item a.", "How many of item b are there?", "Add 1 to item b."]
     assert "There are 7 of item b." in [m["content"] for m in record["messages"] if m["role"] == "assistant"]
+    assert "scripted user turns over 1 episode(s): turn 1: ended in 1, score 1.000; turn 2" in done.stdout
+
+    # Exports keep every user turn: the chat formats in order, Inspect's log with each check's turn.
+    sft, sharegpt, inspect_log = tmp_path / "sft.jsonl", tmp_path / "sharegpt.jsonl", tmp_path / "run.eval"
+    for fmt, target in (("openai", sft), ("sharegpt", sharegpt), ("inspect", inspect_log)):
+        exported = envscaler("export", "--in", str(out), "--out", str(target), "--format", fmt)
+        assert exported.returncode == 0, exported.stderr
+    [item] = [json.loads(line) for line in sft.read_text().splitlines()]
+    assert [m["content"] for m in item["messages"] if m["role"] == "user"] == users
+    [shared] = [json.loads(line) for line in sharegpt.read_text().splitlines()]
+    assert [c["value"] for c in shared["conversations"] if c["from"] == "human"] == users
+    from inspect_ai.log import read_eval_log
+
+    [sample] = read_eval_log(str(inspect_log)).samples
+    assert [m.text for m in sample.messages if m.role == "user"] == users
+    score = sample.scores["checks"]
+    assert score.value == 1.0 and "pass: turn 2: b was looked up, and it counts 7" in score.explanation
+    assert [t["turn"] for t in score.metadata["turns"]] == [1, 2, 3]
 
     randomly = tmp_path / "random.jsonl"
     done = envscaler("run", "--farm", str(catalog), "--agent", "random", "--out", str(randomly), "--quiet", "--repeats", "3",
@@ -144,6 +162,18 @@ def test_replay_scores_one_over_mcp_and_random_fails_the_turn_checked_on_its_out
     for random_record in records:
         assert [t["turn"] for t in random_record["turns"]] == [1, 2, 3]
         assert random_record["turns"][1]["score"] < 1.0 and random_record["reward"] < 1.0
+
+    # Reverify replays each turn's own calls and replies, then ends it: the same verdicts, turn by turn.
+    for run in (out, randomly):
+        again = tmp_path / f"again-{run.name}"
+        done = envscaler("reverify", str(run), "--farm", str(catalog), "--out", str(again), "--quiet")
+        assert done.returncode == 0, done.stderr[-2000:]
+        before = [json.loads(line) for line in run.read_text().splitlines()]
+        after = [json.loads(line) for line in again.read_text().splitlines()]
+        def verdicts(records):
+            return [(r["reward"], r["checks"], [{k: v for k, v in t.items() if k != "episode_id"} for t in r["turns"]]) for r in records]
+
+        assert verdicts(after) == verdicts(before)
 
 
 def test_gates_pass_on_turns_and_fail_on_a_turn_check_that_cannot_pass(tmp_path):

@@ -429,6 +429,7 @@ class EpisodeRegistry:
                 raise NoTurnLeft(f"all {len(turns)} turns of scenario {live.scenario.task_id if live.scenario else ''} have ended: "
                                  "no user message is left; validate the episode (POST /episodes/{id}/validate) or reset it")
             checks = await self._turn_checks(live, current, agent_replies)
+            calls = len(live.calls) - live.turn_start
             live.turn_checks.append(checks)
             live.replies += agent_replies
             live.turn_start = len(live.calls)
@@ -436,7 +437,7 @@ class EpisodeRegistry:
         passed = [c.passed for c in checks]
         log.info("turn ended", extra={"env": self.env_id, "episode": live.episode_id, "turn": current + 1, "checks": len(checks)})
         return TurnEnded(episode_id=live.episode_id, turn=current + 1, score=sum(passed) / len(passed) if passed else None,
-                         checks=checks, next_message=next_message, turns_left=len(turns) - current - 1)
+                         checks=checks, next_message=next_message, turns_left=len(turns) - current - 1, calls=calls)
 
     async def _turn_checks(self, live: LiveEpisode, index: int, agent_replies: list[str]) -> list[CheckResult]:
         """The checks of turn ``index`` (from 0) on the state now, over the calls since the turn started."""
