@@ -7,6 +7,7 @@ changes nothing and is checked only on the tool output it read and on what the a
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -14,6 +15,7 @@ from envscaler.bundle import load_bundle
 from envscaler.errors import BundleError
 from tests.support.bundles import CHECK_READ_B, counter_scenario, stock_bundle, stock_turns_scenario
 from tests.support.cli import envscaler
+from tests.support.openai_replay import ReplayServer
 from tests.support.server import serve
 
 MODES = ["worker", "in-process"]
@@ -200,3 +202,54 @@ def test_a_do_nothing_agent_that_ends_every_turn_fails_the_gate_when_the_checks_
     assert done.returncode != 0
     failed = {g["gate"] for g in json.loads(report.read_text())[0]["scenarios"][0]["gates"] if not g["passed"]}
     assert failed == {"check_fails_on_initial", "do_nothing_below_one"}
+
+
+def test_an_openai_agent_goes_on_after_each_next_message(stock_server, tmp_path):
+    _, catalog = stock_server
+    script = [{"tool_calls": [{"name": "add", "arguments": {"item_id": "a", "amount": 2}}]}, {"content": "Added."},
+              {"tool_calls": [{"name": "count", "arguments": {"item_id": "b"}}]}, {"content": "There are 7."},
+              {"tool_calls": [{"name": "add", "arguments": {"item_id": "b", "amount": 1}}]}, {"content": "Now 8."}]
+    out = tmp_path / "openai.jsonl"
+    with ReplayServer({"agent": script}) as model:
+        done = envscaler("run", "--farm", str(catalog), "--agent", "openai", "--base-url", model.base_url, "--model", "agent",
+                         "--out", str(out), "--quiet", "--scenario", "stock_turns_001")
+        assert done.returncode == 0, done.stderr[-2000:]
+        # Each request after a plain answer carries the next turn's message as the last user message.
+        asked = [[m["content"] for m in r["messages"] if m["role"] == "user"][-1] for r in model.requests]
+    assert asked == ["Add 2 to item a."] * 2 + ["How many of item b are there?"] * 2 + ["Add 1 to item b."] * 2
+    [record] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert record["reward"] == 1.0 and record["termination"] == "finished" and len(record["turns"]) == 3
+
+
+COMMAND_AGENT = '''
+import json, os, sys, urllib.request
+
+def call(name, arguments):
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": name, "arguments": arguments}}
+    request = urllib.request.Request(os.environ["ENVSCALER_MCP_URL"], json.dumps(body).encode(),
+                                     {"Content-Type": "application/json", "Accept": "application/json"})
+    return json.loads(json.loads(urllib.request.urlopen(request).read())["result"]["content"][0]["text"])
+
+task = os.environ["ENVSCALER_TASK"]
+if task == "Add 2 to item a.":
+    call("add", {"item_id": "a", "amount": 2})
+    print("Added 2.")
+elif task == "How many of item b are there?":
+    print(f"There are {call('count', {'item_id': 'b'})['data']}.")
+else:
+    call("add", {"item_id": "b", "amount": 1})
+    print("Added 1.")
+'''
+
+
+def test_a_command_agent_runs_once_per_turn_with_that_turns_message(stock_server, tmp_path):
+    _, catalog = stock_server
+    agent = tmp_path / "agent.py"
+    agent.write_text(COMMAND_AGENT)
+    out = tmp_path / "command.jsonl"
+    done = envscaler("run", "--farm", str(catalog), "--agent", "command", "--command", f"{sys.executable} {agent}",
+                     "--out", str(out), "--quiet", "--scenario", "stock_turns_001")
+    assert done.returncode == 0, done.stderr[-2000:]
+    [record] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [m["content"] for m in record["messages"] if m["role"] == "assistant"] == ["Added 2.", "There are 7.", "Added 1."]
+    assert record["reward"] == 1.0 and [t["score"] for t in record["turns"]] == [1.0, 1.0, 1.0]
