@@ -20,6 +20,7 @@ from envscaler.overlay import Overlay
 _CHECK_FILE = "<check>"
 _TIMEOUT_ERROR = "check ran longer than "
 _COMPILED: dict[str, Any] = {}
+_NO_GLOBALS = CheckContext().check_globals()
 
 Views = Callable[[], tuple[Any, Any, Callable[[], None]]]
 """Makes fresh (final_state, initial_state) views for one check, and what releases them after it."""
@@ -53,15 +54,18 @@ def _error_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {message}{where}"
 
 
-def run_check(item: CheckItem, views: Views, limit_s: float, context: CheckContext | None = None) -> CheckResult:
-    """Run one check on fresh views of the final and initial states, under ``limit_s``, with its own copy
-    of ``context``'s globals (empty ones when None)."""
+def run_check(item: CheckItem, views: Views, limit_s: float, check_globals: dict[str, Any] | None = None) -> CheckResult:
+    """Run one check on fresh views of the final and initial states, under ``limit_s``, with fresh views of
+    ``check_globals`` (``CheckContext.check_globals``; empty ones when None) as its globals."""
     try:
         code = _compile(item.check_func)
     except SyntaxError as e:
         return CheckResult(check_item=item.check_item, passed=False, error=f"syntax error, line {e.lineno}: {e.msg}")
     final_state, initial_state, release = views()
-    namespace: dict[str, Any] = {"__builtins__": builtins, "initial_state": initial_state, **(context or CheckContext()).check_globals()}
+    # Copied on access, as the states are: what one check changes in them, no other check sees.
+    context = Overlay(None)
+    namespace: dict[str, Any] = {"__builtins__": builtins, "initial_state": initial_state,
+                                 **context.view(check_globals or _NO_GLOBALS)}
 
     def decide() -> bool:
         exec(code, namespace)
@@ -80,6 +84,7 @@ def run_check(item: CheckItem, views: Views, limit_s: float, context: CheckConte
         # reference cycles that would otherwise keep the copies until the garbage collector runs.
         namespace.clear()
         release()
+        context.release()
     return CheckResult(check_item=item.check_item, passed=passed)
 
 
@@ -92,7 +97,8 @@ def run_checks(checklist: list[CheckItem] | None, views: Views, limit_s: float, 
     """Every check's verdict. Raises ChecklistError when there is nothing to score with."""
     if not checklist:
         raise ChecklistError("the scenario has no checklist, so it cannot be scored")
-    return [run_check(item, views, limit_s, context) for item in checklist]
+    check_globals = (context or CheckContext()).check_globals()
+    return [run_check(item, views, limit_s, check_globals) for item in checklist]
 
 
 def check_states(checklist: list[CheckItem] | None, final: Any, initial: Any, limit_s: float,

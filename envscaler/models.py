@@ -333,8 +333,10 @@ class CheckContext(BaseModel):
         return cls(turn_results=[CallResult.of(o) for o in outcomes], agent_replies=list(agent_replies or []))
 
     def check_globals(self) -> dict[str, Any]:
-        """A fresh copy of the globals for one check: what a check changes in them, no other check sees."""
-        return {"turn_results": [c.model_dump(mode="json") for c in self.turn_results], "agent_replies": list(self.agent_replies)}
+        """The globals as JSON-shaped data (``envscaler.checks`` gives each check copy-on-access views of them, so
+        the values are shared here, not copied: a dump of every result would cost more than the checks)."""
+        calls = [{"name": c.name, "arguments": c.arguments, "result": c.result, "error": c.error} for c in self.turn_results]
+        return {"turn_results": calls, "agent_replies": self.agent_replies}
 
 
 class ValidationResult(BaseModel):

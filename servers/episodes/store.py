@@ -422,12 +422,13 @@ class EpisodeRegistry:
         async with live.lock:
             self._check_usable(live)
             current = len(live.turn_checks)
+            scenario = f"scenario {live.scenario.task_id}" if live.scenario else "a raw episode"
             if not turns:
-                raise NoTurnLeft(f"scenario {live.scenario.task_id if live.scenario else '(raw)'} of {self.env_id} has no scripted "
-                                 "user turns: there is no turn to end; validate the episode instead")
+                raise NoTurnLeft(f"{scenario} of {self.env_id} has no scripted user turns: there is no turn to end; "
+                                 "validate the episode instead")
             if current >= len(turns):
-                raise NoTurnLeft(f"all {len(turns)} turns of scenario {live.scenario.task_id if live.scenario else ''} have ended: "
-                                 "no user message is left; validate the episode (POST /episodes/{id}/validate) or reset it")
+                raise NoTurnLeft(f"all {len(turns)} turns of {scenario} of {self.env_id} have ended: no user message is left; "
+                                 "validate the episode (POST /episodes/{id}/validate) or reset it")
             checks = await self._turn_checks(live, current, agent_replies)
             calls = len(live.calls) - live.turn_start
             live.turn_checks.append(checks)
