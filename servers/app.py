@@ -18,7 +18,8 @@ from pydantic import BaseModel, Field, ValidationError
 from envscaler import Bundle, EnvRuntime, EnvScalerError
 from envscaler.bundle import describe_validation_error
 from envscaler.cgroups import GroupLimits
-from envscaler.errors import ChecklistError
+from envscaler.data_files import check_references
+from envscaler.errors import BundleError, ChecklistError
 from envscaler.wire import (
     EpisodeCreated,
     EpisodeEnded,
@@ -118,7 +119,7 @@ def _episode_store(bundle: Bundle, config: ServerConfig) -> EpisodeRegistry:
         group = GroupLimits(memory_mb=config.worker_memory_mb, pids=config.worker_tasks, cpu_weight=round(config.worker_cpus * 100))
         return WorkerEpisodeStore(bundle, settings, sandbox=config.worker_sandbox, group=group, **limits)
     runtime = EnvRuntime(bundle.spec, call_timeout_s=config.call_timeout_s, check_timeout_s=config.check_timeout_s,
-                         max_result_chars=config.max_result_chars)
+                         max_result_chars=config.max_result_chars, bundle_dir=bundle.directory)
     return EpisodeStore(bundle, runtime, worker_threads=config.worker_threads, inline_budget_s=config.inline_budget_s, **limits)
 
 
@@ -285,12 +286,16 @@ class EnvServerApp:
         except EpisodeLost as e:
             raise ErrorReply(410, str(e)) from None
 
-    @staticmethod
-    def _check_episode_start(request: EpisodeStart) -> None:
+    def _check_episode_start(self, request: EpisodeStart) -> None:
         if request.scenario_id is None and request.init_config is None:
             raise ErrorReply(422, "give either scenario_id or init_config")
         if request.scenario_id is not None and request.init_config is not None:
             raise ErrorReply(422, "give scenario_id or init_config, not both")
+        if request.init_config is not None:
+            try:
+                check_references(self.bundle.directory, request.init_config, f"{self.bundle.env_id}: the request's init_config")
+            except BundleError as e:
+                raise ErrorReply(422, str(e)) from None
 
     async def _guard(self, action: Awaitable[T]) -> T:
         """Await a store action, turning its errors into HTTP statuses."""

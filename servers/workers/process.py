@@ -57,12 +57,13 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 from pydantic import BaseModel
 
 from envscaler import EnvCodeError, logs
 from envscaler.cgroups import ChildGroup
-from envscaler.errors import ChecklistError
+from envscaler.errors import BundleError, ChecklistError
 from envscaler.sandbox import CHILD_TASKS, Launch, clean_environment, confined_uid, die_with_parent, make_undumpable, sandboxed
 from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, UnknownEpisode, UnknownScenario
 from servers.memory import oom_kills
@@ -94,6 +95,7 @@ OUTPUT_LINE_CHARS = 4000
 _ERRORS: dict[str, type[Exception]] = {
     "EnvCodeError": EnvCodeError, "UnknownScenario": UnknownScenario, "UnknownEpisode": UnknownEpisode,
     "OutOfMemory": OutOfMemory, "ChecklistError": ChecklistError, "CallAbandoned": CallAbandoned, "EpisodeLost": EpisodeLost,
+    "BundleError": BundleError,
 }
 
 
@@ -216,7 +218,7 @@ class _Child:
     """One child process, its socket, and (once the event loop has it) the link over it."""
 
     def __init__(self, module: str, settings: BaseModel, sandbox: bool, new_processes: bool, inherited: tuple[int, ...],
-                 group: ChildGroup | None, tasks: int) -> None:
+                 group: ChildGroup | None, tasks: int, readable: tuple[Path, ...] = ()) -> None:
         ours, theirs = socket.socketpair()
         self.sock = ours
         self.group = group
@@ -224,11 +226,12 @@ class _Child:
         self.oom_kills = self.oom_kills_now()
         command = [sys.executable, "-m", module, str(theirs.fileno())]
         # In the server's process group: whatever kills the server's group (a farm restarting or stopping
-        # it) takes the child and what it forked. Whatever it reads comes over the socket: no path is readable.
+        # it) takes the child and what it forked. Whatever it reads comes over the socket, but for the
+        # ``readable`` paths (a bundle's data files), shown read-only.
         with contextlib.ExitStack() as stack:
             # The group's memory files where the child reads its own: it refuses an episode before the kernel kills it.
             placed = group.memory_files() if group is not None else None
-            launch = (stack.enter_context(sandboxed(command, readable=[], placed=placed, tasks=tasks, new_processes=new_processes,
+            launch = (stack.enter_context(sandboxed(command, readable=readable, placed=placed, tasks=tasks, new_processes=new_processes,
                                                     memfd=group is not None))
                       if sandbox else Launch(command))
             self.process = subprocess.Popen(launch.argv, pass_fds=[theirs.fileno(), *inherited, *launch.fds], env=clean_environment(),
@@ -301,7 +304,8 @@ class WorkerProcess:
     child is killed or dies. ``mark``, shared with each child (its ``mark_fd`` setting), names the
     subjects the child's threads run: a request is asked about a subject (an episode's handle), and
     when the child falls with several requests in flight, the one whose subject it names is asked
-    again alone first (a hint, never a reason to blame: see the module's doc).
+    again alone first (a hint, never a reason to blame: see the module's doc). ``readable``: paths its
+    sandbox shows, read-only (an environment's data files).
 
     The first child starts here, before any event loop: :attr:`hello` is its first frame (with
     ``lazy``, there is no first child and no hello: the first request starts one). Later ones start
@@ -311,8 +315,9 @@ class WorkerProcess:
 
     def __init__(self, module: str, settings: BaseModel, *, role: str, sandbox: bool, on_lost: Callable[[str], None],
                  mark: RunningMarks | None = None, lazy: bool = False, new_processes: bool = False, env_id: str = "",
-                 group: ChildGroup | None = None, tasks: int = CHILD_TASKS) -> None:
+                 group: ChildGroup | None = None, tasks: int = CHILD_TASKS, readable: tuple[Path, ...] = ()) -> None:
         self.module = module
+        self.readable = readable
         self.settings = settings
         self.role = role
         self.env_id = env_id
@@ -347,7 +352,7 @@ class WorkerProcess:
         if self.mark is not None:
             self.mark.clear()
         child = _Child(self.module, self.settings, self.sandbox, self.new_processes, () if self.mark is None else (self.mark.fd,),
-                       self.group, self.tasks)
+                       self.group, self.tasks, self.readable)
         self._serials += 1
         child.serial = self._serials
         return child

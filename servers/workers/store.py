@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 from envscaler import Bundle, EnvCodeError, Episode, Scenario, ToolOutcome, ValidationResult
 from envscaler.cgroups import ChildGroup, GroupLimits, combined
 from envscaler.checks import score
+from envscaler.data_files import data_folders
 from envscaler.errors import ChecklistError
 from envscaler.models import CheckItem, ToolAnnotations, ToolSchema
 from envscaler.sandbox import CHILD_TASKS
@@ -93,7 +94,7 @@ class WorkerEpisodeStore(EpisodeRegistry):
         tasks = group.pids if group is not None else CHILD_TASKS
         shared = dict(sandbox=sandbox, env_id=self.env_id, tasks=tasks)
         self.worker = WorkerProcess("servers.workers.env_worker", settings, role=ROLE, on_lost=self._worker_lost, mark=mark,
-                                    group=self.groups[0], **shared)
+                                    group=self.groups[0], readable=data_folders(bundle), **shared)
         check_mark = RunningMarks()
         # A zygote that forks a process for each validation's checks: its sandbox lets it fork, and each
         # child takes that away from itself before any check code runs.

@@ -154,7 +154,8 @@ class WorkerOutcome(BaseModel):
 class WorkerFailure(BaseModel):
     """Any failed request: which of the server's errors it is, and its message."""
 
-    error: Literal["EnvCodeError", "UnknownScenario", "UnknownEpisode", "OutOfMemory", "ChecklistError", "CallAbandoned", "EpisodeLost"]
+    error: Literal["EnvCodeError", "UnknownScenario", "UnknownEpisode", "OutOfMemory", "ChecklistError", "CallAbandoned", "EpisodeLost",
+                   "BundleError"]
     message: str
 
 
