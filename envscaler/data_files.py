@@ -12,11 +12,12 @@ every episode that names it, whatever the scenario (``envscaler.runtime``).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from envscaler.errors import BundleError
-from envscaler.models import Bundle
+from envscaler.models import Bundle, Scenario
 
 DATA_DIR = "data"
 """The folder of a bundle that holds its data files."""
@@ -73,13 +74,17 @@ class DataFiles:
 
     What it hands out is shared by every episode that names the file: callers must never change it
     (``envscaler.runtime`` gives environment code copies of what it touches). ``container_ids`` holds
-    the id of every dict and list in them: they never change and never die, so their ids stay theirs.
+    the id of every dict and list in them (unless ``list_containers`` is False: a process that only reads
+    them): they never change and never die, so their ids stay theirs.
     """
 
-    def __init__(self, bundle_dir: Path | None, env_id: str) -> None:
+    def __init__(self, bundle_dir: Path | None, env_id: str, *, list_containers: bool = True) -> None:
         self.bundle_dir = bundle_dir
         self.env_id = env_id
+        self.list_containers = list_containers
         self._loaded: dict[str, Any] = {}
+        # id(a file's content) -> the file's name.
+        self._names: dict[int, str] = {}
         self.container_ids: set[int] = set()
 
     def load(self, name: Any, where: str) -> Any:
@@ -95,9 +100,23 @@ class DataFiles:
             raise BundleError(f"{self.env_id}: {where}: cannot read {path}: {e.strerror}") from None
         except (ValueError, RecursionError) as e:
             raise BundleError(f"{self.env_id}: {where}: {path} is not JSON: {e}") from None
-        _add_container_ids(value, self.container_ids)
+        if self.list_containers:
+            _add_container_ids(value, self.container_ids)
         self._loaded[name] = value
+        self._names[id(value)] = name
         return value
+
+    def reference(self, value: Any) -> dict[str, str] | None:
+        """The reference to the file whose content, as loaded here, ``value`` is, or None: what
+        :meth:`resolved` in another process turns back into the same value, at the cost of loading the file."""
+        name = self._names.get(id(value))
+        return {FILE_KEY: name} if name is not None else None
+
+    def load_all(self, scenarios: Iterable[Scenario]) -> list[Any]:
+        """Load every file ``scenarios`` name (ahead of their episodes); the contents, one per file."""
+        for scenario in scenarios:
+            self.resolved(scenario.init_config, f"scenario {scenario.task_id!r}")
+        return list(self._loaded.values())
 
     def resolved(self, init_config: dict[str, Any], where: str) -> dict[str, Any]:
         """``init_config`` with each data file reference replaced by the file's shared content."""

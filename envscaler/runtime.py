@@ -39,6 +39,7 @@ from envscaler.loader import code_filename, load_class
 from envscaler.models import (
     CheckItem,
     EnvSpec,
+    Scenario,
     StateChange,
     ToolErrorPolicy,
     ToolOutcome,
@@ -102,6 +103,12 @@ class EnvRuntime:
         self._data_digests: dict[int, bytes] = {}
         self._tracked_class = _tracked_subclass(self.env_class)
         self.env_globals = EnvGlobals(self.env_class, subclasses=(self._tracked_class,) if self._tracked_class else ())
+
+    def load_data(self, scenarios: list[Scenario]) -> None:
+        """Load the data files ``scenarios`` name and hash their content (``envscaler.data_files``): done before
+        any episode, so that neither counts against an episode's time limits. BundleError for a bad file."""
+        for content in self.data_files.load_all(scenarios):
+            state_hash({"content": content}, self._data_digests)
 
     def tool_list(self) -> list[ToolSchema]:
         """The callable tools, in the spec's order."""
@@ -412,6 +419,14 @@ class Episode:
         if self._overlay is None:
             return json.loads(self.initial_text)
         return {k: plain(v) for k, v in self._public_initial().items()}
+
+    def initial_by_reference(self) -> dict[str, Any]:
+        """The initial state as :meth:`initial_state` has it, but for the values that are a data file's content
+        as loaded (``envscaler.data_files``): those as the file's reference, which costs nothing to send."""
+        if self._overlay is None:
+            return self.initial_state()
+        files = self.runtime.data_files
+        return {k: files.reference(v) or plain(v) for k, v in self._public_initial().items()}
 
     def state_hash(self) -> str:
         """A digest equal for equal states, whatever their key order or history."""

@@ -27,7 +27,6 @@ from envscaler.wire import (
     EpisodeReset,
     EpisodeLease,
     EpisodeStart,
-    EpisodeState,
     EpisodeValidation,
     Health,
     ScenarioListing,
@@ -49,7 +48,7 @@ from servers.errors import (
     UnknownScenario,
 )
 from servers.protocols.mcp import ROUTING_HEADERS, McpEndpoint, parse_error, parse_message
-from servers.memory import memory_status
+from servers.memory import memory_status, release_free_memory
 from servers.protocols.openenv.config import OpenEnvConfig
 from servers.protocols.sse import SseSessions
 from servers.workers.store import WorkerEpisodeStore
@@ -62,6 +61,8 @@ M = TypeVar("M", bound=BaseModel)
 
 Scope = dict[str, Any]
 
+# A control answer larger than this (a state of big data) is followed by handing freed memory back to the system.
+LARGE_BODY_BYTES = 16 * 1024 * 1024
 _EPISODE_ACTIONS = ("state", "trajectory", "reset", "validate", "lease")
 """What ``/episodes/{id}/ACTION`` may name on the control API."""
 
@@ -106,6 +107,15 @@ class ServerConfig(BaseModel):
     worker_memory_mb: int = Field(default=1024, ge=64)
     worker_tasks: int = Field(default=256, ge=16)
     worker_cpus: float = Field(default=1.0, gt=0, le=100)
+
+
+class RawJson:
+    """A reply's JSON text, made without the model it is the JSON of (see ``GET /episodes/{id}/state``)."""
+
+    __slots__ = ("body",)
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
 
 
 def _episode_store(bundle: Bundle, config: ServerConfig) -> EpisodeRegistry:
@@ -198,7 +208,7 @@ class EnvServerApp:
             # Not a control route: no token could help (a strict client would read 401 as "OAuth here").
             raise ErrorReply(404, f"no route {method} {path}")
         self._authorize(scope)
-        result: BaseModel | dict[str, Any]
+        result: BaseModel | dict[str, Any] | RawJson
         if parts == ["info"] and method == "GET":
             result, status = await self._info(), 200
         elif parts == ["scenarios"] and method == "GET":
@@ -213,16 +223,23 @@ class EnvServerApp:
             result, status = await self._episode_route(parts, method, receive), 200
         else:
             raise ErrorReply(404, f"no route {method} {path}")
-        await send_json(send, status, json_bytes(result))
+        body = result.body if isinstance(result, RawJson) else json_bytes(result)
+        del result
+        await send_json(send, status, body)
+        if len(body) > LARGE_BODY_BYTES:
+            del body
+            release_free_memory()  # a state read of big data parsed it here: its pages go back, not only to the heap
 
-    async def _episode_route(self, parts: list[str], method: str, receive: Any) -> BaseModel:
+    async def _episode_route(self, parts: list[str], method: str, receive: Any) -> BaseModel | RawJson:
         action = parts[2] if len(parts) == 3 else None
         live = self._live(parts[1])
         if action is None and method == "DELETE":
             self.store.end(live.episode_id)
             return EpisodeEnded(episode_id=live.episode_id, calls=len(live.calls), **live.counts())
         if action == "state" and method == "GET":
-            return EpisodeState(episode_id=live.episode_id, state=await self._guard(self.store.state(live)))
+            # EpisodeState's JSON, with the state's text as the store gives it (a state of big data is never parsed here).
+            state = await self._guard(self.store.state_json(live))
+            return RawJson(b'{"episode_id":%s,"state":%s}' % (json_bytes(live.episode_id), state))
         if action == "trajectory" and method == "GET":
             return live.trajectory()
         if action == "reset" and method == "POST":
@@ -247,6 +264,8 @@ class EnvServerApp:
                 raise ErrorReply(504, f"the checks outlived their limit of {self.config.check_timeout_s:g} s each and were abandoned") from None
             except EpisodeLost as e:
                 raise ErrorReply(410, str(e)) from None
+            except OutOfMemory as e:
+                raise ErrorReply(507, str(e)) from None
             except EnvScalerError as e:
                 raise ErrorReply(500, f"environment error: {e}") from None
             return EpisodeValidation(**dict(result), **live.counts())

@@ -12,6 +12,7 @@ import pytest
 
 from envscaler import BundleError, EnvRuntime, load_bundle
 from envscaler.models import CheckItem
+from envscaler.sandbox import sandbox_problem
 from tests.support.bundles import write_bundle
 from tests.support.data_bundle import CHECK_EMAIL_CHANGED, DIRECTORY_CODE, directory_bundle
 from tests.support.hostile import call
@@ -111,3 +112,64 @@ def test_the_gates_see_the_data(bundle_dir):
     done = subprocess.run([sys.executable, "-m", "envscaler.cli", "catalog", "check", str(bundle_dir)],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+HOG_CODE = DIRECTORY_CODE.replace("        self.notes = []", """        self.notes = []
+        self._held = [bytearray(init_config.get("hog_mb", 0) * 1024 * 1024)]
+        for page in range(0, len(self._held[0]), 4096):
+            self._held[0][page] = 1""") + '''
+    def hog(self, megabytes: int) -> str:
+        """Hold that much more memory.
+
+        Args:
+            megabytes (int): How much.
+        """
+        block = bytearray(megabytes * 1024 * 1024)
+        for page in range(0, len(block), 4096):
+            block[page] = 1
+        self._held.append(block)
+        return "held"
+'''
+
+contained = pytest.mark.skipif(os.geteuid() != 0 or sandbox_problem() is not None,
+                               reason="a worker's memory limit is its control group's: needs root and bubblewrap")
+
+
+def _hog_bundle(root, count: int = 5):
+    directory = directory_bundle(root, count=count, padding=40)
+    spec = json.loads((directory / "env.json").read_text())
+    scenarios = [json.loads(line) for line in (directory / "scenarios.jsonl").read_text().splitlines()]
+    scenarios.append({**scenarios[0], "task_id": "directory_hog", "init_config": {**scenarios[0]["init_config"], "hog_mb": 400}})
+    return write_bundle(root, {**spec, "env_class_code": HOG_CODE}, scenarios)
+
+
+@contained
+def test_running_out_of_memory_says_so_with_the_limit_to_raise(tmp_path):
+    log = tmp_path / "server.log"
+    with log.open("w") as sink, serve(_hog_bundle(tmp_path), "--worker-memory-mb", "128", log=sink) as server, server.client() as http:
+        created = http.post("/episodes", json={"scenario_id": "directory_hog"})
+        assert created.status_code == 507, created.text
+        said = created.json()["error"]
+        for part in ("directory: episode ", "out of memory building the episode", "128 MB", "--worker-memory-mb"):
+            assert part in said, said
+        episode = http.post("/episodes", json={"scenario_id": "directory_email"}).json()
+        result = call(http, episode["mcp_url"], "hog", {"megabytes": 400})
+        text = result["content"][0]["text"]
+        assert result["isError"], result
+        for part in (f"directory: episode {episode['episode_id']}", "out of memory in tool 'hog'", "128 MB", "--worker-memory-mb"):
+            assert part in text, text
+        # The episode goes on from before the call.
+        assert call(http, episode["mcp_url"], "get_user", {"user_id": "user_1"})["structuredContent"]["success"]
+    logged = log.read_text()
+    assert "environment out of memory" in logged and episode["episode_id"] in logged, logged[-3000:]
+
+
+@contained
+def test_a_data_file_that_does_not_fit_stops_the_server_at_its_start_saying_so(tmp_path):
+    bundle = directory_bundle(tmp_path, count=300_000, padding=40)
+    done = subprocess.run([sys.executable, "-m", "envscaler.cli", "serve", str(bundle), "--port", "0", "--worker-memory-mb", "64"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0, done.stdout
+    last = done.stderr.strip().splitlines()[-1]
+    for part in ("directory", "out of memory", "64 MB", "--worker-memory-mb"):
+        assert part in last, done.stderr[-3000:]

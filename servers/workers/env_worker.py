@@ -150,10 +150,10 @@ class WorkerLink(asyncio.Protocol):
             return {}
         if request.op == "final":
             return await self.final(store.get(request.handle))
-        if request.op == "initial":
+        if request.op == "initial":  # for the check worker, which loads the data files itself
             live = store.get(request.handle)
             assert live.episode is not None
-            return live.episode.initial_state()
+            return live.episode.initial_by_reference()
         if request.op == "state":
             return await store.state(store.get(request.handle))
         if request.op == "end":
@@ -279,6 +279,7 @@ def run_worker(sock: socket.socket) -> None:
     try:
         runtime = EnvRuntime(bundle.spec, call_timeout_s=settings.call_timeout_s, check_timeout_s=settings.check_timeout_s,
                              max_result_chars=settings.max_result_chars, bundle_dir=bundle.directory)
+        runtime.load_data(bundle.scenarios)
     except Exception as e:  # noqa: BLE001 - loading is environment code: report it to the server, then stop
         # The loader's own errors name the environment already; anything else it raised does not.
         message = str(e) if isinstance(e, EnvCodeError) else f"{bundle.env_id}: {e}"

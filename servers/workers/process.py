@@ -92,6 +92,8 @@ _KILLED = (-signal.SIGKILL, 128 + signal.SIGKILL)
 OUTPUT_BYTES = 256 * 1024
 """How much of one child's output is logged; the rest is counted, not kept."""
 OUTPUT_LINE_CHARS = 4000
+OUT_OF_MEMORY = "out of memory: the kernel killed it"
+"""Why a child that the kernel's OOM killer killed is gone."""
 _ERRORS: dict[str, type[Exception]] = {
     "EnvCodeError": EnvCodeError, "UnknownScenario": UnknownScenario, "UnknownEpisode": UnknownEpisode,
     "OutOfMemory": OutOfMemory, "ChecklistError": ChecklistError, "CallAbandoned": CallAbandoned, "EpisodeLost": EpisodeLost,
@@ -122,10 +124,12 @@ class WorkerGone(Exception):
     enter it (:meth:`WorkerProcess.alone`), else the turns after it never come.
     """
 
-    def __init__(self, reason: str, *, hung: bool, blamed: bool, turn: Turn | None = None) -> None:
+    def __init__(self, reason: str, *, hung: bool, blamed: bool, turn: Turn | None = None, out_of_memory: bool = False) -> None:
         super().__init__(reason)
         self.hung = hung
         self.blamed = blamed
+        # The kernel killed the child for its memory (its control group's limit).
+        self.out_of_memory = out_of_memory
         self.turn = turn
 
 
@@ -160,13 +164,14 @@ class _Link(asyncio.Protocol):
             # It ended itself for a reason of its own, not for a request it was answering.
             self.owner.lose(self.child, f"the {self.owner.role} exited ({EXIT_REASONS[code]})", blame=False)
             return
+        out_of_memory = code is not None and self.child.killed_for_memory(code)
         if code is None:
             why = "closed its socket"
-        elif code in _KILLED and self.child.oom_kills is not None and (self.child.oom_kills_now() or 0) > self.child.oom_kills:
-            why = "out of memory: the kernel killed it"
+        elif out_of_memory:
+            why = OUT_OF_MEMORY
         else:
             why = f"exit code {code}"
-        self.owner.lose(self.child, f"the {self.owner.role} exited ({why})")
+        self.owner.lose(self.child, f"the {self.owner.role} exited ({why})", out_of_memory=out_of_memory)
 
 
 class _Output(asyncio.Protocol):
@@ -246,6 +251,10 @@ class _Child:
         # Frames to send at the end of this event-loop iteration: under load, one write carries many.
         self.outbox: list[bytes] = []
 
+    def killed_for_memory(self, code: int) -> bool:
+        """Whether exit status ``code`` is the kernel's OOM killer's doing (its group counts one more kill)."""
+        return code in _KILLED and self.oom_kills is not None and (self.oom_kills_now() or 0) > self.oom_kills
+
     def oom_kills_now(self) -> int | None:
         """How many processes the kernel's OOM killer has killed in its group (else the server's) so far."""
         return self.group.oom_kills() if self.group is not None else oom_kills()
@@ -257,7 +266,10 @@ class _Child:
             _, status, payload = recv_frame(self.sock)
         except (EOFError, OSError, FrameTooLarge):
             self.kill()
-            raise EnvCodeError(f"the {role} did not start (exit code {self.process.poll()})") from None
+            code = self.process.poll()
+            if code is not None and self.killed_for_memory(code):
+                raise OutOfMemory(f"the {role} did not start ({OUT_OF_MEMORY}, as it loaded the environment and its data files)") from None
+            raise EnvCodeError(f"the {role} did not start (exit code {code})") from None
         self.sock.setblocking(False)
         if status == FAILED:
             self.kill()
@@ -503,13 +515,14 @@ class WorkerProcess:
                 log.warning(f"{self.role} restarted", extra={"restarts": self.restarts})
         return child
 
-    def lose(self, child: _Child, reason: str, hung: bool = False, blame: bool = True, late_blamed: bool = False) -> None:
+    def lose(self, child: _Child, reason: str, hung: bool = False, blame: bool = True, late_blamed: bool = False,
+             out_of_memory: bool = False) -> None:
         """Kill ``child``, fail what waits on it, tell the owner; the next request starts a new one.
 
         With ``blame``, the only request in flight is blamed (``hung``: it missed its deadline); when
         several were, those whose callers ask again get turns (see the module's doc). ``late_blamed``
         (the owner replaces a child that still answers): every request already past its own limit is
-        blamed instead, and the others are asked again.
+        blamed instead, and the others are asked again. ``out_of_memory``: the kernel killed it for its memory.
         """
         if child.gone or child is not self._child:
             return
@@ -527,12 +540,12 @@ class WorkerProcess:
         now = time.monotonic()
         for pending in falling:
             if blame and not shared:
-                gone = WorkerGone(reason, hung=hung, blamed=True)
+                gone = WorkerGone(reason, hung=hung, blamed=True, out_of_memory=out_of_memory)
             elif late_blamed and now - pending.sent > pending.limit_s:
                 # Caught up, but already past its own limit by this server's clock: it would have timed out anyway.
                 gone = WorkerGone(f"{reason}; {pending.what} had run past its own limit of {pending.limit_s:g} s", hung=True, blamed=True)
             else:
-                gone = WorkerGone(reason, hung=False, blamed=False, turn=turns.get(pending))
+                gone = WorkerGone(reason, hung=False, blamed=False, turn=turns.get(pending), out_of_memory=out_of_memory)
             pending.future.set_exception(gone)
         self._wake()
 
