@@ -126,7 +126,9 @@ class EnvRuntime:
             where = f"scenario {scenario_key!r}" if scenario_key is not None else "the episode's init_config"
             instance = self.instantiate(config, share_files=True, where=where)
             try:
-                shared = SharedState(vars(instance), self.data_files.container_ids, self._data_digests)
+                # With data files only: their digests' cache costs a lookup in Python for every container hashed.
+                data = (self.data_files.container_ids, self._data_digests) if self.data_files.container_ids else (None, None)
+                shared = SharedState(vars(instance), *data)
             except NotNative as e:
                 shared = e
             except TypeError:  # no __dict__ (__slots__)
