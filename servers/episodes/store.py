@@ -233,6 +233,10 @@ class EpisodeRegistry:
         """The episode's state as JSON-able data."""
         raise NotImplementedError
 
+    async def state_json(self, live: LiveEpisode) -> bytes:
+        """The episode's state as the JSON text of an object (what ``GET /episodes/{id}/state`` sends)."""
+        return json_bytes(await self.state(live))
+
     async def _construct(self, episode_id: str, scenario: Scenario | None, init_config: dict[str, Any] | None) -> Episode | None:
         """Build the state of episode ``episode_id``: the Episode when it lives here, else None."""
         raise NotImplementedError

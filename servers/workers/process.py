@@ -57,12 +57,13 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 from pydantic import BaseModel
 
 from envscaler import EnvCodeError, logs
 from envscaler.cgroups import ChildGroup
-from envscaler.errors import ChecklistError
+from envscaler.errors import BundleError, ChecklistError
 from envscaler.sandbox import CHILD_TASKS, Launch, clean_environment, confined_uid, die_with_parent, make_undumpable, sandboxed
 from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, UnknownEpisode, UnknownScenario
 from servers.memory import oom_kills
@@ -91,9 +92,12 @@ _KILLED = (-signal.SIGKILL, 128 + signal.SIGKILL)
 OUTPUT_BYTES = 256 * 1024
 """How much of one child's output is logged; the rest is counted, not kept."""
 OUTPUT_LINE_CHARS = 4000
+OUT_OF_MEMORY = "out of memory: the kernel killed it"
+"""Why a child that the kernel's OOM killer killed is gone."""
 _ERRORS: dict[str, type[Exception]] = {
     "EnvCodeError": EnvCodeError, "UnknownScenario": UnknownScenario, "UnknownEpisode": UnknownEpisode,
     "OutOfMemory": OutOfMemory, "ChecklistError": ChecklistError, "CallAbandoned": CallAbandoned, "EpisodeLost": EpisodeLost,
+    "BundleError": BundleError,
 }
 
 
@@ -120,10 +124,12 @@ class WorkerGone(Exception):
     enter it (:meth:`WorkerProcess.alone`), else the turns after it never come.
     """
 
-    def __init__(self, reason: str, *, hung: bool, blamed: bool, turn: Turn | None = None) -> None:
+    def __init__(self, reason: str, *, hung: bool, blamed: bool, turn: Turn | None = None, out_of_memory: bool = False) -> None:
         super().__init__(reason)
         self.hung = hung
         self.blamed = blamed
+        # The kernel killed the child for its memory (its control group's limit).
+        self.out_of_memory = out_of_memory
         self.turn = turn
 
 
@@ -158,13 +164,14 @@ class _Link(asyncio.Protocol):
             # It ended itself for a reason of its own, not for a request it was answering.
             self.owner.lose(self.child, f"the {self.owner.role} exited ({EXIT_REASONS[code]})", blame=False)
             return
+        out_of_memory = code is not None and self.child.killed_for_memory(code)
         if code is None:
             why = "closed its socket"
-        elif code in _KILLED and self.child.oom_kills is not None and (self.child.oom_kills_now() or 0) > self.child.oom_kills:
-            why = "out of memory: the kernel killed it"
+        elif out_of_memory:
+            why = OUT_OF_MEMORY
         else:
             why = f"exit code {code}"
-        self.owner.lose(self.child, f"the {self.owner.role} exited ({why})")
+        self.owner.lose(self.child, f"the {self.owner.role} exited ({why})", out_of_memory=out_of_memory)
 
 
 class _Output(asyncio.Protocol):
@@ -216,7 +223,7 @@ class _Child:
     """One child process, its socket, and (once the event loop has it) the link over it."""
 
     def __init__(self, module: str, settings: BaseModel, sandbox: bool, new_processes: bool, inherited: tuple[int, ...],
-                 group: ChildGroup | None, tasks: int) -> None:
+                 group: ChildGroup | None, tasks: int, readable: tuple[Path, ...] = ()) -> None:
         ours, theirs = socket.socketpair()
         self.sock = ours
         self.group = group
@@ -224,11 +231,12 @@ class _Child:
         self.oom_kills = self.oom_kills_now()
         command = [sys.executable, "-m", module, str(theirs.fileno())]
         # In the server's process group: whatever kills the server's group (a farm restarting or stopping
-        # it) takes the child and what it forked. Whatever it reads comes over the socket: no path is readable.
+        # it) takes the child and what it forked. Whatever it reads comes over the socket, but for the
+        # ``readable`` paths (a bundle's data files), shown read-only.
         with contextlib.ExitStack() as stack:
             # The group's memory files where the child reads its own: it refuses an episode before the kernel kills it.
             placed = group.memory_files() if group is not None else None
-            launch = (stack.enter_context(sandboxed(command, readable=[], placed=placed, tasks=tasks, new_processes=new_processes,
+            launch = (stack.enter_context(sandboxed(command, readable=readable, placed=placed, tasks=tasks, new_processes=new_processes,
                                                     memfd=group is not None))
                       if sandbox else Launch(command))
             self.process = subprocess.Popen(launch.argv, pass_fds=[theirs.fileno(), *inherited, *launch.fds], env=clean_environment(),
@@ -243,6 +251,10 @@ class _Child:
         # Frames to send at the end of this event-loop iteration: under load, one write carries many.
         self.outbox: list[bytes] = []
 
+    def killed_for_memory(self, code: int) -> bool:
+        """Whether exit status ``code`` is the kernel's OOM killer's doing (its group counts one more kill)."""
+        return code in _KILLED and self.oom_kills is not None and (self.oom_kills_now() or 0) > self.oom_kills
+
     def oom_kills_now(self) -> int | None:
         """How many processes the kernel's OOM killer has killed in its group (else the server's) so far."""
         return self.group.oom_kills() if self.group is not None else oom_kills()
@@ -254,7 +266,10 @@ class _Child:
             _, status, payload = recv_frame(self.sock)
         except (EOFError, OSError, FrameTooLarge):
             self.kill()
-            raise EnvCodeError(f"the {role} did not start (exit code {self.process.poll()})") from None
+            code = self.process.poll()
+            if code is not None and self.killed_for_memory(code):
+                raise OutOfMemory(f"the {role} did not start ({OUT_OF_MEMORY}, as it loaded the environment and its data files)") from None
+            raise EnvCodeError(f"the {role} did not start (exit code {code})") from None
         self.sock.setblocking(False)
         if status == FAILED:
             self.kill()
@@ -301,7 +316,8 @@ class WorkerProcess:
     child is killed or dies. ``mark``, shared with each child (its ``mark_fd`` setting), names the
     subjects the child's threads run: a request is asked about a subject (an episode's handle), and
     when the child falls with several requests in flight, the one whose subject it names is asked
-    again alone first (a hint, never a reason to blame: see the module's doc).
+    again alone first (a hint, never a reason to blame: see the module's doc). ``readable``: paths its
+    sandbox shows, read-only (an environment's data files).
 
     The first child starts here, before any event loop: :attr:`hello` is its first frame (with
     ``lazy``, there is no first child and no hello: the first request starts one). Later ones start
@@ -311,8 +327,9 @@ class WorkerProcess:
 
     def __init__(self, module: str, settings: BaseModel, *, role: str, sandbox: bool, on_lost: Callable[[str], None],
                  mark: RunningMarks | None = None, lazy: bool = False, new_processes: bool = False, env_id: str = "",
-                 group: ChildGroup | None = None, tasks: int = CHILD_TASKS) -> None:
+                 group: ChildGroup | None = None, tasks: int = CHILD_TASKS, readable: tuple[Path, ...] = ()) -> None:
         self.module = module
+        self.readable = readable
         self.settings = settings
         self.role = role
         self.env_id = env_id
@@ -347,7 +364,7 @@ class WorkerProcess:
         if self.mark is not None:
             self.mark.clear()
         child = _Child(self.module, self.settings, self.sandbox, self.new_processes, () if self.mark is None else (self.mark.fd,),
-                       self.group, self.tasks)
+                       self.group, self.tasks, self.readable)
         self._serials += 1
         child.serial = self._serials
         return child
@@ -498,13 +515,14 @@ class WorkerProcess:
                 log.warning(f"{self.role} restarted", extra={"restarts": self.restarts})
         return child
 
-    def lose(self, child: _Child, reason: str, hung: bool = False, blame: bool = True, late_blamed: bool = False) -> None:
+    def lose(self, child: _Child, reason: str, hung: bool = False, blame: bool = True, late_blamed: bool = False,
+             out_of_memory: bool = False) -> None:
         """Kill ``child``, fail what waits on it, tell the owner; the next request starts a new one.
 
         With ``blame``, the only request in flight is blamed (``hung``: it missed its deadline); when
         several were, those whose callers ask again get turns (see the module's doc). ``late_blamed``
         (the owner replaces a child that still answers): every request already past its own limit is
-        blamed instead, and the others are asked again.
+        blamed instead, and the others are asked again. ``out_of_memory``: the kernel killed it for its memory.
         """
         if child.gone or child is not self._child:
             return
@@ -522,12 +540,12 @@ class WorkerProcess:
         now = time.monotonic()
         for pending in falling:
             if blame and not shared:
-                gone = WorkerGone(reason, hung=hung, blamed=True)
+                gone = WorkerGone(reason, hung=hung, blamed=True, out_of_memory=out_of_memory)
             elif late_blamed and now - pending.sent > pending.limit_s:
                 # Caught up, but already past its own limit by this server's clock: it would have timed out anyway.
                 gone = WorkerGone(f"{reason}; {pending.what} had run past its own limit of {pending.limit_s:g} s", hung=True, blamed=True)
             else:
-                gone = WorkerGone(reason, hung=False, blamed=False, turn=turns.get(pending))
+                gone = WorkerGone(reason, hung=False, blamed=False, turn=turns.get(pending), out_of_memory=out_of_memory)
             pending.future.set_exception(gone)
         self._wake()
 
