@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     protect_time_limits()
     try:
         bundle = load_bundle(args.bundle)
-        runtime = EnvRuntime(bundle.spec)
+        runtime = EnvRuntime(bundle.spec, bundle_dir=bundle.directory)
     except EnvScalerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
