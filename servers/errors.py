@@ -12,6 +12,7 @@ Part of the tree drawn in ``envscaler.errors``; the exit code applies when one r
     ├── EpisodeLost             -   the episode's state went with its worker process and could not be rebuilt (HTTP 410)
     ├── OpenEnvSessionError     -   an OpenEnv reset or step that cannot be done (sent back to the session)
     ├── CannotListen            2   a port to serve on is taken or cannot be bound
+    │   └── PortTaken           2   another program holds it
     └── FarmError               2   the farm cannot do what was asked: bad input, no engine, unreadable farm files
 
 The server-side errors never end a command: the application turns them into HTTP statuses.
@@ -58,6 +59,10 @@ class EpisodeLost(EnvScalerError):
 
 class CannotListen(EnvScalerError):
     """A port to serve on is taken or cannot be bound (``serve --port``, ``farm up --gateway-port``)."""
+
+
+class PortTaken(CannotListen):
+    """The port to serve on is held by another program (EADDRINUSE)."""
 
 
 class FarmError(EnvScalerError):

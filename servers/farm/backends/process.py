@@ -28,8 +28,11 @@ from typing import Protocol
 import anyio
 
 from envscaler.sandbox import FARM_ID_VARIABLE, adopt_orphans, clean_environment, die_with_parent, limit_resources
-from servers.farm.backends.spawning import ADDRESS_SPACE_FACTOR, ServerProcess, Spawner, read_ready_line, server_command
+from servers.farm.backends.spawning import (
+    ADDRESS_SPACE_FACTOR, Listeners, ServerProcess, Spawner, hold_ports, read_ready_line, server_command,
+)
 from servers.farm.backends.zygote import zygote_spawner
+from servers.errors import CannotListen
 from servers.farm.board import Board
 from servers.farm.models import EnvPlan, FarmPaths, FarmPlan
 from servers.serve import READY_FD_VARIABLE
@@ -158,20 +161,22 @@ class PopenSpawner:
         # The serve flags every server gets (FarmPlan.server_flags).
         self.flags = flags
 
-    async def spawn(self, env: EnvPlan, environment: dict[str, str], log_path: Path, memory_mb: int) -> ServerProcess:
+    async def spawn(self, env: EnvPlan, environment: dict[str, str], log_path: Path, memory_mb: int,
+                    listeners: Listeners | None = None) -> ServerProcess:
         """Start ``env``'s server (see ``Spawner.spawn``); the ready pipe's write end goes to the child only."""
         read_fd, write_fd = os.pipe()
+        listen_fds = [sock.fileno() for sock in listeners.sockets] if listeners is not None else []
         try:
             with open(log_path, "ab") as log_file:
                 # Popen runs in the event loop's thread on purpose: PR_SET_PDEATHSIG fires when the
                 # thread that forked the child ends, and this one lives as long as the daemon.
                 child = subprocess.Popen(
-                    server_command(env, self.flags),
+                    server_command(env, self.flags, listen_fds),
                     stdin=subprocess.DEVNULL,
                     stdout=log_file,
                     stderr=subprocess.STDOUT,
                     env={**environment, READY_FD_VARIABLE: str(write_fd)},
-                    pass_fds=(write_fd,),
+                    pass_fds=(write_fd, *listen_fds),
                     start_new_session=True,
                     preexec_fn=functools.partial(server_preexec, memory_mb),
                 )
@@ -235,6 +240,8 @@ class ProcessBackend:
         self.board = board
         self.spawner = spawner or default_spawner(plan)
         self.servers: dict[str, ServerProcess] = {}
+        # env_id -> the listening sockets its server inherits at every start (``hold_ports``).
+        self.listeners: dict[str, Listeners] = {}
         # env_id -> why the daemon killed it (a hung server): reported instead of "killed by SIGKILL".
         self._kill_reasons: dict[str, str] = {}
         self._starting = anyio.CapacityLimiter(start_slots(self.spawner.starts_per_core))
@@ -247,11 +254,29 @@ class ProcessBackend:
         try:
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(self._reap_adopted_forever)
-                for env in self.plan.envs:
-                    tasks.start_soon(self._supervise, env)
+                for number, env in enumerate(self.plan.envs):
+                    bound = self._hold_ports(env)
+                    if bound is not None:
+                        self.plan.envs[number] = bound  # the catalog gives the ports as bound
+                        tasks.start_soon(self._supervise, bound)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.spawner.aclose()
+            for listeners in self.listeners.values():
+                listeners.close()
+
+    def _hold_ports(self, env: EnvPlan) -> EnvPlan | None:
+        """Bind ``env``'s ports for as long as the farm runs (see ``hold_ports``); its plan as bound, or
+        None when it cannot listen at all (it is marked failed, with why)."""
+        try:
+            bound, self.listeners[env.env_id] = hold_ports(env)
+        except CannotListen as e:
+            self.board.update(env.env_id, status="failed", last_exit=str(e))
+            log.error("an environment server cannot listen", extra={"env": env.env_id, "error": str(e)})
+            return None
+        if bound.port != env.port:
+            self.board.update(env.env_id, url=bound.url)
+        return bound
 
     async def _reap_adopted_forever(self) -> None:
         """Whoever adopts orphans reaps them (see :func:`reap_adopted`): every few seconds, since the
@@ -307,7 +332,7 @@ class ProcessBackend:
             if self._stopping:
                 return None
             server = await self.spawner.spawn(
-                env, self._environment(env), self.paths.env_log(env.env_id), self.plan.limits.memory_mb
+                env, self._environment(env), self.paths.env_log(env.env_id), self.plan.limits.memory_mb, self.listeners[env.env_id]
             )
             self.servers[env.env_id] = server
             self.board.update(env.env_id, pid=server.pid)
