@@ -24,6 +24,7 @@ from envscaler.loader import precheck_class
 from envscaler.requirements import require_installed
 from envscaler.sandbox import no_new_privileges, sandbox_problem, warn_unprotected
 from servers.app import ServerConfig
+from servers.episodes.calls import QUEUE_WAIT_S
 from servers.episodes.ids import new_replica_id
 from servers.protocols.openenv.config import OpenEnvConfig
 
@@ -36,6 +37,7 @@ _FLAGS = {
     "check_timeout_s": "--check-timeout",
     "max_body_bytes": "--max-body",
     "worker_threads": "--workers",
+    "queue_wait_s": "--queue-wait",
     "inline_budget_s": "--inline-budget",
     "allowed_origins": "--allowed-origin",
     "memory_reserve_mb": "--memory-reserve",
@@ -125,6 +127,7 @@ def _config(args: argparse.Namespace, token: str) -> ServerConfig:
         check_timeout_s=args.check_timeout,
         max_body_bytes=args.max_body,
         worker_threads=args.workers,
+        queue_wait_s=args.queue_wait,
         inline_budget_s=args.inline_budget,
         allowed_origins=args.allowed_origin or [],
         memory_reserve_mb=args.memory_reserve,
@@ -176,6 +179,10 @@ def register_serve(commands: Any) -> None:
                         help="characters of results and arguments one episode's trajectory keeps; past it, results are "
                              "kept cut (marked truncated) (default: 16000000)")
     parser.add_argument("--workers", type=int, default=32, help="threads at most for tool calls that block or run long (default: 32)")
+    parser.add_argument("--queue-wait", type=float, default=QUEUE_WAIT_S, metavar="SECONDS",
+                        help="seconds a call may wait for one of those threads (all busy with slow calls) before it is "
+                        "refused, never run: a tool call gets an error result that says so, a control request 503 "
+                        f"(default: {QUEUE_WAIT_S:g}); a call's time limit runs from when it starts, not while it waits")
     parser.add_argument(
         "--inline-budget",
         type=float,

@@ -9,6 +9,7 @@ Part of the tree drawn in ``envscaler.errors``; the exit code applies when one r
     ├── UnknownScenario         -   the environment has no scenario with this id (HTTP 404)
     ├── OutOfMemory             -   no memory is left for another episode (HTTP 507)
     ├── CallAbandoned           -   a call on a worker thread outlived its deadline and was left behind
+    ├── Overloaded              -   a call waited too long for a thread and was not run (HTTP 503; a tool call: an error result)
     ├── EpisodeLost             -   the episode's state went with its worker process and could not be rebuilt (HTTP 410)
     ├── OpenEnvSessionError     -   an OpenEnv reset or step that cannot be done (sent back to the session)
     ├── CannotListen            2   a port to serve on is taken or cannot be bound
@@ -50,6 +51,10 @@ class OutOfMemory(EnvScalerError):
 
 class CallAbandoned(EnvScalerError):
     """The call did not finish by its deadline; its thread was left behind."""
+
+
+class Overloaded(EnvScalerError):
+    """The call waited too long for a thread to run it and was refused: it never ran, so it can be made again."""
 
 
 class EpisodeLost(EnvScalerError):

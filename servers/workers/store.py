@@ -43,7 +43,7 @@ from envscaler.models import CheckItem, ToolAnnotations, ToolSchema
 from envscaler.sandbox import CHILD_TASKS
 from envscaler.wire import WorkerResources
 from servers.episodes.store import ABANDON_GRACE_S, CallStats, EpisodeRegistry, LiveEpisode, checks_limit_s
-from servers.errors import CallAbandoned, EpisodeLost, UnknownEpisode
+from servers.errors import CallAbandoned, EpisodeLost, Overloaded, UnknownEpisode
 from servers.workers.process import Turn, WorkerGone, WorkerProcess
 from servers.workers.wire import (
     CheckerSettings,
@@ -93,7 +93,7 @@ class WorkerEpisodeStore(EpisodeRegistry):
         tasks = group.pids if group is not None else CHILD_TASKS
         shared = dict(sandbox=sandbox, env_id=self.env_id, tasks=tasks)
         self.worker = WorkerProcess("servers.workers.env_worker", settings, role=ROLE, on_lost=self._worker_lost, mark=mark,
-                                    group=self.groups[0], **shared)
+                                    group=self.groups[0], queue_wait_s=settings.queue_wait_s, **shared)
         check_mark = RunningMarks()
         # A zygote that forks a process for each validation's checks: its sandbox lets it fork, and each
         # child takes that away from itself before any check code runs.
@@ -153,6 +153,9 @@ class WorkerEpisodeStore(EpisodeRegistry):
                 except (EpisodeLost, EnvCodeError, UnknownEpisode) as e:
                     self._mark_lost(live, f"{reason}; it cannot be rebuilt: {e}")
                     return
+                except Overloaded:
+                    self._stale[live.episode_id] = reason  # not rebuilt yet: the next request tries again
+                    raise
                 self.rebuilt += 1
                 log.info("episode rebuilt in a new environment worker",
                          extra={"env": self.env_id, "episode": live.episode_id, "calls": len(history.calls)})
