@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from collections.abc import Collection
 from typing import Protocol
 
 import anyio
@@ -202,13 +203,15 @@ def default_spawner(plan: FarmPlan) -> Spawner:
 _REAP_PERIOD_S = 2.0
 
 
-def reap_adopted() -> int:
+def reap_adopted(known: Collection[int] = ()) -> int:
     """Reap the exited orphans this subreaper adopted from its servers' groups; how many.
 
     bubblewrap's outer process can exit before the sandbox's init has (the probe a server runs at
     start, a replaced worker): that init is then ours (``adopt_orphans``), and unreaped it stays a
     zombie for the server's whole life. The daemon's own children are left to whoever started them:
     they are in the daemon's group (the zygote, haproxy) or lead their own (a server started with Popen).
+    ``known``: pids that are not looked at (the servers: each is reaped by its supervisor), so that a
+    farm of servers started with Popen costs a list of pids every few seconds, not a file per server.
     """
     own_group = os.getpgrp()
     reaped = 0
@@ -218,6 +221,8 @@ def reap_adopted() -> int:
         except OSError:
             continue  # a thread that ended meanwhile
         for pid in pids:
+            if pid in known:
+                continue
             try:
                 fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             except (OSError, IndexError):
@@ -282,7 +287,7 @@ class ProcessBackend:
         """Whoever adopts orphans reaps them (see :func:`reap_adopted`): every few seconds, since the
         event loop keeps SIGCHLD to itself."""
         while True:
-            reap_adopted()
+            reap_adopted({server.pid for server in self.servers.values()})
             await anyio.sleep(_REAP_PERIOD_S)
 
     def _environment(self, env: EnvPlan) -> dict[str, str]:
