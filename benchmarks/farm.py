@@ -196,7 +196,7 @@ def describe(backend: str, spawner: str | None, result: Measured, count: int) ->
               f"all together: USS {sum(m.uss for m in result.environments):.0f} MB, PSS {sum(m.pss for m in result.environments):.0f} MB")
     loaded = f", {result.loaded_cores} cores busy with other processes" if result.loaded_cores else ""
     print(f"{name}: idle daemon CPU {result.daemon_cpu * 100:.2f}% of a core over {IDLE_WINDOW_S:g} s{loaded} "
-          f"({result.daemon_cpu * 100 / count * 100:.3f}% per 100 environments)")
+          f"({result.daemon_cpu * 100 / count:.3f}% per environment)")
     print(f"{name}: {result.validated}/{count} environments validated{loaded}; restarts: {result.server_restarts} server(s), "
           f"{result.worker_restarts} worker(s)")
     verdicts = [
