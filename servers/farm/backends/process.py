@@ -22,8 +22,8 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from collections.abc import Collection
+from pathlib import Path
 from typing import Protocol
 
 import anyio
