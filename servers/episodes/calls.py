@@ -11,9 +11,8 @@ hand-over serves many calls.
 A call that runs longer than ``handover_after_s`` retires its worker (it finishes that call, reports
 it, and exits) and a fresh worker takes the queue, so a slow or stuck call only holds up its own
 caller. A call's limit runs from when a thread starts it, never from when it was queued: a call that
-waited behind others (every thread busy with slow but legitimate calls) gets its whole limit. Nor does
-the time its thread waited for a CPU while it could run count (the kernel's run delay, where it says):
-on a machine short of CPU the call has not run then. A call still running at its deadline is abandoned: its caller gets
+waited behind others (every thread busy with slow but legitimate calls, a machine short of CPU) gets
+its whole limit. A call still running at its deadline is abandoned: its caller gets
 :class:`CallAbandoned` at once. The thread cannot be killed; it stays retired until the call returns,
 if ever, and at most ``max_threads`` threads exist, so a flood of stuck calls cannot exhaust the
 process. A call that waits longer than ``wait_s`` for a thread is refused with :class:`Overloaded`,
@@ -24,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import sys
 import threading
@@ -41,7 +39,7 @@ log = logging.getLogger("envscaler.server")
 
 
 class _Job(Generic[T]):
-    __slots__ = ("fn", "future", "limit_s", "queued", "started", "thread_id", "delay_at_start", "abandoned")
+    __slots__ = ("fn", "future", "limit_s", "queued", "started", "abandoned")
 
     def __init__(self, fn: Callable[[], T], future: asyncio.Future[T], limit_s: float, queued: float) -> None:
         self.fn = fn
@@ -50,9 +48,6 @@ class _Job(Generic[T]):
         self.queued = queued
         # When a thread took it (``CallRunner._claims`` held): from then on its limit runs.
         self.started: float | None = None
-        # The thread that runs it, and that thread's run delay (``run_delay_s``) when it started it.
-        self.thread_id = 0
-        self.delay_at_start = 0.0
         self.abandoned = False
 
 
@@ -64,22 +59,6 @@ class _Worker:
         self.job: _Job[Any] | None = None
         self.started = 0.0
         self.retired = False
-
-
-def run_delay_s(thread_id: int | None = None) -> float:
-    """Seconds thread ``thread_id`` (a native id; this one by default) of this process has waited for a CPU
-    while it could run (``/proc`` schedstat); 0.0 where the kernel does not say."""
-    path = "/proc/thread-self/schedstat" if thread_id is None else f"/proc/self/task/{thread_id}/schedstat"
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return 0.0
-    try:
-        return int(os.read(fd, 128).split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return 0.0
-    finally:
-        os.close(fd)
 
 
 QUEUE_WAIT_S = 30.0
@@ -200,7 +179,7 @@ class CallRunner:
                 continue
             started = job.started
             if started is not None:
-                if now - started > job.limit_s and self._ran_s(job, now) > job.limit_s:
+                if now - started > job.limit_s:
                     job.abandoned = True
                     self.abandoned += 1
                     job.future.set_exception(CallAbandoned())
@@ -215,12 +194,6 @@ class CallRunner:
             self._loop.call_later(self.tick_s, self._supervise)  # type: ignore[union-attr]
         else:
             self._ticking = False
-
-    @staticmethod
-    def _ran_s(job: _Job[Any], now: float) -> float:
-        """How long ``job`` has run: since its start, less the time its thread waited for a CPU meanwhile."""
-        assert job.started is not None
-        return now - job.started - max(0.0, run_delay_s(job.thread_id) - job.delay_at_start)
 
     def _refuse(self, job: _Job[Any], now: float) -> None:
         """Refuse ``job``, which has waited too long for a thread, unless a thread is taking it right now."""
@@ -270,11 +243,9 @@ class CallRunner:
                     # Retired while idle (a hand-over raced with the end of a call): the active worker takes it.
                     self._queue.put(job)
                     break
-            delay = run_delay_s()
             with self._claims:
                 if job.abandoned:
                     continue
-                job.thread_id, job.delay_at_start = threading.get_native_id(), delay
                 job.started = worker.started = time.monotonic()  # before job: the supervisor reads job, then started
             worker.job = job
             try:
