@@ -43,7 +43,7 @@ from envscaler.sandbox import CHILD_TASKS
 from envscaler.wire import WorkerResources
 from servers.memory import memory_status
 from servers.episodes.store import ABANDON_GRACE_S, CallStats, EpisodeRegistry, LiveEpisode, checks_limit_s
-from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, UnknownEpisode
+from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, Overloaded, UnknownEpisode
 from servers.workers.process import Turn, WorkerGone, WorkerProcess
 from servers.workers.wire import (
     CheckerSettings,
@@ -97,7 +97,7 @@ class WorkerEpisodeStore(EpisodeRegistry):
         self.memory_limit_mb = group.memory_mb if self.groups[0] is not None and group is not None else None
         try:
             self.worker = WorkerProcess("servers.workers.env_worker", settings, role=ROLE, on_lost=self._worker_lost, mark=mark,
-                                        group=self.groups[0], **shared)
+                                        group=self.groups[0], queue_wait_s=settings.queue_wait_s, **shared)
         except OutOfMemory as e:
             self.close_groups()
             raise OutOfMemory(self._out_of_memory(None, "as it started", str(e))) from None
@@ -179,6 +179,9 @@ class WorkerEpisodeStore(EpisodeRegistry):
                 except (EpisodeLost, EnvCodeError, UnknownEpisode) as e:
                     self._mark_lost(live, f"{reason}; it cannot be rebuilt: {e}")
                     return
+                except Overloaded:
+                    self._stale[live.episode_id] = reason  # not rebuilt yet: the next request tries again
+                    raise
                 self.rebuilt += 1
                 log.info("episode rebuilt in a new environment worker",
                          extra={"env": self.env_id, "episode": live.episode_id, "calls": len(history.calls)})
