@@ -1,7 +1,7 @@
 """Harness cost: CPU time of the harness per tool step, and steps/s, with one process and with worker processes.
 
 Starts a process farm of the bundled catalog (``envscaler farm up --backend process``), then runs the
-replay agent over every scenario ``--repeats`` times with 64 episodes at once, first in one process
+replay agent over every scenario once to warm it up, then ``--repeats`` times with 64 episodes at once, first in one process
 (``--procs 1``, the baseline) and then spread over ``--procs`` worker processes, on the same farm. The
 harness CPU time is that of this process plus its worker processes (user + system, everything
 included: episode creation, MCP calls, validation, trajectory fetch, sending records to the writer,
@@ -43,6 +43,8 @@ class Measured(NamedTuple):
     perfect: int
     steps: int
     cpu_s: float
+    # Of cpu_s, what this process spent (with --procs above 1: listing, dispatching, writing the records).
+    own_cpu_s: float
     wall_s: float
 
     @property
@@ -65,10 +67,11 @@ def measure(catalog: FarmCatalog, out: Path, procs: int, repeats: int, concurren
     options = RunOptions(repeats=repeats, concurrency=concurrency, progress=False, procs=procs)
     cpu, children, wall = time.process_time(), _children_cpu(), time.perf_counter()
     records = anyio.run(lambda: run(catalog, ReplayAgent, out, options=options), backend_options={"use_uvloop": True})
-    cpu = time.process_time() - cpu + _children_cpu() - children
+    own = time.process_time() - cpu
     wall = time.perf_counter() - wall
     return Measured(procs, len(records), len({(r.env_id, r.task_id, r.repeat) for r in records}),
-                    sum(r.reward == 1.0 for r in records), sum(r.steps for r in records), cpu, wall)
+                    sum(r.reward == 1.0 for r in records), sum(r.steps for r in records),
+                    own + _children_cpu() - children, own, wall)
 
 
 def main() -> int:
@@ -82,6 +85,8 @@ def main() -> int:
         envscaler("farm", "up", "--backend", "process", "--catalog", str(catalog_file))
         try:
             catalog = load_farm_catalog(catalog_file)
+            # Untimed: a farm's first episodes start its environment workers, which would count against the baseline.
+            measure(catalog, Path(scratch) / "warm-up.jsonl", 1, 1, args.concurrency)
             runs = [measure(catalog, Path(scratch) / f"procs{procs}.jsonl", procs, args.repeats, args.concurrency)
                     for procs in (1, args.procs)]
         finally:
@@ -90,7 +95,7 @@ def main() -> int:
     print(f"concurrency {args.concurrency}; --procs default on this machine: {default_procs()}")
     for m in runs:
         print(f"--procs {m.procs}: {m.episodes} episodes ({m.perfect} scored 1.0), {m.steps} tool steps; harness CPU "
-              f"{m.cpu_s:.2f} s -> {m.per_step_ms:.3f} ms per tool step; {m.steps_per_s:.0f} tool steps/s, "
+              f"{m.cpu_s:.2f} s ({m.own_cpu_s:.2f} s of it in the run's own process) -> {m.per_step_ms:.3f} ms per tool step; {m.steps_per_s:.0f} tool steps/s, "
               f"{m.episodes / m.wall_s:.1f} episodes/s (wall {m.wall_s:.1f} s)")
     print(f"--procs {spread.procs} against --procs 1: {spread.steps_per_s / baseline.steps_per_s:.2f}x the steps/s, "
           f"{spread.per_step_ms / baseline.per_step_ms:.2f}x the harness CPU per step (servers share this machine's cores)")

@@ -9,11 +9,17 @@ import sys
 import time
 from pathlib import Path
 
+import anyio
 import httpx
 import pytest
 
+from agent_client.agents import ReplayAgent
+from agent_client.errors import HarnessError
+from agent_client.models import load_farm_catalog
+from agent_client.runner import RunOptions, run
 from tests.support.cli import envscaler
 from tests.support.farm import counter_farm
+from tests.support.openai_replay import ReplayServer
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +99,24 @@ def test_a_worker_that_dies_is_reported_and_its_episode_recorded_as_an_infra_err
     lost = by_task["counter_002"]
     assert lost["termination"] == "infra_error" and "was killed by signal SIGKILL" in lost["error"]
     assert "1 x the harness's worker" in done.stderr  # the summary's infra reasons name it too
+
+
+def test_the_openai_agent_runs_in_worker_processes(farm, tmp_path):
+    out = tmp_path / "out.jsonl"
+    with ReplayServer({"agent": [{"content": "Nothing to do."}] * 4}) as server:
+        done = envscaler("run", "--farm", str(farm), "--agent", "openai", "--base-url", server.base_url, "--model", "agent",
+                         "--scenario", "counter/counter_001", "--repeats", "4", "--out", str(out), "--procs", "2",
+                         "--concurrency", "2", "--retries", "0")
+        asked = len(server.requests_for("agent"))
+    assert done.returncode == 0, done.stderr
+    written = list(map(json.loads, out.read_text().splitlines()))
+    assert sorted(r["repeat"] for r in written) == [0, 1, 2, 3] and asked == 4
+    assert all(r["termination"] == "finished" and r["model"] == "agent" and r["usage"]["requests"] == 1 for r in written)
+
+
+def test_an_agent_factory_that_cannot_reach_a_worker_process_is_refused_before_any_episode(farm, tmp_path):
+    out = tmp_path / "out.jsonl"
+    options = RunOptions(repeats=2, concurrency=2, progress=False, procs=2)
+    with pytest.raises(HarnessError, match="cannot be sent to a worker process"):
+        anyio.run(lambda: run(load_farm_catalog(farm), lambda: ReplayAgent(), out, options=options))
+    assert out.read_text() == "" and live_episodes(farm) == []
