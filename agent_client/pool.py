@@ -32,13 +32,12 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 import agent_client
 from agent_client.agents import Agent
-from agent_client.errors import HarnessError
+from agent_client.errors import HarnessError, WorkersLost
 from agent_client.models import Record
 from agent_client.runner import RecordSink, RunOptions
-from envscaler.errors import EnvScalerError
+from agent_client.worker import WorkerSetup, job_line
 from envscaler.jsonl import validate_json
 from envscaler.wire import FarmCatalog, ScenarioSummary
-from agent_client.worker import WorkerSetup, job_line
 
 # A record line longer than this is taken for a broken worker (a record is rarely above a few MB).
 _MAX_RECORD_BYTES = 1 << 30
@@ -48,16 +47,12 @@ _STOP_GRACE_S = 20.0
 Key = tuple[str, str, int]
 
 
-class WorkersLost(EnvScalerError):
-    """Every worker process died with episodes still to run: the records written are whole, and a rerun
-    of the same command runs the rest."""
-
-
 def default_procs() -> int:
     """Worker processes for this machine: one per 4 usable cores, since the environment servers of a farm
     on the same machine need about three cores for each that the harness uses; 1 (no worker processes,
     which is faster there) below 8 cores."""
-    return max(1, len(os.sched_getaffinity(0)) // 4)
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, usable // 4)
 
 
 def _describe_end(returncode: int | None) -> str:

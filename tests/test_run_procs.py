@@ -34,11 +34,12 @@ def keys(path: Path) -> list[tuple[str, str, int]]:
     return [(r["env_id"], r["task_id"], r["repeat"]) for r in map(json.loads, path.read_text().splitlines())]
 
 
-def live_episodes(catalog: Path) -> list[str]:
+def live_episodes(catalog: Path) -> set[str]:
+    """The episodes the farm's server holds now (a killed worker's stay there until their lease ends)."""
     endpoint = json.loads(catalog.read_text())["envs"]["counter"]
     reply = httpx.get(f"{endpoint['url']}/episodes", headers={"Authorization": f"Bearer {endpoint['token']}"})
     reply.raise_for_status()
-    return reply.json()["episodes"]
+    return set(reply.json()["episodes"])
 
 
 def test_two_processes_write_every_episode_once_and_the_summary_of_one(farm, tmp_path):
@@ -57,6 +58,7 @@ def test_two_processes_write_every_episode_once_and_the_summary_of_one(farm, tmp
 
 def test_an_interrupted_two_process_run_ends_its_episodes_and_resumes_without_duplicates(farm, tmp_path):
     out = tmp_path / "out.jsonl"
+    before = live_episodes(farm)
     args = ("run", "--farm", str(farm), "--agent", "replay", "--out", str(out), "--repeats", "60",
             "--concurrency", "4", "--procs", "2", "--quiet")
     # Its own session, as a terminal's foreground job: Ctrl-C is a SIGINT to it alone, never to its workers.
@@ -76,7 +78,7 @@ def test_an_interrupted_two_process_run_ends_its_episodes_and_resumes_without_du
     assert raw.endswith(b"\n")  # whole records only
     first = keys(out)
     assert 4 <= len(first) < 120 and len(set(first)) == len(first)
-    assert live_episodes(farm) == []  # ended by the workers, not left to the lease
+    assert live_episodes(farm) <= before  # ended by the workers, not left to the lease
     resumed = envscaler(*args)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming: {len(first)} record(s)" in resumed.stderr
@@ -101,6 +103,17 @@ def test_a_worker_that_dies_is_reported_and_its_episode_recorded_as_an_infra_err
     assert "1 x the harness's worker" in done.stderr  # the summary's infra reasons name it too
 
 
+def test_a_run_whose_every_worker_dies_stops_with_exit_1_and_says_what_was_not_run(farm, tmp_path):
+    out = tmp_path / "out.jsonl"
+    command = f"{sys.executable} -c \"import os; os.kill(os.getppid(), 9)\""
+    done = envscaler("run", "--farm", str(farm), "--agent", "command", "--command", command, "--out", str(out),
+                     "--repeats", "3", "--concurrency", "2", "--procs", "2")
+    assert done.returncode == 1, done.stderr
+    assert "every worker process died; 4 episode(s) were not run" in done.stderr
+    written = list(map(json.loads, out.read_text().splitlines()))
+    assert len(written) == 2 and all(r["termination"] == "infra_error" for r in written)
+
+
 def test_the_openai_agent_runs_in_worker_processes(farm, tmp_path):
     out = tmp_path / "out.jsonl"
     with ReplayServer({"agent": [{"content": "Nothing to do."}] * 4}) as server:
@@ -117,6 +130,7 @@ def test_the_openai_agent_runs_in_worker_processes(farm, tmp_path):
 def test_an_agent_factory_that_cannot_reach_a_worker_process_is_refused_before_any_episode(farm, tmp_path):
     out = tmp_path / "out.jsonl"
     options = RunOptions(repeats=2, concurrency=2, progress=False, procs=2)
+    before = live_episodes(farm)
     with pytest.raises(HarnessError, match="cannot be sent to a worker process"):
         anyio.run(lambda: run(load_farm_catalog(farm), lambda: ReplayAgent(), out, options=options))
-    assert out.read_text() == "" and live_episodes(farm) == []
+    assert out.read_text() == "" and live_episodes(farm) <= before
