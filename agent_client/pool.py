@@ -3,7 +3,8 @@
 One harness process spends its CPU on HTTP, JSON and pydantic for every tool step, so past a thousand
 or two steps per second a run is limited by that one core. Here each worker (``agent_client.worker``)
 runs a share of the episodes, and this process stays the only writer of the output file, the one
-progress display and the one summary: workers send every record back as a line, written here whole.
+progress display and the one summary: workers send every record back as a line, written here whole
+(with its head beside it, so that it is never parsed here).
 
 Jobs are handed out one at a time: each worker starts with its part of ``concurrency`` and gets the
 next job when an episode of its own ends, so a slow worker takes fewer and the run's concurrency holds.
@@ -33,10 +34,9 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 import agent_client
 from agent_client.agents import Agent
 from agent_client.errors import HarnessError, WorkersLost
-from agent_client.models import Record
-from agent_client.runner import RecordSink, RunOptions
+from agent_client.models import Record, RecordHead
+from agent_client.runner import RecordSink, RunOptions, record_entry
 from agent_client.worker import WorkerSetup, job_line
-from envscaler.jsonl import validate_json
 from envscaler.wire import FarmCatalog, ScenarioSummary
 
 # A record line longer than this is taken for a broken worker (a record is rarely above a few MB).
@@ -88,20 +88,21 @@ class _Worker:
             self.closed = True
             await self.process.stdin.aclose()  # type: ignore[union-attr]
 
-    async def next_record(self) -> tuple[Record, bytes] | None:
-        """The next record it sends back and its line; None once it has ended (or sent a line that is no record)."""
+    async def next_record(self) -> tuple[RecordHead, bytes] | None:
+        """The head and line of the next record it sends back; None once it has ended (or sent something else)."""
         try:
+            head = await self.lines.receive_until(b"\n", _MAX_RECORD_BYTES)
             line = await self.lines.receive_until(b"\n", _MAX_RECORD_BYTES)
         except (anyio.IncompleteRead, anyio.EndOfStream, anyio.DelimiterNotFound, anyio.BrokenResourceError):
             return None
         try:
-            record = validate_json(Record, line)
+            parsed = RecordHead.model_validate_json(head)
         except ValueError as e:
-            print(f"envscaler run: {self.name} sent a line that is no record ({e}); it is stopped", file=sys.stderr)
+            print(f"envscaler run: {self.name} sent a line that is no record head ({e}); it is stopped", file=sys.stderr)
             self.kill()
             return None
-        self.in_flight.pop((record.env_id, record.task_id, record.repeat), None)
-        return record, line + b"\n"
+        self.in_flight.pop((parsed.env_id, parsed.task_id, parsed.repeat), None)
+        return parsed, line + b"\n"
 
     def interrupt(self) -> None:
         """Ask it to end its live episodes and exit (what Ctrl-C does to a single-process run)."""
@@ -182,7 +183,7 @@ async def run_in_processes(catalog: FarmCatalog, make_agent: Callable[[], Agent]
             await _stop(workers, sink)
     if waiting and not sink.unwritable:
         raise WorkersLost(f"every worker process died; {len(waiting)} episode(s) were not run and "
-                          f"{len(sink.records)} record(s) of this run are written, whole: run the same command again "
+                          f"{len(sink.heads)} record(s) of this run are written, whole: run the same command again "
                           "to run the rest (or with --procs 1)")
 
 
@@ -196,7 +197,7 @@ def _lost(worker: _Worker, agent: Agent, sink: RecordSink) -> None:
         record = Record(env_id=scenario.env_id, task_id=scenario.task_id, repeat=repeat, agent=agent.name, model=agent.model,
                         termination="infra_error", started_at=started, duration_s=now - started,
                         error=f"the harness's {worker.name} running this episode {ended}")
-        if not sink.write(record):
+        if not sink.write(*record_entry(record)):
             break
     worker.in_flight.clear()
 

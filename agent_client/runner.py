@@ -23,7 +23,7 @@ from agent_client.agents import Agent, EpisodeContext
 from agent_client.llm import LlmEndpoint
 from agent_client.http import LeanHttp
 from agent_client.errors import HarnessError, RecordsUnwritable
-from agent_client.models import AgentResult, Record
+from agent_client.models import AgentResult, Record, RecordHead
 from agent_client.progress import Progress
 from agent_client.remote import EnvControl, McpTools, new_http_client
 from envscaler.errors import InfraError
@@ -207,20 +207,32 @@ def record_line(record: Record) -> str:
     That line is an infra error (so a rerun tries the episode again) without the messages,
     trajectory and score, which held what could not be written.
     """
+    return _written(record)[0]
+
+
+def record_entry(record: Record) -> tuple[RecordHead, bytes]:
+    """``record``'s JSONL line (with its ``"\\n"``, see :func:`record_line`) and the head of what that line holds."""
+    line, written = _written(record)
+    return written.head(), (line + "\n").encode()
+
+
+def _written(record: Record) -> tuple[str, Record]:
+    """The line of ``record`` and the record it holds: ``record``, or the stand-in that says why it could not be written."""
     try:
-        return dumps(record)
+        return dumps(record), record
     except Exception as e:  # noqa: BLE001 - whatever the value, the run goes on and the episode is accounted for
         stand_in = Record(env_id=record.env_id, task_id=record.task_id, repeat=record.repeat, agent=record.agent,
                           model=record.model, episode_id=record.episode_id, termination="infra_error",
                           error=f"this episode's record could not be written ({type(e).__name__}: {e}); "
                                 "its messages, trajectory and score were left out",
                           started_at=record.started_at, duration_s=record.duration_s)
-        return dumps(stand_in)
+        return dumps(stand_in), stand_in
 
 
 async def run(catalog: FarmCatalog, make_agent: Callable[[], Agent], out: Path, *, patterns: list[str] | None = None,
-              options: RunOptions | None = None) -> list[Record]:
-    """Run every selected scenario ``repeats`` times; append records to ``out``; return this run's records."""
+              options: RunOptions | None = None) -> list[RecordHead]:
+    """Run every selected scenario ``repeats`` times; append records to ``out``; return the heads of this run's
+    records (the whole records are in ``out``)."""
     options = options or RunOptions()
     out.parent.mkdir(parents=True, exist_ok=True)
     with _only_writer(out):
@@ -251,7 +263,7 @@ def _only_writer(out: Path) -> Iterator[None]:
 
 
 async def _run(catalog: FarmCatalog, make_agent: Callable[[], Agent], out: Path, patterns: list[str] | None,
-               options: RunOptions) -> list[Record]:
+               options: RunOptions) -> list[RecordHead]:
     agent = make_agent()
     identity = RunIdentity(agent.name, agent.model, frozenset(catalog.envs))
     done = read_done(out, identity, rerun_infra_errors=options.rerun_infra_errors)
@@ -277,9 +289,9 @@ async def _run(catalog: FarmCatalog, make_agent: Callable[[], Agent], out: Path,
         finally:
             os.close(fd)
     if sink.unwritable:
-        raise RecordsUnwritable(f"cannot write {out}: {sink.unwritable}; {len(sink.records)} record(s) of this run are in it, "
+        raise RecordsUnwritable(f"cannot write {out}: {sink.unwritable}; {len(sink.heads)} record(s) of this run are in it, "
                                 "whole. Make room and run the same command again to finish")
-    return sink.records
+    return sink.heads
 
 
 class RecordSink:
@@ -287,18 +299,18 @@ class RecordSink:
 
     def __init__(self, fd: int, progress: Progress) -> None:
         self.fd, self.progress = fd, progress
-        self.records: list[Record] = []
+        self.heads: list[RecordHead] = []
         # Why a record could not be written (a full disk), once one could not: the run then stops.
         self.unwritable: str | None = None
 
-    def write(self, record: Record, line: bytes | None = None) -> bool:
-        """Append ``record`` (``line``: its JSONL line, when already made); False when it could not be written."""
-        problem = _append(self.fd, line if line is not None else (record_line(record) + "\n").encode())
+    def write(self, head: RecordHead, line: bytes) -> bool:
+        """Append ``line``, the record whose head is ``head``; False when it could not be written."""
+        problem = _append(self.fd, line)
         if problem is not None:
             self.unwritable = self.unwritable or problem
             return False
-        self.records.append(record)
-        self.progress.add(record)
+        self.heads.append(head)
+        self.progress.add(head)
         return True
 
 
@@ -312,7 +324,7 @@ async def _run_here(http: LeanHttp, controls: dict[str, EnvControl], agent: Agen
             async with limiter:
                 record = await run_episode(http, controls[scenario.env_id], scenario, repeat, agent, options)
             # Written per episode: a killed run loses at most the episodes in flight.
-            if not sink.write(record):
+            if not sink.write(*record_entry(record)):
                 # No room for this record: stop, ending the episodes in flight; rerunning finishes the run.
                 tasks.cancel_scope.cancel()
 

@@ -4,7 +4,8 @@ The parent (``agent_client.pool``) starts ``python -m agent_client.worker`` and 
 :class:`WorkerSetup` (length-prefixed pickle: the agent factory is code, not data), then one job per
 line (``INDEX REPEAT``: the scenario's place in ``WorkerSetup.scenarios`` and the repeat). The worker
 runs every job as it arrives (the parent keeps the number in flight to the run's concurrency), and
-writes each episode's JSONL record on stdout, whole, as one line. Closing stdin means "no more jobs":
+writes each episode on stdout as two lines: its ``RecordHead`` as JSON, then its JSONL record, whole (the
+parent writes those bytes to the output file without parsing them again). Closing stdin means "no more jobs":
 the worker finishes those in flight and exits 0. SIGINT (the parent's Ctrl-C, forwarded: the worker
 runs in a session of its own, out of the terminal's reach) ends the episodes in flight without a
 record, as a single-process run does, and exits 130.
@@ -25,7 +26,7 @@ import anyio
 from agent_client.agents import Agent
 from agent_client.interrupt import run_interruptible
 from agent_client.remote import EnvControl, new_http_client
-from agent_client.runner import RunOptions, record_line, run_episode
+from agent_client.runner import RunOptions, record_entry, run_episode
 from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from envscaler.wire import FarmCatalog, ScenarioSummary
 
@@ -63,8 +64,9 @@ async def _serve(jobs: asyncio.StreamReader, records_fd: int) -> None:
 
             async def one(scenario: ScenarioSummary, repeat: int) -> None:
                 record = await run_episode(http, controls[scenario.env_id], scenario, repeat, agent, setup.options)
+                head, line = record_entry(record)
                 try:
-                    _write_all(records_fd, (record_line(record) + "\n").encode())
+                    _write_all(records_fd, head.model_dump_json().encode() + b"\n" + line)
                 except BrokenPipeError:
                     # The parent is gone: nobody will write these records; end the episodes in flight.
                     tasks.cancel_scope.cancel()
