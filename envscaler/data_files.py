@@ -103,7 +103,8 @@ class DataFiles:
         if self.list_containers:
             _add_container_ids(value, self.container_ids)
         self._loaded[name] = value
-        self._names[id(value)] = name
+        if type(value) in (dict, list):  # a scalar's object may be any other value's too (small ints, interned text)
+            self._names[id(value)] = name
         return value
 
     def reference(self, value: Any) -> dict[str, str] | None:
