@@ -32,6 +32,12 @@ def data_folders(bundle: Bundle) -> tuple[Path, ...]:
     return ((bundle.directory / DATA_DIR).resolve(),)
 
 
+def data_megabytes(bundle: Bundle) -> float:
+    """The size in MB of the data files the bundle's scenarios name (read from the folder, no file opened)."""
+    names = {name for scenario in bundle.scenarios for name in references(scenario.init_config).values()}
+    return sum(data_file_path(bundle.directory, name, bundle.env_id).stat().st_size for name in names) / (1024 * 1024)
+
+
 def references(init_config: dict[str, Any]) -> dict[str, Any]:
     """The top-level keys of ``init_config`` whose value names a data file, with what it names (not checked)."""
     return {key: value[FILE_KEY] for key, value in init_config.items() if isinstance(value, dict) and FILE_KEY in value}
