@@ -323,7 +323,8 @@ class WorkerProcess:
     subjects the child's threads run: a request is asked about a subject (an episode's handle), and
     when the child falls with several requests in flight, the one whose subject it names is asked
     again alone first (a hint, never a reason to blame: see the module's doc). ``readable``: paths its
-    sandbox shows, read-only (an environment's data files).
+    sandbox shows, read-only (an environment's data files); ``start_timeout_s``: how long a child may take
+    to say hello (loading them included).
 
     The first child starts here, before any event loop: :attr:`hello` is its first frame (with
     ``lazy``, there is no first child and no hello: the first request starts one). Later ones start
@@ -335,10 +336,11 @@ class WorkerProcess:
     def __init__(self, module: str, settings: BaseModel, *, role: str, sandbox: bool, on_lost: Callable[[str], None],
                  mark: RunningMarks | None = None, lazy: bool = False, new_processes: bool = False, env_id: str = "",
                  group: ChildGroup | None = None, tasks: int = CHILD_TASKS, readable: tuple[Path, ...] = (),
-                 queue_wait_s: float = 0.0) -> None:
+                 queue_wait_s: float = 0.0, start_timeout_s: float = START_TIMEOUT_S) -> None:
         self.module = module
         self.readable = readable
         self.queue_wait_s = queue_wait_s
+        self.start_timeout_s = start_timeout_s
         # When the current child last answered anything (time.monotonic()): a child that answers is not frozen.
         self._heard = 0.0
         self.settings = settings
@@ -357,7 +359,7 @@ class WorkerProcess:
         self.hello = b""
         if not lazy:
             self._child = self._spawn()
-            self.hello = self._child.read_hello(START_TIMEOUT_S, role)
+            self.hello = self._child.read_hello(self.start_timeout_s, role)
         self._starting: asyncio.Future[_Child] | None = None
         # request id -> what waits for it, in the order sent
         self._pending: dict[int, _Pending] = {}
@@ -519,7 +521,7 @@ class WorkerProcess:
         if child.process.stdout is not None and child.output is None:
             child.output, _ = await loop.connect_read_pipe(lambda: _Output(self, child), child.process.stdout)
         if fresh:
-            status, payload = await self._wait(HELLO_ID, START_TIMEOUT_S, START_TIMEOUT_S, "its start", "")
+            status, payload = await self._wait(HELLO_ID, self.start_timeout_s, self.start_timeout_s, "its start", "")
             if status == FAILED:
                 raise EnvCodeError(decode(WorkerFailure, payload).message)
             if self.restarts:
