@@ -13,7 +13,7 @@ with no data file (the same users inline) measured in the same run.
     python benchmarks/data_memory.py [--sizes 25,50,100] [--no-state-read]
 
 Targets: the server's USS grows by at most 10% of the file's size (it never opens the file), and so
-does its peak before the state read; the
+does its peak before the state read; the state read answers (a worker serialises the whole state within the call limit); the
 environment worker's growth is at most 8x the file's size (one parsed copy, shared by both scenarios);
 the check worker's at most 8x. Exits 1 when one is missed.
 """
@@ -105,15 +105,16 @@ def measure(root: Path, size_mb: float, read_state: bool) -> dict[str, float]:
                 assert validated.status_code == 200, validated.text[:500]
             validated_s = time.perf_counter() - started
             work_peak = _peak_rss_mb(process.pid)
+            read_problem = ""
             if read_state:
                 state = http.get(f"/episodes/{episodes[0]['episode_id']}/state")
-                assert state.status_code == 200, state.text[:500]
+                read_problem = "" if state.status_code == 200 else f"{state.status_code}: {state.text[:300]}"
                 del state
         roles = _roles(process.pid)
         server = memory(process.pid)
         return {"file_mb": file_mb, "server_rss": server.rss, "server_uss": server.uss, "work_peak": work_peak, "server_peak": _peak_rss_mb(process.pid),
                 "env_uss": memory(roles["env worker"]).uss, "check_pss": tree_memory(roles["check worker"]).pss,
-                "create_s": created_s, "validate_s": validated_s}
+                "create_s": created_s, "validate_s": validated_s, "read_problem": read_problem}
     finally:
         stop(process)
 
@@ -141,6 +142,11 @@ def main() -> int:
                   f"{row['check_pss']:>9.1f} {row['create_s']:>8.2f} {row['validate_s']:>10.2f}   growth: "
                   + ", ".join(f"{name} {value:+.1f}" for name, value in growth.items()))
             file_mb = row["file_mb"]
+            if args.read_state:
+                verdicts.append(Verdict(f"{file_mb:.0f} MB: state read answered", row["read_problem"][:12] or "200", "200",
+                                        not row["read_problem"]))
+                if row["read_problem"]:
+                    print(f"         the state read failed: {row['read_problem']}")
             verdicts += [
                 Verdict(f"{file_mb:.0f} MB: server peak RSS growth before the state read", f"{growth['work_peak']:.1f} MB",
                         f"<= {0.1 * file_mb:.1f} MB", growth["work_peak"] <= 0.1 * file_mb),

@@ -32,6 +32,12 @@ def data_folders(bundle: Bundle) -> tuple[Path, ...]:
     return ((bundle.directory / DATA_DIR).resolve(),)
 
 
+def data_megabytes(bundle: Bundle) -> float:
+    """The size in MB of the data files the bundle's scenarios name (read from the folder, no file opened)."""
+    names = {name for scenario in bundle.scenarios for name in references(scenario.init_config).values()}
+    return sum(data_file_path(bundle.directory, name, bundle.env_id).stat().st_size for name in names) / (1024 * 1024)
+
+
 def references(init_config: dict[str, Any]) -> dict[str, Any]:
     """The top-level keys of ``init_config`` whose value names a data file, with what it names (not checked)."""
     return {key: value[FILE_KEY] for key, value in init_config.items() if isinstance(value, dict) and FILE_KEY in value}
@@ -103,7 +109,8 @@ class DataFiles:
         if self.list_containers:
             _add_container_ids(value, self.container_ids)
         self._loaded[name] = value
-        self._names[id(value)] = name
+        if type(value) in (dict, list):  # a scalar's object may be any other value's too (small ints, interned text)
+            self._names[id(value)] = name
         return value
 
     def reference(self, value: Any) -> dict[str, str] | None:

@@ -525,11 +525,17 @@ class Overlay:
         return _init(OverlayDict(attributes), self, (), written=True)
 
     def detach(self, value: Any, frozen: set[int]) -> Any:
-        """``value`` (made by code that read this read-only view's containers) with plain containers only:
-        a copy this overlay made goes back to being its original where its contents are the original's,
-        else becomes a plain dict or list; plain containers are changed in place. Containers whose ids are
-        in ``frozen`` are left as they are, unread: the cost follows what the code copied and made."""
-        originals = {id(copy): original for _, _, original, copy in self.created}
+        """``value`` (made by code that read this read-only view's containers) with plain containers only: a
+        copy this overlay made goes back to being its original when nothing was written to it or to a copy
+        under it, else becomes a plain dict or list; plain containers are changed in place. Containers whose
+        ids are in ``frozen`` are left as they are, unread: the cost follows what the code copied and made."""
+        originals: dict[int, Any] = {}
+        kept: set[int] = set()  # copies that cannot go back: written, or holding a copy that was
+        for parent, _, original, copy in reversed(self.created):  # children before their parents
+            originals[id(copy)] = original
+            if copy._written or id(copy) in kept:
+                kept.add(id(copy))
+                kept.add(id(parent))
         done: dict[int, Any] = {}
 
         def walk(item: Any) -> Any:
@@ -538,25 +544,22 @@ class Overlay:
                 return item
             if id(item) in done:
                 return done[id(item)]
+            if id(item) in originals and id(item) not in kept:
+                result = done[id(item)] = originals[id(item)]
+                return result
             if kind is OverlayDict or kind is dict:
                 target = done[id(item)] = {} if kind is OverlayDict else item
                 for key, child in list(dict.items(item)):
                     new = walk(child)
                     if target is not item or new is not child:
                         dict.__setitem__(target, key, new)
-                same = kind is OverlayDict and (original := originals.get(id(item))) is not None and len(original) == len(target) \
-                    and all(dict.get(original, key, MISSING) is child for key, child in target.items())
+                return target
+            target = done[id(item)] = [] if kind is OverlayList else item
+            children = [walk(child) for child in list.__iter__(item)]
+            if target is item:
+                list.__setitem__(target, slice(None), children)
             else:
-                target = done[id(item)] = [] if kind is OverlayList else item
-                children = [walk(child) for child in list.__iter__(item)]
-                if target is item:
-                    list.__setitem__(target, slice(None), children)
-                else:
-                    target.extend(children)
-                same = kind is OverlayList and (original := originals.get(id(item))) is not None and len(original) == len(target) \
-                    and all(old is new for old, new in zip(list.__iter__(original), target))
-            if same:
-                target = done[id(item)] = original
+                target.extend(children)
             return target
 
         result = walk(value)

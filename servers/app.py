@@ -37,6 +37,7 @@ from envscaler.wire import (
 )
 from servers.transport.asgi import json_bytes, parse_json, read_body, send_json
 from servers.transport.cors import CorsPolicy, request_origin
+from servers.episodes.calls import QUEUE_WAIT_S
 from servers.episodes.ids import REPLICA_ID_PATTERN
 from servers.episodes.store import EpisodeRegistry, EpisodeStore, LiveEpisode
 from servers.errors import (
@@ -46,6 +47,7 @@ from servers.errors import (
     LimitReached,
     NoTurnLeft,
     OutOfMemory,
+    Overloaded,
     UnknownEpisode,
     UnknownScenario,
 )
@@ -91,6 +93,8 @@ class ServerConfig(BaseModel):
     check_timeout_s: float = Field(default=5.0, gt=0)
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
     worker_threads: int = Field(default=32, ge=1)
+    # How long a call may wait for one of those threads before it is refused (it never runs).
+    queue_wait_s: float = Field(default=QUEUE_WAIT_S, gt=0)
     inline_budget_s: float = Field(default=0.02, ge=0)
     allowed_origins: list[str] = Field(default_factory=list)
     memory_reserve_mb: float = Field(default=32.0, ge=0)
@@ -127,12 +131,14 @@ def _episode_store(bundle: Bundle, config: ServerConfig) -> EpisodeRegistry:
     if config.worker_process:
         settings = WorkerSettings(bundle=bundle, call_timeout_s=config.call_timeout_s, check_timeout_s=config.check_timeout_s,
                                   max_result_chars=config.max_result_chars, worker_threads=config.worker_threads,
-                                  inline_budget_s=config.inline_budget_s, memory_reserve_mb=config.memory_reserve_mb)
+                                  queue_wait_s=config.queue_wait_s, inline_budget_s=config.inline_budget_s,
+                                  memory_reserve_mb=config.memory_reserve_mb)
         group = GroupLimits(memory_mb=config.worker_memory_mb, pids=config.worker_tasks, cpu_weight=round(config.worker_cpus * 100))
         return WorkerEpisodeStore(bundle, settings, sandbox=config.worker_sandbox, group=group, **limits)
     runtime = EnvRuntime(bundle.spec, call_timeout_s=config.call_timeout_s, check_timeout_s=config.check_timeout_s,
                          max_result_chars=config.max_result_chars, bundle_dir=bundle.directory)
-    return EpisodeStore(bundle, runtime, worker_threads=config.worker_threads, inline_budget_s=config.inline_budget_s, **limits)
+    return EpisodeStore(bundle, runtime, worker_threads=config.worker_threads, queue_wait_s=config.queue_wait_s,
+                        inline_budget_s=config.inline_budget_s, **limits)
 
 
 class EnvServerApp:
@@ -329,6 +335,8 @@ class EnvServerApp:
             raise ErrorReply(410, str(e)) from None
         except OutOfMemory as e:
             raise ErrorReply(507, str(e)) from None
+        except Overloaded as e:
+            raise ErrorReply(503, f"{self.bundle.env_id}: {e}") from None
         except EnvScalerError as e:
             raise ErrorReply(500, f"environment error: {e}") from None
 
@@ -344,6 +352,8 @@ class EnvServerApp:
             raise ErrorReply(507, str(e)) from None
         except EpisodeLost as e:
             raise ErrorReply(410, str(e)) from None
+        except Overloaded as e:
+            raise ErrorReply(503, f"{self.bundle.env_id}: {e}") from None
         except EnvScalerError as e:
             raise ErrorReply(500, f"environment error: {e}") from None
 

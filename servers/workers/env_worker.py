@@ -32,7 +32,7 @@ from envscaler.guard import guard_thread_ids, keep_alarm_handler, protect_time_l
 from servers.episodes.calls import share_the_interpreter
 from servers.episodes.store import EpisodeStore, LiveEpisode
 from servers.transport.event_loop import loop_factory
-from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, UnknownEpisode, UnknownScenario
+from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, Overloaded, UnknownEpisode, UnknownScenario
 from servers.memory import memory_status
 from servers.workers.process import child_main
 from servers.workers.wire import (
@@ -61,7 +61,8 @@ T = TypeVar("T")
 THREAD_CHECK_S = 0.5
 """How often the worker looks for threads that environment code left running."""
 
-_FAILURES = (EnvCodeError, UnknownScenario, UnknownEpisode, OutOfMemory, ChecklistError, CallAbandoned, EpisodeLost, BundleError)
+_FAILURES = (EnvCodeError, UnknownScenario, UnknownEpisode, OutOfMemory, ChecklistError, CallAbandoned, EpisodeLost, BundleError,
+             Overloaded)
 
 
 class WorkerLink(asyncio.Protocol):
@@ -287,7 +288,7 @@ def run_worker(sock: socket.socket) -> None:
         raise SystemExit(1) from None
     marks = RunningMarks(settings.mark_fd) if settings.mark_fd is not None else None
     store = MarkedEpisodeStore(bundle, runtime, max_episodes=2**31, idle_ttl_s=float("inf"), worker_threads=settings.worker_threads,
-                               inline_budget_s=settings.inline_budget_s, memory_reserve_mb=settings.memory_reserve_mb, records=False,
+                               queue_wait_s=settings.queue_wait_s, inline_budget_s=settings.inline_budget_s, memory_reserve_mb=settings.memory_reserve_mb, records=False,
                                marks=marks)
     keep_alarm_handler()
     hello = WorkerHello(tools=runtime.tool_list(), annotations=runtime.annotations)

@@ -13,9 +13,14 @@ file: each line is logged under the child's environment and role, cut to ``OUTPU
 past ``OUTPUT_BYTES`` in one child's life the rest is counted and dropped. Where the server can make
 one (``envscaler.cgroups``), the child starts in its environment's control group.
 
-Every request has a deadline: its own limit plus ``GRACE_S``. A child that misses one is frozen (SIGALRM
-ignored and a loop, the GIL held by a C loop, a catastrophic regex), and one whose socket closes has
-died (``SystemExit`` at the top, a crash). Either way its process group is killed, what waits on it
+Every request has a deadline: its own limit plus ``GRACE_S``, counted from when it was sent or from
+the child's last answer, whichever is later. A child that keeps answering is not frozen: a request
+that waits in it behind others (all its call threads busy with slow but legitimate calls, a machine
+short of CPU) is the child's to refuse (``Overloaded``, after ``queue_wait_s``), or to run under its
+own limit, which runs from when it starts there. So a request is at most ``queue_wait_s`` later than
+its limit plus the grace, however busy the child. A child that misses a deadline is frozen (SIGALRM
+ignored and a loop, the GIL held by a C loop, a catastrophic regex, SIGSTOP): nothing comes from it at
+all. One whose socket closes has died (``SystemExit`` at the top, a crash). Either way its process group is killed, what waits on it
 fails with :class:`WorkerGone`, the owner is told (``on_lost``), and the next request starts a new
 child.
 
@@ -65,7 +70,7 @@ from envscaler import EnvCodeError, logs
 from envscaler.cgroups import ChildGroup
 from envscaler.errors import BundleError, ChecklistError
 from envscaler.sandbox import CHILD_TASKS, Launch, clean_environment, confined_uid, die_with_parent, make_undumpable, sandboxed
-from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, UnknownEpisode, UnknownScenario
+from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, Overloaded, UnknownEpisode, UnknownScenario
 from servers.memory import oom_kills
 from servers.workers.wire import (
     EXIT_REASONS,
@@ -98,6 +103,7 @@ _ERRORS: dict[str, type[Exception]] = {
     "EnvCodeError": EnvCodeError, "UnknownScenario": UnknownScenario, "UnknownEpisode": UnknownEpisode,
     "OutOfMemory": OutOfMemory, "ChecklistError": ChecklistError, "CallAbandoned": CallAbandoned, "EpisodeLost": EpisodeLost,
     "BundleError": BundleError,
+    "Overloaded": Overloaded,
 }
 
 
@@ -317,19 +323,26 @@ class WorkerProcess:
     subjects the child's threads run: a request is asked about a subject (an episode's handle), and
     when the child falls with several requests in flight, the one whose subject it names is asked
     again alone first (a hint, never a reason to blame: see the module's doc). ``readable``: paths its
-    sandbox shows, read-only (an environment's data files).
+    sandbox shows, read-only (an environment's data files); ``start_timeout_s``: how long a child may take
+    to say hello (loading them included).
 
     The first child starts here, before any event loop: :attr:`hello` is its first frame (with
     ``lazy``, there is no first child and no hello: the first request starts one). Later ones start
     on the loop, when a request finds the last one gone. ``new_processes``: its sandbox lets it fork
-    (a zygote that runs no untrusted code itself, see ``envscaler.sandbox.sandboxed``).
+    (a zygote that runs no untrusted code itself, see ``envscaler.sandbox.sandboxed``). ``queue_wait_s``:
+    how long the child may keep a request waiting (for a call thread) while it answers others.
     """
 
     def __init__(self, module: str, settings: BaseModel, *, role: str, sandbox: bool, on_lost: Callable[[str], None],
                  mark: RunningMarks | None = None, lazy: bool = False, new_processes: bool = False, env_id: str = "",
-                 group: ChildGroup | None = None, tasks: int = CHILD_TASKS, readable: tuple[Path, ...] = ()) -> None:
+                 group: ChildGroup | None = None, tasks: int = CHILD_TASKS, readable: tuple[Path, ...] = (),
+                 queue_wait_s: float = 0.0, start_timeout_s: float = START_TIMEOUT_S) -> None:
         self.module = module
         self.readable = readable
+        self.queue_wait_s = queue_wait_s
+        self.start_timeout_s = start_timeout_s
+        # When the current child last answered anything (time.monotonic()): a child that answers is not frozen.
+        self._heard = 0.0
         self.settings = settings
         self.role = role
         self.env_id = env_id
@@ -346,7 +359,7 @@ class WorkerProcess:
         self.hello = b""
         if not lazy:
             self._child = self._spawn()
-            self.hello = self._child.read_hello(START_TIMEOUT_S, role)
+            self.hello = self._child.read_hello(self.start_timeout_s, role)
         self._starting: asyncio.Future[_Child] | None = None
         # request id -> what waits for it, in the order sent
         self._pending: dict[int, _Pending] = {}
@@ -508,7 +521,7 @@ class WorkerProcess:
         if child.process.stdout is not None and child.output is None:
             child.output, _ = await loop.connect_read_pipe(lambda: _Output(self, child), child.process.stdout)
         if fresh:
-            status, payload = await self._wait(HELLO_ID, START_TIMEOUT_S, START_TIMEOUT_S, "its start", "")
+            status, payload = await self._wait(HELLO_ID, self.start_timeout_s, self.start_timeout_s, "its start", "")
             if status == FAILED:
                 raise EnvCodeError(decode(WorkerFailure, payload).message)
             if self.restarts:
@@ -564,6 +577,7 @@ class WorkerProcess:
         return turns
 
     def answered(self, request_id: int, status: int, payload: bytes) -> None:
+        self._heard = time.monotonic()
         pending = self._pending.pop(request_id, None)
         if pending is not None and not pending.future.done():
             pending.future.set_result((status, payload))
@@ -572,14 +586,20 @@ class WorkerProcess:
 
     def _supervise(self) -> None:
         now = time.monotonic()
-        overdue = [pending for pending in self._pending.values() if pending.deadline <= now]
+        deadlines = {pending: self._deadline(pending) for pending in self._pending.values()}
+        overdue = [pending for pending, deadline in deadlines.items() if deadline <= now]
         if overdue and self._child is not None:
-            late = min(overdue, key=lambda pending: pending.deadline)
+            late = min(overdue, key=deadlines.__getitem__)
             self.lose(self._child, f"the {self.role} did not answer {late.what} within {late.limit_s:g} s and was restarted", hung=True)
         if self._pending:
             asyncio.get_running_loop().call_later(_TICK_S, self._supervise)
         else:
             self._ticking = False
+
+    def _deadline(self, pending: _Pending) -> float:
+        """When ``pending`` counts as missed: its wait from when it was sent or from the child's last
+        answer, whichever is later, and at most ``queue_wait_s`` past its wait from when it was sent."""
+        return min(max(pending.sent, self._heard) + pending.wait_s, pending.sent + pending.wait_s + self.queue_wait_s)
 
     async def _wait(self, request_id: int, wait_s: float, limit_s: float, what: str, subject: str, again: bool = False,
                     holding: Turn | None = None) -> tuple[int, bytes]:
@@ -587,7 +607,7 @@ class WorkerProcess:
         flight, though its caller give up: the child still runs it."""
         loop = asyncio.get_running_loop()
         now = time.monotonic()
-        pending = _Pending(loop.create_future(), now, now + wait_s, limit_s, what, subject, again, holding)
+        pending = _Pending(loop.create_future(), now, wait_s, limit_s, what, subject, again, holding)
         self._pending[request_id] = pending
         if not self._ticking:
             self._ticking = True
@@ -621,13 +641,13 @@ class _Pending:
     """A request the child has not answered yet (``again``: as :meth:`WorkerProcess.ask` was told; ``holding``:
     the turn its task was in when it was sent, if any)."""
 
-    __slots__ = ("future", "sent", "deadline", "limit_s", "what", "subject", "again", "holding")
+    __slots__ = ("future", "sent", "wait_s", "limit_s", "what", "subject", "again", "holding")
 
-    def __init__(self, future: asyncio.Future[tuple[int, bytes]], sent: float, deadline: float, limit_s: float, what: str,
+    def __init__(self, future: asyncio.Future[tuple[int, bytes]], sent: float, wait_s: float, limit_s: float, what: str,
                  subject: str, again: bool, holding: Turn | None) -> None:
         self.future = future
         self.sent = sent
-        self.deadline = deadline
+        self.wait_s = wait_s
         self.limit_s = limit_s
         self.what = what
         self.subject = subject

@@ -37,14 +37,14 @@ from typing import Any, TypeVar
 
 from envscaler import Bundle, EnvCodeError, Episode, Scenario, ToolOutcome
 from envscaler.cgroups import ChildGroup, GroupLimits, combined
-from envscaler.data_files import data_folders, references
+from envscaler.data_files import data_folders, data_megabytes, references
 from envscaler.models import CheckContext, CheckItem, CheckResult, ToolAnnotations, ToolSchema
 from envscaler.sandbox import CHILD_TASKS
 from envscaler.wire import WorkerResources
 from servers.memory import memory_status
 from servers.episodes.store import ABANDON_GRACE_S, CallStats, EpisodeRegistry, LiveEpisode, checks_limit_s
-from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, UnknownEpisode
-from servers.workers.process import Turn, WorkerGone, WorkerProcess
+from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, Overloaded, UnknownEpisode
+from servers.workers.process import START_TIMEOUT_S, Turn, WorkerGone, WorkerProcess
 from servers.workers.wire import (
     CheckerSettings,
     CheckRequest,
@@ -65,6 +65,8 @@ log = logging.getLogger("envscaler.server")
 T = TypeVar("T")
 
 ROLE = "environment worker"
+# Each worker loads (and the environment worker hashes) the data files at its start: a second more per MB to say hello.
+START_S_PER_DATA_MB = 1.0
 # How many times a request is asked in all, at most, when the worker keeps falling under it without blaming it.
 CAUGHT_UP_TRIES = 4
 
@@ -92,12 +94,13 @@ class WorkerEpisodeStore(EpisodeRegistry):
         # counted, and an environment worker that fills its memory cannot starve the checks.
         self.groups = [ChildGroup.create(group, role) for role in ("env", "checks")] if sandbox and group is not None else [None, None]
         tasks = group.pids if group is not None else CHILD_TASKS
-        shared = dict(sandbox=sandbox, env_id=self.env_id, tasks=tasks, readable=data_folders(bundle))
+        shared = dict(sandbox=sandbox, env_id=self.env_id, tasks=tasks, readable=data_folders(bundle),
+                      start_timeout_s=START_TIMEOUT_S + START_S_PER_DATA_MB * data_megabytes(bundle))
         # The memory the workers may hold together, when their control group counts it (else the server's own limit holds).
         self.memory_limit_mb = group.memory_mb if self.groups[0] is not None and group is not None else None
         try:
             self.worker = WorkerProcess("servers.workers.env_worker", settings, role=ROLE, on_lost=self._worker_lost, mark=mark,
-                                        group=self.groups[0], **shared)
+                                        group=self.groups[0], queue_wait_s=settings.queue_wait_s, **shared)
         except OutOfMemory as e:
             self.close_groups()
             raise OutOfMemory(self._out_of_memory(None, "as it started", str(e))) from None
@@ -179,6 +182,9 @@ class WorkerEpisodeStore(EpisodeRegistry):
                 except (EpisodeLost, EnvCodeError, UnknownEpisode) as e:
                     self._mark_lost(live, f"{reason}; it cannot be rebuilt: {e}")
                     return
+                except Overloaded:
+                    self._stale[live.episode_id] = reason  # not rebuilt yet: the next request tries again
+                    raise
                 self.rebuilt += 1
                 log.info("episode rebuilt in a new environment worker",
                          extra={"env": self.env_id, "episode": live.episode_id, "calls": len(history.calls)})

@@ -24,6 +24,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from envscaler.models import Bundle, CheckContext, CheckItem, CheckResult, StateChange, ToolAnnotations, ToolOutcome, ToolSchema
+from servers.episodes.calls import QUEUE_WAIT_S
 from servers.transport.asgi import json_bytes
 
 M = TypeVar("M", bound=BaseModel)
@@ -56,6 +57,7 @@ class WorkerSettings(BaseModel):
     check_timeout_s: float
     max_result_chars: int
     worker_threads: int
+    queue_wait_s: float = QUEUE_WAIT_S
     inline_budget_s: float
     memory_reserve_mb: float
 
@@ -163,7 +165,7 @@ class WorkerFailure(BaseModel):
     """Any failed request: which of the server's errors it is, and its message."""
 
     error: Literal["EnvCodeError", "UnknownScenario", "UnknownEpisode", "OutOfMemory", "ChecklistError", "CallAbandoned", "EpisodeLost",
-                   "BundleError"]
+                   "BundleError", "Overloaded"]
     message: str
 
 
