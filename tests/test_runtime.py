@@ -453,8 +453,8 @@ class Sharing:
 
 
 def test_a_scalar_global_after_the_deep_check_budget_is_spent_loads_and_is_still_watched():
-    # BFCL's long_context module holds big tables before the scalar constants of the modules merged after it.
-    code = "BIG = list(range(5000))\nLIMIT = 50\n\n\nclass Capped:\n    def __init__(self):\n        self.n = 0\n\n" \
+    # A table that spends the whole budget, then a scalar (BFCL's long_context tables come before such constants).
+    code = "TABLE = list(range(1000))\nLIMIT = 50\n\n\nclass Capped:\n    def __init__(self):\n        self.n = 0\n\n" \
            "    def raise_limit(self) -> int:\n        global LIMIT\n        LIMIT += 1\n        return LIMIT\n"
     runtime = EnvRuntime(EnvSpec(env_id="capped", env_class_name="Capped", env_class_code=code))
     outcome = runtime.new_episode({}).call("raise_limit", {})
