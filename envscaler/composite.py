@@ -8,8 +8,8 @@ which the state module writes as that instance's public attributes. Its tools ar
 the parts' public methods, carrying their signatures, docstrings and annotations, so schemas,
 argument checks and result schemas come out as for the part's own method.
 
-Each part is built as ``cls()`` and then ``getattr(instance, loader)(config)`` when the part names
-a loader; otherwise as EnvScaler does (``cls(config)``, falling back to ``cls()``, then every key set
+Each part is built as ``cls()`` and then ``getattr(instance, loader)(config, **loader_arguments)``
+when the part names a loader; otherwise as EnvScaler does (``cls(config)``, falling back to ``cls()``, then every key set
 as an attribute). A tool name found in two parts is refused: the agent could not say which it means.
 """
 
@@ -72,7 +72,7 @@ def _build(part: ClassPart, cls: type, config: Any) -> Any:
             raise ValueError(f"the configuration of part {part.name!r} must be an object, got {type(config).__name__}")
         return construct(cls, config)
     instance = cls()
-    getattr(instance, part.loader)(config)
+    getattr(instance, part.loader)(config, **(part.loader_arguments or {}))
     return instance
 
 

@@ -108,7 +108,8 @@ class ClassPart(BaseModel):
 
     ``name`` is the part's key in the state and in a scenario's ``init_config``; ``class_name`` the class
     in ``env_class_code``; ``loader`` the method that takes the part's configuration after ``cls()``
-    (BFCL's ``_load_scenario``), or None for EnvScaler's construction.
+    (BFCL's ``_load_scenario``), or None for EnvScaler's construction; ``loader_arguments`` keyword
+    arguments the loader gets besides the configuration (BFCL's ``long_context``).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -116,6 +117,7 @@ class ClassPart(BaseModel):
     name: str
     class_name: str
     loader: str | None = None
+    loader_arguments: dict[str, Any] | None = None
 
     @field_validator("name", "class_name", "loader")
     @classmethod

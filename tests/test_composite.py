@@ -30,6 +30,13 @@ def test_each_part_loads_its_own_config_and_the_state_is_keyed_by_part():
     assert missing.state() == {"Shelf": {"items": ["Dune"]}, "Tally": {"items": 0}}
 
 
+def test_a_part_s_loader_gets_its_loader_arguments():
+    parts = shelf_spec()["classes"]
+    parts[0]["loader_arguments"] = {"long_context": True}
+    runtime = EnvRuntime(EnvSpec.model_validate(shelf_spec(classes=parts)))
+    assert runtime.new_episode({"Shelf": {"books": ["Emma"]}}).state()["Shelf"] == {"items": ["Emma", "Index of every book"]}
+
+
 def test_a_tool_in_two_parts_is_refused_naming_both_classes(tmp_path):
     code = SHELF_CODE + "\n\nclass Ledger:\n    def bump(self) -> int:\n        return 1\n"
     parts = [*shelf_spec()["classes"], {"name": "Ledger", "class_name": "Ledger"}]

@@ -383,6 +383,8 @@ class Shelf:
 
     def _load_scenario(self, config, long_context=False):
         self.items = list(config.get("books", DEFAULTS["books"]))
+        if long_context:
+            self.items += ["Index of every book"]
 
     def add_book(self, title: str) -> dict:
         """Put a book on the shelf.
