@@ -27,7 +27,8 @@ from agent_client.models import AgentResult
 from agent_client.remote import EnvControl, McpTools
 from agent_client.user import SimulatedUser
 from envscaler.jsonl import replace_surrogates
-from envscaler.wire import EpisodeCreated
+from envscaler.models import Turn
+from envscaler.wire import EpisodeCreated, TurnEnded
 
 SYSTEM_PROMPT = (
     "You are an agent operating the following system through its tools.\n\n{introduction}\n\n"
@@ -48,13 +49,51 @@ class EpisodeContext:
     user: SimulatedUser | None = None
     seed: int = 0
     messages: list[dict[str, Any]] = field(default_factory=list)
+    # What the server answered as each scripted user turn ended, in order.
+    turns_ended: list[TurnEnded] = field(default_factory=list)
+    # Where in ``messages`` the agent's texts not yet passed to the server start.
+    replies_from: int = 0
 
     def opening(self, first_user_message: str) -> list[dict[str, Any]]:
         self.messages = [
             {"role": "system", "content": SYSTEM_PROMPT.format(introduction=self.info.env_introduction)},
             {"role": "user", "content": first_user_message},
         ]
+        self.replies_from = 0
         return self.messages
+
+    @property
+    def scripted(self) -> bool:
+        """True when the scenario has scripted user turns (the server holds the next user messages)."""
+        return self.info.turns > 0
+
+    def pending_replies(self) -> list[str]:
+        """The agent's texts to the user since its last ended turn: what the checks read as ``agent_replies``."""
+        return agent_texts(self.messages[self.replies_from:])
+
+    async def end_turn(self) -> str | None:
+        """End the current scripted user turn (the agent answered without a tool call): the user's next
+        message, added to ``messages``; None when no turn is left, or the scenario has none."""
+        if len(self.turns_ended) >= self.info.turns:
+            return None
+        ended = await self.control.end_turn(self.info.episode_id, self.pending_replies())
+        self.turns_ended.append(ended)
+        self.replies_from = len(self.messages)
+        if ended.next_message is not None:
+            self.messages.append({"role": "user", "content": ended.next_message})
+        return ended.next_message
+
+
+def agent_texts(messages: list[dict[str, Any]]) -> list[str]:
+    """The agent's texts to the user in ``messages`` (its non-empty assistant contents), as checks read them."""
+    return [m["content"] for m in messages if m.get("role") == "assistant" and isinstance(m.get("content"), str) and m["content"]]
+
+
+def texts_by_turn(messages: list[dict[str, Any]]) -> list[list[str]]:
+    """The agent's texts to the user, one list per user turn (a user message after the first starts the next)."""
+    starts = [i for i, m in enumerate(messages) if m.get("role") == "user"][1:]
+    bounds = [0, *starts, len(messages)]
+    return [agent_texts(messages[start:end]) for start, end in zip(bounds, bounds[1:])]
 
 
 class Agent(Protocol):
@@ -79,7 +118,8 @@ async def _run_call(ctx: EpisodeContext, call_id: str, name: str, arguments: dic
 
 
 class ReplayAgent:
-    """Runs the scenario's reference solution, one tool call per assistant turn."""
+    """Runs the scenario's reference solution, one tool call per assistant turn, then answers with its
+    reference reply; in a scenario with scripted user turns, each turn's reference and reply in turn."""
 
     name = "replay"
     converses = False
@@ -88,15 +128,19 @@ class ReplayAgent:
     async def run(self, ctx: EpisodeContext) -> AgentResult:
         scenario = await ctx.control.scenario(ctx.task_id)
         ctx.opening(ctx.info.task)
+        script = scenario.turns or [Turn(message=scenario.task, reference_solution=scenario.reference_solution,
+                                         reference_reply=scenario.reference_reply)]
         steps = 0
-        for number, call in enumerate(scenario.reference_solution or [], start=1):
-            if steps >= ctx.max_steps:
-                return AgentResult(messages=ctx.messages, termination="max_steps", steps=steps)
-            tool_call = _tool_call(number, call.name, call.arguments)
-            ctx.messages.append({"role": "assistant", "content": None, "tool_calls": [tool_call]})
-            await _run_call(ctx, tool_call["id"], call.name, call.arguments)
-            steps += 1
-        ctx.messages.append({"role": "assistant", "content": "Done: the request has been carried out."})
+        for turn in script:
+            for call in turn.reference_solution or []:
+                if steps >= ctx.max_steps:
+                    return AgentResult(messages=ctx.messages, termination="max_steps", steps=steps)
+                steps += 1
+                tool_call = _tool_call(steps, call.name, call.arguments)
+                ctx.messages.append({"role": "assistant", "content": None, "tool_calls": [tool_call]})
+                await _run_call(ctx, tool_call["id"], call.name, call.arguments)
+            ctx.messages.append({"role": "assistant", "content": turn.reference_reply or "Done: the request has been carried out."})
+            await ctx.end_turn()
         return AgentResult(messages=ctx.messages, termination="finished", steps=steps)
 
 
@@ -136,20 +180,26 @@ class RandomAgent:
         self.steps = steps
 
     async def run(self, ctx: EpisodeContext) -> AgentResult:
+        """Its steps in each user turn (one turn unless the scenario scripts several), within ``max_steps`` in all."""
         rng = random.Random(f"{ctx.env_id}/{ctx.task_id}/{ctx.seed}")
         tools = await ctx.tools.list_tools()
         ctx.opening(ctx.info.task)
-        steps = min(self.steps, ctx.max_steps)
-        for number in range(1, steps + 1):
-            tool = rng.choice(tools)
-            schema = tool.get("inputSchema", {})
-            arguments = {key: random_value(sub, rng) for key, sub in schema.get("properties", {}).items()
-                         if key in schema.get("required", []) or rng.random() < 0.5}
-            tool_call = _tool_call(number, tool["name"], arguments)
-            ctx.messages.append({"role": "assistant", "content": None, "tool_calls": [tool_call]})
-            await _run_call(ctx, tool_call["id"], tool["name"], arguments)
-        ctx.messages.append({"role": "assistant", "content": "Done."})
-        return AgentResult(messages=ctx.messages, termination="finished" if steps == self.steps else "max_steps", steps=steps)
+        steps = 0
+        while True:
+            for _ in range(self.steps):
+                if steps >= ctx.max_steps:
+                    return AgentResult(messages=ctx.messages, termination="max_steps", steps=steps)
+                steps += 1
+                tool = rng.choice(tools)
+                schema = tool.get("inputSchema", {})
+                arguments = {key: random_value(sub, rng) for key, sub in schema.get("properties", {}).items()
+                             if key in schema.get("required", []) or rng.random() < 0.5}
+                tool_call = _tool_call(steps, tool["name"], arguments)
+                ctx.messages.append({"role": "assistant", "content": None, "tool_calls": [tool_call]})
+                await _run_call(ctx, tool_call["id"], tool["name"], arguments)
+            ctx.messages.append({"role": "assistant", "content": "Done."})
+            if await ctx.end_turn() is None:
+                return AgentResult(messages=ctx.messages, termination="finished", steps=steps)
 
 
 class OpenAIAgent:
@@ -187,6 +237,10 @@ class OpenAIAgent:
                 entry["tool_calls"] = calls
             ctx.messages.append(entry)
             if not calls:
+                if ctx.scripted:
+                    if await ctx.end_turn() is None:
+                        return result
+                    continue
                 if ctx.user is None:
                     return result
                 reply, stop = await ctx.user.reply(content or "", result.user_usage)
@@ -249,22 +303,33 @@ class CommandAgent:
         self.timeout_s = timeout_s
         self.passed_env = passed_env
 
-    def environment(self, ctx: EpisodeContext) -> dict[str, str]:
-        """The command's whole environment for the episode ``ctx``."""
+    def environment(self, ctx: EpisodeContext, task: str | None = None) -> dict[str, str]:
+        """The command's whole environment for the episode ``ctx``, given ``task`` (the task's text when None)."""
         names = (*BASE_ENVIRONMENT, *self.passed_env)
         env = {name: os.environ[name] for name in names if name in os.environ}
-        env.update(ENVSCALER_MCP_URL=ctx.info.mcp_url, ENVSCALER_TASK=ctx.info.task,
+        env.update(ENVSCALER_MCP_URL=ctx.info.mcp_url, ENVSCALER_TASK=ctx.info.task if task is None else task,
                    ENVSCALER_ENV_ID=ctx.env_id, ENVSCALER_TASK_ID=ctx.task_id)
         return env
 
     async def run(self, ctx: EpisodeContext) -> AgentResult:
-        values = {"mcp_url": ctx.info.mcp_url, "task": ctx.info.task, "env_id": ctx.env_id, "task_id": ctx.task_id}
+        """Run the command once, or once per scripted user turn, given that turn's message as the task."""
+        message: str | None = ctx.info.task
+        ctx.opening(message)
+        while message is not None:
+            failed = await self._run_once(ctx, message)
+            if failed is not None:
+                return failed
+            message = await ctx.end_turn()
+        return AgentResult(messages=ctx.messages, termination="finished")
+
+    async def _run_once(self, ctx: EpisodeContext, task: str) -> AgentResult | None:
+        """One run of the command on ``task``; None when it finished, else the episode's end."""
+        values = {"mcp_url": ctx.info.mcp_url, "task": task, "env_id": ctx.env_id, "task_id": ctx.task_id}
         command = [part.format(**values) for part in self.template]
-        ctx.opening(ctx.info.task)
         with tempfile.TemporaryDirectory(prefix="envscaler-agent-") as workdir:
             try:
                 with anyio.fail_after(self.timeout_s):
-                    done = await anyio.run_process(command, env=self.environment(ctx), cwd=workdir, check=False,
+                    done = await anyio.run_process(command, env=self.environment(ctx, task), cwd=workdir, check=False,
                                                    stdin=subprocess.DEVNULL)
             except FileNotFoundError as e:
                 return AgentResult(messages=ctx.messages, termination="agent_error", error=f"cannot run {command[0]!r}: {e}")
@@ -276,4 +341,4 @@ class CommandAgent:
         if done.returncode != 0:
             tail = done.stderr.decode(errors="replace").strip()[-500:]
             return AgentResult(messages=ctx.messages, termination="agent_error", error=f"exit {done.returncode}: {tail}")
-        return AgentResult(messages=ctx.messages, termination="finished")
+        return None

@@ -25,7 +25,7 @@ from agent_client.errors import HarnessError
 from agent_client.models import load_farm_catalog
 from agent_client.remote import EnvControl, new_http_client
 from agent_client.runner import RunOptions, run
-from agent_client.summary import infra_reasons, render, render_spread, summarize
+from agent_client.summary import infra_reasons, render, render_spread, render_turns, summarize
 from envscaler.arguments import non_negative_float, non_negative_int, positive_float, positive_int, with_examples
 from envscaler.bundle import bundle_path, find_bundles
 from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
@@ -106,6 +106,9 @@ def _run(args: argparse.Namespace) -> int:
     print(render(summarize(records, args.repeats), f"agent {args.agent}, {len(records)} episode(s) in {out}"))
     if args.repeats > 1:
         print(render_spread(records, args.repeats))
+    turns = render_turns(records)
+    if turns is not None:
+        print(turns)
     reasons = infra_reasons(records)
     if reasons:
         print("infra errors (rerun the same command to retry them):", file=sys.stderr)

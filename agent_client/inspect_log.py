@@ -3,7 +3,8 @@
 Written with ``inspect_ai``'s own types and writer (the ``[inspect]`` extra), so the file is whatever
 that version of Inspect reads. One log per run file; one sample per episode: the sample id is
 ``ENV/TASK``, the epoch is the repeat + 1, the target is the scenario's checklist, and the score
-``checks`` is the reward with each check's verdict in its metadata. An episode that could not be
+``checks`` is the reward with each check's verdict in its metadata (and, for a scenario with scripted
+user turns, each check's turn and each turn's result: the messages hold every user turn). An episode that could not be
 judged (infra error) is a sample with an error and no score, as Inspect records a failed sample.
 """
 
@@ -96,11 +97,12 @@ def _sample(record: Record) -> EvalSample:
     answer = next((m.get("content") for m in reversed(record.messages) if m.get("role") == "assistant" and m.get("content")), "")
     scores = None
     if not record.infra_failed and record.reward is not None:
-        explanation = "\n".join(f"{'pass' if c.passed else 'FAIL'}: {c.check_item}" + (f" ({c.error})" if c.error else "")
-                                for c in record.checks)
-        scores = {SCORER: scorer.Score(value=record.reward, answer=answer, explanation=explanation,
-                                       metadata={"success": record.reward == 1.0,
-                                                 "checks": [c.model_dump() for c in record.checks]})}
+        explanation = "\n".join(f"{'pass' if c.passed else 'FAIL'}: " + (f"turn {c.turn}: " if c.turn is not None else "")
+                                + c.check_item + (f" ({c.error})" if c.error else "") for c in record.checks)
+        metadata: dict[str, Any] = {"success": record.reward == 1.0, "checks": [c.model_dump() for c in record.checks]}
+        if record.turns:
+            metadata["turns"] = [t.model_dump(exclude={"episode_id"}) for t in record.turns]
+        scores = {SCORER: scorer.Score(value=record.reward, answer=answer, explanation=explanation, metadata=metadata)}
     usage = record.usage
     return log.EvalSample(
         id=f"{record.env_id}/{record.task_id}", epoch=record.repeat + 1, input=task,

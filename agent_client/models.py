@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 from agent_client.errors import HarnessError
 from envscaler.bundle import parse_model, read_json
 from envscaler.models import CheckResult, ToolOutcome
-from envscaler.wire import FarmCatalog
+from envscaler.wire import FarmCatalog, TurnEnded
 
 Termination = Literal["finished", "max_steps", "time_limit", "user_stop", "agent_error", "infra_error"]
 
@@ -63,6 +63,8 @@ class Record(BaseModel):
     episode_id: str | None = None
     reward: float | None = None
     checks: list[CheckResult] = Field(default_factory=list)
+    # In a scenario with scripted user turns: what the server answered as each turn ended, in order.
+    turns: list[TurnEnded] = Field(default_factory=list)
     termination: Termination
     error: str | None = None
     steps: int = 0

@@ -35,6 +35,9 @@ from envscaler.wire import (
     ScenarioListing,
     ScenarioSummary,
     Trajectory,
+    TurnEnded,
+    TurnRequest,
+    ValidationRequest,
     encode_header_value,
 )
 
@@ -96,9 +99,17 @@ class EnvControl:
         except TransportError:
             pass
 
-    async def validate(self, episode_id: str) -> EpisodeValidation:
-        """The scenario's checklist run on the episode's state now, with the server's error counts."""
-        return await self._request(EpisodeValidation, "POST", f"/episodes/{episode_id}/validate")
+    async def validate(self, episode_id: str, agent_replies: list[str] | None = None) -> EpisodeValidation:
+        """The scenario's checklist run on the episode's state now, with the server's error counts.
+
+        ``agent_replies``: the agent's texts to the user since its last ended turn (the checks read them)."""
+        # No body when there is nothing to pass: what every server of the farm has always accepted.
+        body = ValidationRequest(agent_replies=agent_replies) if agent_replies else None
+        return await self._request(EpisodeValidation, "POST", f"/episodes/{episode_id}/validate", body)
+
+    async def end_turn(self, episode_id: str, agent_replies: list[str]) -> TurnEnded:
+        """End the episode's current scripted user turn: its checks' verdicts, and the user's next message."""
+        return await self._request(TurnEnded, "POST", f"/episodes/{episode_id}/turn", TurnRequest(agent_replies=agent_replies))
 
     async def trajectory(self, episode_id: str) -> Trajectory:
         """The server's record of every tool call of the episode."""

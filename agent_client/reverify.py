@@ -14,12 +14,14 @@ agent saw something else).
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
 import anyio
 from pydantic import BaseModel
 
+from agent_client.agents import texts_by_turn
 from agent_client.errors import HarnessError
 from agent_client.export import read_records
 from agent_client.models import Record, load_farm_catalog
@@ -29,7 +31,7 @@ from envscaler.arguments import positive_int, with_examples
 from envscaler.errors import EXIT_FAILED, EXIT_OK, InfraError
 from envscaler.jsonl import dumps
 from envscaler.models import ToolOutcome
-from envscaler.wire import DEFAULT_FARM_CATALOG, FarmCatalog
+from envscaler.wire import DEFAULT_FARM_CATALOG, FarmCatalog, TurnEnded
 
 _END_TIMEOUT_S = 10.0
 
@@ -81,21 +83,33 @@ def _verdict(passed: bool | None) -> str:
 
 
 async def _replay(http, control: EnvControl, record: Record) -> tuple[Record, bool]:
-    """``record`` scored again on a fresh episode of its scenario; and whether the replay diverged."""
+    """``record`` scored again on a fresh episode of its scenario; and whether the replay diverged.
+
+    A scenario with scripted user turns is replayed turn by turn: each turn's calls, then the turn ended with
+    what the agent told the user in it; the texts after the last ended turn go with the validation."""
     info = await control.create(record.task_id)
     try:
         tools = McpTools(http, info.mcp_url)
-        for call in record.trajectory:
-            if call.error_kind != "agent":
-                await tools.call(call.name, call.arguments)
-        validation = await control.validate(info.episode_id)
+        calls = iter(record.trajectory)
+        said = texts_by_turn(record.messages)
+        if not record.turns:
+            said = [[text for turn in said for text in turn]]
+        turns: list[TurnEnded] = []
+        for number, ended in enumerate([*record.turns, None]):
+            for call in itertools.islice(calls, ended.calls if ended is not None else None):
+                if call.error_kind != "agent":
+                    await tools.call(call.name, call.arguments)
+            replies = said[number] if number < len(said) else []
+            if ended is not None:
+                turns.append(await control.end_turn(info.episode_id, replies))
+        validation = await control.validate(info.episode_id, replies)
         trajectory = await control.trajectory(info.episode_id)
     finally:
         with anyio.CancelScope(shield=True), anyio.move_on_after(_END_TIMEOUT_S):
             await control.end(info.episode_id)
     kept = [c for c in record.trajectory if c.error_kind != "agent"]
     diverged = len(kept) != len(trajectory.calls) or not all(map(_same, kept, trajectory.calls))
-    return record.model_copy(update={"reward": validation.score, "checks": validation.checks}), diverged
+    return record.model_copy(update={"reward": validation.score, "checks": validation.checks, "turns": turns}), diverged
 
 
 async def reverify(catalog: FarmCatalog, records: list[Record], *, concurrency: int = 8, progress: bool = True) -> Outcome:

@@ -147,7 +147,8 @@ async def _episode(http: LeanHttp, control: EnvControl, scenario: ScenarioSummar
         return
     record.episode_id, record.tools = info.episode_id, info.tools
     user = None
-    if info.user_profile and options.user_endpoint is not None and agent.converses:
+    # Scripted user turns are the user: no simulated one speaks besides them.
+    if info.user_profile and options.user_endpoint is not None and agent.converses and not info.turns:
         user = SimulatedUser(options.user_endpoint, info.task, info.user_profile)
     ctx = EpisodeContext(env_id=scenario.env_id, task_id=scenario.task_id, info=info, tools=McpTools(http, info.mcp_url),
                          control=control, max_steps=options.max_steps, user=user, seed=repeat)
@@ -186,9 +187,10 @@ async def _play_and_score(ctx: EpisodeContext, agent: Agent, control: EnvControl
     record.messages, record.termination, record.error = result.messages, result.termination, result.error
     record.replaced_surrogates = result.replaced_surrogates
     record.steps, record.usage, record.user_usage = result.steps, result.usage, result.user_usage
+    record.turns = ctx.turns_ended
     try:
         if result.termination != "infra_error":
-            validation = await control.validate(episode_id)
+            validation = await control.validate(episode_id, ctx.pending_replies())
             record.reward, record.checks = validation.score, validation.checks
         trajectory = await control.trajectory(episode_id)
         record.trajectory = trajectory.calls

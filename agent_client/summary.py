@@ -84,6 +84,24 @@ def render(rows: list[Row], title: str = "") -> str:
     return "\n".join(lines)
 
 
+def render_turns(records: list[Record]) -> str | None:
+    """For episodes of scenarios with scripted user turns: per turn, how many episodes ended it and the mean
+    score of its checks there (turns without checks of their own left out); None when no episode has turns."""
+    scored: dict[int, list[float]] = defaultdict(list)
+    ended: Counter[int] = Counter()
+    scripted = [r for r in records if r.turns]
+    for record in scripted:
+        for turn in record.turns:
+            ended[turn.turn] += 1
+            if turn.score is not None:
+                scored[turn.turn].append(turn.score)
+    if not scripted:
+        return None
+    parts = [f"turn {number}: ended in {ended[number]}" + (f", score {sum(scored[number]) / len(scored[number]):.3f}" if scored[number] else "")
+             for number in sorted(ended)]
+    return f"scripted user turns over {len(scripted)} episode(s): " + "; ".join(parts)
+
+
 def pass_curve(records: list[Record], repeats: int) -> list[float]:
     """pass^k for k = 1..``repeats`` over the judged episodes (the chance that k repeats all succeed)."""
     judged = [r for r in records if not r.infra_failed and r.reward is not None]

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from envscaler.guard import TimeLimitExceeded, call_with_limit
     from envscaler.models import (
         Bundle,
+        CheckContext,
         CheckItem,
         CheckResult,
         EnvSpec,
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
         ToolCall,
         ToolOutcome,
         ToolSchema,
+        Turn,
         ValidationResult,
     )
     from envscaler.runtime import EnvRuntime, Episode
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
 _WHERE = {
     "Bundle": "envscaler.models",
     "BundleError": "envscaler.errors",
+    "CheckContext": "envscaler.models",
     "CheckItem": "envscaler.models",
     "CheckResult": "envscaler.models",
     "ChecklistError": "envscaler.errors",
@@ -51,6 +54,7 @@ _WHERE = {
     "ToolCall": "envscaler.models",
     "ToolOutcome": "envscaler.models",
     "ToolSchema": "envscaler.models",
+    "Turn": "envscaler.models",
     "ValidationResult": "envscaler.models",
     "call_with_limit": "envscaler.guard",
     "check_bundle": "envscaler.gates",
@@ -80,6 +84,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "Bundle",
     "BundleError",
+    "CheckContext",
     "CheckItem",
     "CheckResult",
     "ChecklistError",
@@ -97,6 +102,7 @@ __all__ = [
     "ToolCall",
     "ToolOutcome",
     "ToolSchema",
+    "Turn",
     "ValidationResult",
     "call_with_limit",
     "check_bundle",

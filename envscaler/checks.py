@@ -1,4 +1,4 @@
-"""Checklist functions: compile, run with ``initial_state`` as a global, score.
+"""Checklist functions: compile, run with ``initial_state``, ``turn_results`` and ``agent_replies`` as globals, score.
 
 Each check gets its own copy-on-access views of the final and initial states
 (``envscaler.overlay``): what a check changes stays in its views, so checks cannot affect each
@@ -14,12 +14,13 @@ from typing import Any
 
 from envscaler.errors import ChecklistError
 from envscaler.guard import GuardSignal, TimeLimitExceeded, call_with_limit
-from envscaler.models import CheckItem, CheckResult
+from envscaler.models import CheckContext, CheckItem, CheckResult
 from envscaler.overlay import Overlay
 
 _CHECK_FILE = "<check>"
 _TIMEOUT_ERROR = "check ran longer than "
 _COMPILED: dict[str, Any] = {}
+_NO_GLOBALS = CheckContext().check_globals()
 
 Views = Callable[[], tuple[Any, Any, Callable[[], None]]]
 """Makes fresh (final_state, initial_state) views for one check, and what releases them after it."""
@@ -53,14 +54,18 @@ def _error_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {message}{where}"
 
 
-def run_check(item: CheckItem, views: Views, limit_s: float) -> CheckResult:
-    """Run one check on fresh views of the final and initial states, under ``limit_s``."""
+def run_check(item: CheckItem, views: Views, limit_s: float, check_globals: dict[str, Any] | None = None) -> CheckResult:
+    """Run one check on fresh views of the final and initial states, under ``limit_s``, with fresh views of
+    ``check_globals`` (``CheckContext.check_globals``; empty ones when None) as its globals."""
     try:
         code = _compile(item.check_func)
     except SyntaxError as e:
         return CheckResult(check_item=item.check_item, passed=False, error=f"syntax error, line {e.lineno}: {e.msg}")
     final_state, initial_state, release = views()
-    namespace: dict[str, Any] = {"__builtins__": builtins, "initial_state": initial_state}
+    # Copied on access, as the states are: what one check changes in them, no other check sees.
+    context = Overlay(None)
+    namespace: dict[str, Any] = {"__builtins__": builtins, "initial_state": initial_state,
+                                 **context.view(check_globals or _NO_GLOBALS)}
 
     def decide() -> bool:
         exec(code, namespace)
@@ -79,6 +84,7 @@ def run_check(item: CheckItem, views: Views, limit_s: float) -> CheckResult:
         # reference cycles that would otherwise keep the copies until the garbage collector runs.
         namespace.clear()
         release()
+        context.release()
     return CheckResult(check_item=item.check_item, passed=passed)
 
 
@@ -87,15 +93,17 @@ def timed_out(result: CheckResult) -> bool:
     return result.error is not None and result.error.startswith(_TIMEOUT_ERROR)
 
 
-def run_checks(checklist: list[CheckItem] | None, views: Views, limit_s: float) -> list[CheckResult]:
+def run_checks(checklist: list[CheckItem] | None, views: Views, limit_s: float, context: CheckContext | None = None) -> list[CheckResult]:
     """Every check's verdict. Raises ChecklistError when there is nothing to score with."""
     if not checklist:
         raise ChecklistError("the scenario has no checklist, so it cannot be scored")
-    return [run_check(item, views, limit_s) for item in checklist]
+    check_globals = (context or CheckContext()).check_globals()
+    return [run_check(item, views, limit_s, check_globals) for item in checklist]
 
 
-def check_states(checklist: list[CheckItem] | None, final: Any, initial: Any, limit_s: float) -> list[CheckResult]:
-    """Every check's verdict on ``final`` with ``initial_state`` as a global, each on views of its own.
+def check_states(checklist: list[CheckItem] | None, final: Any, initial: Any, limit_s: float,
+                 context: CheckContext | None = None) -> list[CheckResult]:
+    """Every check's verdict on ``final`` with ``initial_state`` (and ``context``'s globals), each on views of its own.
 
     The states are plain JSON-shaped data (or an episode's attributes): no check can change them, or
     see what another check changed. Raises ChecklistError when there is nothing to score with.
@@ -111,7 +119,7 @@ def check_states(checklist: list[CheckItem] | None, final: Any, initial: Any, li
 
         return final_overlay.view(final), initial_overlay.view(initial), release
 
-    return run_checks(checklist, make_views, limit_s)
+    return run_checks(checklist, make_views, limit_s, context)
 
 
 def score(results: list[CheckResult]) -> float:

@@ -56,7 +56,8 @@ def _catalog_scenarios(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     for bundle in bundles:
         for scenario in bundle.scenarios:
-            marks = ("user " if scenario.conversational else "") + ("" if scenario.checklist_with_func else "unscored ")
+            marks = (("user " if scenario.conversational else "") + (f"{len(scenario.turns)} turns " if scenario.turns else "")
+                     + ("" if scenario.check_count() else "unscored "))
             task = " ".join(scenario.task.split())
             print(f"{bundle.env_id}/{scenario.task_id:<36} {marks:<14}{task[:100]}")
     return EXIT_OK

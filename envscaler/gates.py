@@ -9,6 +9,10 @@ initial state; checks give the same answers twice (a check that only sometimes o
 limit is named as such); a do-nothing agent scores below 1.0. The report also keeps what each tool's
 reference calls did to the state (``envscaler.observed_hints``).
 
+A scenario with scripted turns is played turn by turn, as the server scores it (``envscaler.turns``):
+each turn's reference, then that turn's checks on the state and calls of the turn, then the final
+checks; the do-nothing agent makes no call and ends every turn in order.
+
 :func:`envscaler.gate_workers.check_isolated` runs them in limited child processes, with a time
 limit per scenario, so that untrusted code never runs in the process that drives the check;
 ``envscaler catalog check`` and synthesis use it.
@@ -24,10 +28,11 @@ from pydantic import BaseModel, Field
 from envscaler.annotations import derive_annotations
 from envscaler.checks import timed_out
 from envscaler.errors import EnvScalerError
-from envscaler.models import Bundle, Scenario, ToolOutcome
+from envscaler.models import Bundle, CheckContext, CheckResult, Scenario, ToolCall, ToolOutcome, Turn, ValidationResult
 from envscaler.requirements import require_installed
 from envscaler.runtime import EnvRuntime, Episode
 from envscaler.tools import signature_problems
+from envscaler.turns import of_turn, validation
 
 # The gates' limits for one tool call and one check: looser than a server's, which serves agents.
 DEFAULT_CALL_TIMEOUT_S = 5.0
@@ -165,20 +170,20 @@ def check_scenario(
     gates = report.gates
     started("instantiates")
     try:
-        start = runtime.new_episode(scenario.init_config, scenario_key=scenario.task_id)
+        runtime.new_episode(scenario.init_config, scenario_key=scenario.task_id)
     except EnvScalerError as e:
         gates.append(GateResult(gate="instantiates", passed=False, detail=str(e)))
         return report
     gates.append(GateResult(gate="instantiates", passed=True))
-    if not scenario.checklist_with_func:
+    if not scenario.check_count():
         report.skipped = "unscored scenario (no checklist): only instantiation is checked"
         return report
 
     started("reference_runs")
     calls: list[tuple[int, str, bool]] = []
-    first, problem = _replay(runtime, scenario, calls)
+    on_reference, problem = _play(runtime, scenario, act=True, calls=calls)
     gates.append(GateResult(gate="reference_runs", passed=problem is None, detail=problem or ""))
-    if first is None or problem is not None:
+    if on_reference is None or problem is not None:
         return report
     if observed is not None:
         for _, name, changed in calls:
@@ -195,8 +200,7 @@ def check_scenario(
     ))
 
     started("checks_pass_on_reference")
-    on_reference = first.validate(scenario.checklist_with_func)
-    failed = [f"{c.check_item!r}" + (f" ({c.error})" if c.error else "") for c in on_reference.checks if not c.passed]
+    failed = [_named(c) + (f" ({c.error})" if c.error else "") for c in on_reference.checks if not c.passed]
     gates.append(
         GateResult(
             gate="checks_pass_on_reference",
@@ -206,10 +210,11 @@ def check_scenario(
     )
 
     started("check_fails_on_initial")
-    on_initial = start.validate(scenario.checklist_with_func)
+    on_initial, _ = _play(runtime, scenario, act=False)
+    assert on_initial is not None
     # A check that crashes on the initial state proves nothing about the task: require a clean False.
     clean_failures = [c for c in on_initial.checks if not c.passed and not c.error]
-    errored = [f"{c.check_item!r} ({c.error})" for c in on_initial.checks if c.error]
+    errored = [f"{_named(c)} ({c.error})" for c in on_initial.checks if c.error]
     detail = ""
     if not clean_failures:
         detail = "no check fails cleanly before any action"
@@ -217,10 +222,9 @@ def check_scenario(
     gates.append(GateResult(gate="check_fails_on_initial", passed=bool(clean_failures), detail=detail))
 
     started("deterministic")
-    second, _ = _replay(runtime, scenario, None, fresh=True)
-    on_second = second.validate(scenario.checklist_with_func) if second else None
-    on_reference_again = first.validate(scenario.checklist_with_func)
-    on_initial_again = start.validate(scenario.checklist_with_func)
+    on_second, _ = _play(runtime, scenario, act=True, fresh=True)
+    on_reference_again, _ = _play(runtime, scenario, act=True)
+    on_initial_again, _ = _play(runtime, scenario, act=False)
     answers = [_verdicts(on_reference_again), _verdicts(on_reference), _verdicts(on_second) if on_second else None]
     same_checks = answers[0] == answers[1] == answers[2] and _verdicts(on_initial_again) == _verdicts(on_initial)
     same_state = on_second is not None and on_second.state_hash == on_reference.state_hash
@@ -229,9 +233,9 @@ def check_scenario(
         detail = "two runs of the reference solution ended in different states (randomness, clock or ids?)"
     elif not same_checks:
         runs = [on_reference, on_initial, on_reference_again, on_initial_again, on_second]
-        slow = sorted({c.check_item for run in runs if run is not None for c in run.checks if timed_out(c)})
+        slow = sorted({_named(c) for run in runs if run is not None for c in run.checks if timed_out(c)})
         # A check near its time limit answers in one run and is stopped in another: that is the limit, not the check.
-        detail = (f"{', '.join(map(repr, slow))} ran past the check time limit ({runtime.check_timeout_s:g} s) in some runs "
+        detail = (f"{', '.join(slow)} ran past the check time limit ({runtime.check_timeout_s:g} s) in some runs "
                   "and not in others (raise it with --check-timeout, or make the check faster)" if slow
                   else "checks gave different answers on identical states")
     gates.append(GateResult(gate="deterministic", passed=same_checks and same_state, detail=detail))
@@ -245,40 +249,89 @@ def check_scenario(
     return report
 
 
+def _named(check: CheckResult) -> str:
+    """A check as a gate's detail names it: its text, and its turn in a scenario with turns."""
+    return f"{check.check_item!r}" if check.turn is None else f"turn {check.turn}: {check.check_item!r}"
+
+
 def _verdicts(result: Any) -> list[tuple[bool, str | None]]:
     return [(c.passed, c.error) for c in result.checks]
 
 
-def _replay(
-    runtime: EnvRuntime, scenario: Scenario, calls: list[tuple[int, str, bool]] | None, *, fresh: bool = False
-) -> tuple[Episode | None, str | None]:
-    """Run the reference solution on a new episode: (episode, first problem or None).
+def _play(
+    runtime: EnvRuntime, scenario: Scenario, *, act: bool, calls: list[tuple[int, str, bool]] | None = None, fresh: bool = False
+) -> tuple[ValidationResult | None, str | None]:
+    """The scenario played on a new episode and scored as the server scores it: (validation, first problem or None).
 
-    ``calls`` collects (call number, tool name, whether it changed the state) of the calls that ran without error.
-
-    The episode shares the scenario's constructed state, or with ``fresh`` is constructed anew, so
-    that a constructor that is not deterministic shows up in the determinism gate.
+    ``act``: the agent runs the reference solution and answers with the reference replies (of each turn,
+    in a scenario with turns); else it does nothing (no calls, no replies, every turn ended in order).
+    ``calls`` collects (call number, tool name, whether it changed the state) of the reference calls that
+    ran without error. The episode shares the scenario's constructed state, or with ``fresh`` is
+    constructed anew, so that a constructor that is not deterministic shows up in the determinism gate.
     """
-    if scenario.reference_solution is None:
-        return None, "the scenario has no reference_solution"
-    if not scenario.reference_solution:
-        return None, "the reference solution is empty (do nothing): a task that doing nothing solves cannot score an agent"
+    script = scenario.turns or [Turn(message=scenario.task, reference_solution=scenario.reference_solution,
+                                     reference_reply=scenario.reference_reply)]
+    if act:
+        problem = _script_problem(scenario, script)
+        if problem is not None:
+            return None, problem
     episode = runtime.new_episode(scenario.init_config, scenario_key=None if fresh else scenario.task_id)
-    for number, call in enumerate(scenario.reference_solution, start=1):
+    results: list[CheckResult] = []
+    everything: list[ToolOutcome] = []
+    replies: list[str] = []
+    for number, turn in enumerate(script, start=1):
+        outcomes: list[ToolOutcome] = []
+        said = [turn.reference_reply] if act and turn.reference_reply is not None else []
+        if act:
+            problem = _run_calls(runtime, episode, turn.reference_solution or [], calls, outcomes, first=len(everything) + 1)
+            if problem is not None:
+                return None, f"turn {number}: {problem}" if scenario.turns else problem
+        if scenario.turns and turn.checklist_with_func:
+            checks = episode.validate(turn.checklist_with_func, CheckContext.of_calls(outcomes, said)).checks
+            results += of_turn(checks, number)
+        everything += outcomes
+        replies += said
+    final = scenario.checklist_with_func
+    if final:
+        results += episode.validate(final, CheckContext.of_calls(everything, replies)).checks
+    return validation(results, episode.state_hash()), None
+
+
+def _script_problem(scenario: Scenario, script: list[Turn]) -> str | None:
+    """Why the scenario's reference cannot be played (no reference, or one that does nothing), or None."""
+    if scenario.turns:
+        missing = [str(number) for number, turn in enumerate(script, start=1) if turn.reference_solution is None]
+        if missing:
+            return f"turn(s) {', '.join(missing)} have no reference_solution (give [] for a turn that needs no call)"
+        if not any(turn.reference_solution for turn in script):
+            return "no turn's reference solution makes a call: a task that doing nothing solves cannot score an agent"
+        return None
+    if scenario.reference_solution is None:
+        return "the scenario has no reference_solution"
+    if not scenario.reference_solution:
+        return "the reference solution is empty (do nothing): a task that doing nothing solves cannot score an agent"
+    return None
+
+
+def _run_calls(runtime: EnvRuntime, episode: Episode, reference: list[ToolCall], calls: list[tuple[int, str, bool]] | None,
+               outcomes: list[ToolOutcome], *, first: int) -> str | None:
+    """Run ``reference``'s calls (numbered from ``first``) on ``episode``, their outcomes into ``outcomes``: the
+    first problem, or None."""
+    for number, call in enumerate(reference, start=first):
         outcome = episode.call(call.name, call.arguments)
+        outcomes.append(outcome)
         if outcome.error_kind == "agent" and outcome.exception is not None:
             problem = _declared_failure(runtime, number, outcome)
             if problem is not None:
-                return episode, problem
+                return problem
             continue  # a lookup that found nothing, and said so as the environment declares
         if outcome.error_kind == "tool":
-            return episode, f"call {number} ({call.name}) failed, {outcome.error}: {outcome.agent_text[:300]}"
+            return f"call {number} ({call.name}) failed, {outcome.error}: {outcome.agent_text[:300]}"
         if outcome.error:
-            return episode, f"call {number} ({call.name}): {outcome.error}"
+            return f"call {number} ({call.name}): {outcome.error}"
         if calls is not None:
             calls.append((number, call.name, bool(outcome.diff)))
-    return episode, None
-
+    return None
 
 
 def _declared_failure(runtime: EnvRuntime, number: int, outcome: ToolOutcome) -> str | None:

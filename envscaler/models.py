@@ -11,7 +11,7 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from envscaler.requirements import parse_requirement
 from envscaler.strict import strict_schema
@@ -200,10 +200,27 @@ class ToolCall(_Open):
     arguments: dict[str, Any] = Field(default_factory=dict)
 
 
+class Turn(_Open):
+    """One user turn of a scripted multi-turn scenario: the user's message, and what must hold when the agent ends it.
+
+    The turn's checks run when the agent ends the turn (``POST /episodes/{id}/turn``), on the state then, with
+    ``turn_results`` holding the turn's own tool calls (a turn that changes nothing is checked on those).
+    """
+
+    message: str
+    checklist_with_func: list[CheckItem] | None = None
+    reference_solution: list[ToolCall] | None = None
+    # The text the replay agent answers with at the end of the turn (checks may read it in ``agent_replies``).
+    reference_reply: str | None = None
+
+
 class Scenario(_Open):
     """One task on one environment: EnvScaler's task item plus our extensions.
 
     ``checklist_with_func`` is None for unscored scenarios (EnvScaler's SFT split ships without).
+    With ``turns`` (a scripted multi-turn user), ``task`` is the first turn's message, each turn carries its
+    own checks and reference solution, ``checklist_with_func`` holds the final checks (run at validation)
+    and the scenario-level ``reference_solution`` is empty.
     """
 
     task_id: str
@@ -213,7 +230,32 @@ class Scenario(_Open):
     task: str = ""
     checklist_with_func: list[CheckItem] | None = None
     reference_solution: list[ToolCall] | None = None
+    # The text the replay agent answers with when it is done (single-turn scenarios; see Turn for the others).
+    reference_reply: str | None = None
     user_profile: Any = None
+    turns: list[Turn] | None = None
+
+    @model_validator(mode="after")
+    def _scripted_turns(self) -> Scenario:
+        if self.turns is None:
+            return self
+        if not self.turns:
+            raise ValueError("turns is empty: a scripted scenario needs at least one turn (or leave turns out)")
+        if self.reference_solution:
+            raise ValueError("a scenario with turns has its reference solution in each turn: move the scenario-level "
+                             "reference_solution into the turns' reference_solution and leave it empty")
+        if self.reference_reply is not None:
+            raise ValueError("a scenario with turns has its reference_reply in each turn, not at scenario level")
+        if not self.task:
+            self.task = self.turns[0].message
+        elif self.task != self.turns[0].message:
+            raise ValueError("task differs from the first turn's message: with turns, the task is the first turn's "
+                             "message (leave task out, or make them equal)")
+        return self
+
+    def check_count(self) -> int:
+        """How many checks score the scenario: every turn's, plus the scenario-level ones."""
+        return len(self.checklist_with_func or []) + sum(len(t.checklist_with_func or []) for t in self.turns or [])
 
     @property
     def conversational(self) -> bool:
@@ -303,6 +345,44 @@ class CheckResult(BaseModel):
     check_item: str
     passed: bool
     error: str | None = None
+    # The turn (1 for the first) whose checks this is, in a scenario with turns; None for the scenario-level checks.
+    turn: int | None = None
+
+
+class CallResult(BaseModel):
+    """One tool call as check functions see it in ``turn_results``."""
+
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    result: Any = None
+    error: str | None = None
+
+    @classmethod
+    def of(cls, outcome: ToolOutcome) -> CallResult:
+        """The call ``outcome`` recorded."""
+        return cls(name=outcome.name, arguments=outcome.arguments, result=outcome.result, error=outcome.error)
+
+
+class CheckContext(BaseModel):
+    """What check functions may read besides the states: the globals ``turn_results`` and ``agent_replies``.
+
+    ``turn_results``: the tool calls of the turn being checked (for scenario-level checks, all the
+    episode's calls). ``agent_replies``: the agent's texts to the user that the harness passed.
+    """
+
+    turn_results: list[CallResult] = Field(default_factory=list)
+    agent_replies: list[str] = Field(default_factory=list)
+
+    @classmethod
+    def of_calls(cls, outcomes: list[ToolOutcome], agent_replies: list[str] | None = None) -> CheckContext:
+        """The context of checks over the calls ``outcomes``."""
+        return cls(turn_results=[CallResult.of(o) for o in outcomes], agent_replies=list(agent_replies or []))
+
+    def check_globals(self) -> dict[str, Any]:
+        """The globals as JSON-shaped data (``envscaler.checks`` gives each check copy-on-access views of them, so
+        the values are shared here, not copied: a dump of every result would cost more than the checks)."""
+        calls = [{"name": c.name, "arguments": c.arguments, "result": c.result, "error": c.error} for c in self.turn_results]
+        return {"turn_results": calls, "agent_replies": self.agent_replies}
 
 
 class ValidationResult(BaseModel):

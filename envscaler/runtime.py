@@ -38,6 +38,7 @@ from envscaler.errors import EnvCodeError, SchemaError
 from envscaler.guard import GuardSignal, Preempted, TimeLimitExceeded, call_preemptibly, call_with_limit
 from envscaler.loader import code_filename, load_class
 from envscaler.models import (
+    CheckContext,
     CheckItem,
     EnvSpec,
     StateChange,
@@ -543,8 +544,9 @@ class Episode:
 
     # -- checks --------------------------------------------------------------------------------------
 
-    def validate(self, checklist: list[CheckItem] | None) -> ValidationResult:
-        """Run the checklist on the current state. Raises ChecklistError when it is empty."""
+    def validate(self, checklist: list[CheckItem] | None, context: CheckContext | None = None) -> ValidationResult:
+        """Run the checklist on the current state, the checks reading ``context``'s globals (``turn_results``,
+        ``agent_replies``; empty when None). Raises ChecklistError when it is empty."""
         patched = self.runtime.env_globals.restore_checker()
         if patched:
             log.warning("environment code replaced the checker's own code; put back before scoring",
@@ -556,7 +558,7 @@ class Episode:
             final = self._public_now()
             initial = self._public_initial()
 
-        results = check_states(checklist, final, initial, self.runtime.check_timeout_s)
+        results = check_states(checklist, final, initial, self.runtime.check_timeout_s, context)
         return ValidationResult(
             score=score(results),
             checks=results,

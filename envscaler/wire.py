@@ -6,7 +6,7 @@ Field names are wire names that users' scripts rely on: add fields freely, renam
 
 - Control API (bearer token): :class:`EpisodeStart` is the body of ``POST /episodes`` and
   ``POST /episodes/{id}/reset``; the replies are :class:`EpisodeCreated`, :class:`EpisodeReset`,
-  :class:`EpisodeValidation` (for a :class:`ValidationRequest`), :class:`Trajectory`,
+  :class:`EpisodeValidation` (for a :class:`ValidationRequest`), :class:`TurnEnded` (for a :class:`TurnRequest`), :class:`Trajectory`,
   :class:`EpisodeState`, :class:`EpisodeEnded`, :class:`EpisodeIds`, :class:`ScenarioListing`,
   :class:`ServerInfo` and :class:`Health`. Errors are ``{"error": message}`` with an HTTP status.
 - The farm gateway's own ``GET /healthz``: :class:`GatewayHealth`.
@@ -27,7 +27,7 @@ from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from envscaler.models import CheckItem, ToolOutcome, ValidationResult, _Open
+from envscaler.models import CheckItem, CheckResult, ToolOutcome, ValidationResult, _Open
 
 # -- control API -----------------------------------------------------------------------------------
 
@@ -60,6 +60,32 @@ class ValidationRequest(_Body):
     """Body of ``POST /episodes/{id}/validate``: a checklist here overrides the scenario's."""
 
     checklist: list[CheckItem] | None = None
+    # The agent's texts to the user since the last turn ended (all of them, in a single-turn scenario):
+    # the checks read them as ``agent_replies``.
+    agent_replies: list[str] = Field(default_factory=list)
+
+
+class TurnRequest(_Body):
+    """Body of ``POST /episodes/{id}/turn`` (optional): the agent's texts to the user during the turn."""
+
+    agent_replies: list[str] = Field(default_factory=list)
+
+
+class TurnEnded(BaseModel):
+    """Reply of ``POST /episodes/{id}/turn``: the ended turn's checks, and the user's next message.
+
+    ``turn`` is the number of the turn that ended (1 for the first); ``score`` the share of its checks
+    that passed (None when the turn has no checks of its own); ``next_message`` None after the last turn.
+    """
+
+    episode_id: str
+    turn: int
+    score: float | None = None
+    checks: list[CheckResult] = Field(default_factory=list)
+    next_message: str | None = None
+    turns_left: int = 0
+    # The ended turn's tool calls, as the trajectory counts them (``envscaler reverify`` replays each turn's own).
+    calls: int = 0
 
 
 class EpisodeCreated(BaseModel):
@@ -76,6 +102,8 @@ class EpisodeCreated(BaseModel):
     env_introduction: str = ""
     # The tools in OpenAI's ``{"type": "function", "function": {...}}`` form.
     tools: list[dict[str, Any]] = Field(default_factory=list)
+    # How many scripted user turns the scenario has (0: a single task); ``task`` is the first one's message.
+    turns: int = 0
 
 
 class EpisodeReset(BaseModel):
@@ -84,6 +112,7 @@ class EpisodeReset(BaseModel):
     episode_id: str
     scenario_id: str | None = None
     task: str = ""
+    turns: int = 0
 
 
 class ErrorCounts(BaseModel):
@@ -139,6 +168,8 @@ class ScenarioSummary(BaseModel):
     conversational: bool = False
     checks: int = 0
     has_reference: bool = False
+    # How many scripted user turns the scenario has (0: a single task).
+    turns: int = 0
 
 
 class ScenarioListing(BaseModel):

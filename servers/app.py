@@ -32,6 +32,7 @@ from envscaler.wire import (
     ScenarioListing,
     ScenarioSummary,
     ServerInfo,
+    TurnRequest,
     ValidationRequest,
 )
 from servers.transport.asgi import json_bytes, parse_json, read_body, send_json
@@ -43,6 +44,7 @@ from servers.errors import (
     EpisodeLost,
     ErrorReply,
     LimitReached,
+    NoTurnLeft,
     OutOfMemory,
     UnknownEpisode,
     UnknownScenario,
@@ -61,7 +63,7 @@ M = TypeVar("M", bound=BaseModel)
 
 Scope = dict[str, Any]
 
-_EPISODE_ACTIONS = ("state", "trajectory", "reset", "validate", "lease")
+_EPISODE_ACTIONS = ("state", "trajectory", "reset", "validate", "lease", "turn")
 """What ``/episodes/{id}/ACTION`` may name on the control API."""
 
 
@@ -232,23 +234,24 @@ class EnvServerApp:
                                        init_config=None if live.scenario else live.init_config)
             self._check_episode_start(request)
             await self._guard(self.store.reset(live, request.scenario_id, request.init_config))
-            return EpisodeReset(episode_id=live.episode_id, scenario_id=request.scenario_id, task=live.scenario.task if live.scenario else "")
+            return EpisodeReset(episode_id=live.episode_id, scenario_id=request.scenario_id, task=live.scenario.task if live.scenario else "",
+                                turns=len(live.turns))
         if action == "lease" and method == "POST":
             # ``_live`` has renewed it: what the harness asks for while its agent works.
             return EpisodeLease(episode_id=live.episode_id, lease_s=min(live.lease_s or self.config.idle_ttl_s, self.config.idle_ttl_s))
         if action == "validate" and method == "POST":
-            checklist = (await self._body(receive, ValidationRequest)).checklist
+            body = await self._body(receive, ValidationRequest)
             try:
-                result = await self.store.validate(live, checklist)
+                result = await self._checking(self.store.validate(live, body.checklist, body.agent_replies))
             except ChecklistError as e:
                 raise ErrorReply(409, f"{e}; pass a checklist in the body or create the episode from a scenario") from None
-            except CallAbandoned:
-                raise ErrorReply(504, f"the checks outlived their limit of {self.config.check_timeout_s:g} s each and were abandoned") from None
-            except EpisodeLost as e:
-                raise ErrorReply(410, str(e)) from None
-            except EnvScalerError as e:
-                raise ErrorReply(500, f"environment error: {e}") from None
             return EpisodeValidation(**dict(result), **live.counts())
+        if action == "turn" and method == "POST":
+            replies = (await self._body(receive, TurnRequest)).agent_replies
+            try:
+                return await self._checking(self.store.end_turn(live, replies))
+            except NoTurnLeft as e:
+                raise ErrorReply(409, str(e)) from None
         raise ErrorReply(405,
                          f"no route {method} /episodes/{{id}}/{action or ''}")
 
@@ -292,6 +295,19 @@ class EnvServerApp:
         if request.scenario_id is not None and request.init_config is not None:
             raise ErrorReply(422, "give scenario_id or init_config, not both")
 
+    async def _checking(self, checks: Awaitable[T]) -> T:
+        """Await a store action that runs checks, turning the checks' and the episode's troubles into HTTP statuses."""
+        try:
+            return await checks
+        except (ChecklistError, NoTurnLeft):
+            raise
+        except CallAbandoned:
+            raise ErrorReply(504, f"the checks outlived their limit of {self.config.check_timeout_s:g} s each and were abandoned") from None
+        except EpisodeLost as e:
+            raise ErrorReply(410, str(e)) from None
+        except EnvScalerError as e:
+            raise ErrorReply(500, f"environment error: {e}") from None
+
     async def _guard(self, action: Awaitable[T]) -> T:
         """Await a store action, turning its errors into HTTP statuses."""
         try:
@@ -322,6 +338,7 @@ class EnvServerApp:
             user_profile=live.scenario.user_profile if live.scenario else None,
             env_introduction=self.bundle.spec.environment_introduction,
             tools=self._tools_openai,
+            turns=len(live.turns),
         )
 
     def _public_base(self, scope: Scope) -> str:
@@ -368,8 +385,9 @@ class EnvServerApp:
                     task_id=s.task_id,
                     task=s.task,
                     conversational=s.conversational,
-                    checks=len(s.checklist_with_func or []),
-                    has_reference=bool(s.reference_solution),
+                    checks=s.check_count(),
+                    has_reference=bool(s.reference_solution) or any(t.reference_solution for t in s.turns or []),
+                    turns=len(s.turns or []),
                 )
                 for s in self.bundle.scenarios
             ],

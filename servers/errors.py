@@ -10,6 +10,7 @@ Part of the tree drawn in ``envscaler.errors``; the exit code applies when one r
     ├── OutOfMemory             -   no memory is left for another episode (HTTP 507)
     ├── CallAbandoned           -   a call on a worker thread outlived its deadline and was left behind
     ├── EpisodeLost             -   the episode's state went with its worker process and could not be rebuilt (HTTP 410)
+    ├── NoTurnLeft              -   the episode has no scripted user turn to end (HTTP 409)
     ├── OpenEnvSessionError     -   an OpenEnv reset or step that cannot be done (sent back to the session)
     ├── CannotListen            2   a port to serve on is taken or cannot be bound
     └── FarmError               2   the farm cannot do what was asked: bad input, no engine, unreadable farm files
@@ -54,6 +55,10 @@ class CallAbandoned(EnvScalerError):
 class EpisodeLost(EnvScalerError):
     """The episode's state is gone: the worker process that held it was killed or died, and replaying
     the episode's calls in a new one could not bring it back."""
+
+
+class NoTurnLeft(EnvScalerError):
+    """The episode has no scripted user turn to end: its scenario has none, or all have ended."""
 
 
 class CannotListen(EnvScalerError):

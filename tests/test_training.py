@@ -22,7 +22,7 @@ from envscaler.errors import InfraError  # noqa: E402
 from envscaler.wire import EnvEndpoint, FarmCatalog  # noqa: E402
 from tests.support.bundles import write_bundle  # noqa: E402
 from tests.support.server import serve  # noqa: E402
-from tests.support.training import PERSONA, lamp_farm  # noqa: E402
+from tests.support.training import PERSONA, lamp_farm, lamp_turns_scenario  # noqa: E402
 
 LAMP_CODE = '''
 class Lamp:
@@ -162,8 +162,8 @@ def test_grpo_trainer_trains_on_the_farm_with_the_validators_reward(farm, tmp_pa
     assert all("loss" in entry for entry in steps)
 
 
-def test_conversational_scenarios_stay_out_of_trls_rows_and_prompts(tmp_path):
-    with lamp_farm(tmp_path) as catalog:
+def test_conversational_and_scripted_scenarios_stay_out_of_trls_rows_and_prompts(tmp_path):
+    with lamp_farm(tmp_path, lamp_turns_scenario()) as catalog:
         farm = TrainingFarm.connect(catalog)
         rows = farm.rows()
         assert sorted(r["scenario_id"] for r in rows) == ["lamp_dark", "lamp_lit"]
@@ -172,4 +172,7 @@ def test_conversational_scenarios_stay_out_of_trls_rows_and_prompts(tmp_path):
         # A row made by hand cannot open one either: reset would hand the user's brief to the agent as its task.
         with pytest.raises(HarnessError, match="lamp/lamp_chat is conversational"):
             lamp.reset(env_id="lamp", scenario_id="lamp_chat")
+        # Nor one with scripted user turns: TRL's tool loop has no user turn to give the next message in.
+        with pytest.raises(HarnessError, match="lamp/lamp_turns has 2 scripted user turns"):
+            lamp.reset(env_id="lamp", scenario_id="lamp_turns")
         assert lamp.reset(env_id="lamp", scenario_id="lamp_dark", prompt=[]) is None and lamp.get_reward() == 0.0

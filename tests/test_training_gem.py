@@ -23,7 +23,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from agent_client.training.gem import ENV_ID, FarmGemEnv  # noqa: E402
 from envscaler.errors import InfraError  # noqa: E402
 from tests.support.openai_replay import ReplayServer  # noqa: E402
-from tests.support.training import SOLUTION, kill_server, lamp_farm  # noqa: E402
+from tests.support.training import SOLUTION, kill_server, lamp_farm, lamp_turns_scenario  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +76,19 @@ def test_a_conversational_scenario_talks_through_its_simulated_user(catalog):
         _, reward, terminated, _, _ = env.step("All set.")
         assert (reward, terminated) == (1.0, True)
         assert "Ada, who never says her surname" in users.requests[0]["messages"][0]["content"]
+
+
+def test_scripted_turns_give_the_next_message_as_the_observation(tmp_path):
+    with lamp_farm(tmp_path, lamp_turns_scenario()) as catalog:
+        env = FarmGemEnv(scenarios=["lamp/lamp_turns"], catalog=str(catalog))
+        observation, _ = env.reset()
+        assert observation.endswith("Turn the lamp on and set it to 3.")
+        env.step(SOLUTION)
+        observation, reward, terminated, truncated, _ = env.step("Done.")
+        assert (observation, reward, terminated, truncated) == ("How is the lamp now?", 0.0, False, False)
+        _, reward, terminated, _, info = env.step("It is on, at 3.")
+        assert (reward, terminated) == (1.0, True) and [c["turn"] for c in info["envscaler"]["checks"]] == [1, 1, 2]
+        assert env.episode is None
 
 
 def test_a_killed_server_is_an_infra_error(tmp_path):

@@ -23,7 +23,7 @@ from agent_client.training.session import FarmConnection  # noqa: E402
 from agent_client.training.skyrl import ENV_CLASS, skyrl_rows  # noqa: E402
 from envscaler.errors import InfraError  # noqa: E402
 from tests.support.openai_replay import ReplayServer  # noqa: E402
-from tests.support.training import SOLUTION, kill_server, lamp_farm  # noqa: E402
+from tests.support.training import SOLUTION, kill_server, lamp_farm, lamp_turns_scenario  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +67,20 @@ def test_a_conversational_row_opens_with_the_simulated_users_message(catalog):
         assert len(row["prompt"]) == 1  # the system prompt alone: the task is the user's brief
         chat, reward, _, _ = rollout(row, [SOLUTION, "It is on, at 3."], config)
         assert chat[1] == {"role": "user", "content": "Lamp on at 3, please."} and reward == 1.0
+
+
+def test_a_row_with_scripted_turns_gets_each_next_message_as_an_observation(tmp_path):
+    with lamp_farm(tmp_path, lamp_turns_scenario()) as catalog:
+        row = next(r for r in skyrl_rows(FarmConnection(catalog)) if r["scenario_id"] == "lamp_turns")
+        assert row["prompt"][1] == {"role": "user", "content": "Turn the lamp on and set it to 3."}
+        config = {"catalog": str(catalog)}
+        chat, reward, metadata, _ = rollout(row, [SOLUTION, "Done.", "It is on, at 3."], config)
+        # The plain answer ended turn 1: the next user message came back as an observation, not as the end.
+        assert [m["role"] for m in chat[2:]] == ["assistant", "tool", "tool", "assistant", "user", "assistant"]
+        assert chat[6] == {"role": "user", "content": "How is the lamp now?"} and reward == 1.0
+        assert [c["turn"] for c in metadata["envscaler"]["checks"]] == [1, 1, 2]
+        # Turn 2 changes nothing: only what the agent told the user tells it apart.
+        assert rollout(row, [SOLUTION, "Done.", "Done."], config)[1] == 2 / 3
 
 
 def test_a_killed_server_is_an_infra_error(tmp_path):

@@ -29,7 +29,7 @@ from agent_client.training.session import FarmConnection  # noqa: E402
 from agent_client.training.verl import AGENT_NAME, write_verl_dataset  # noqa: E402
 from envscaler.errors import InfraError  # noqa: E402
 from tests.support.openai_replay import ReplayServer  # noqa: E402
-from tests.support.training import PERSONA, SOLUTION, kill_server, lamp_farm  # noqa: E402
+from tests.support.training import PERSONA, SOLUTION, kill_server, lamp_farm, lamp_turns_scenario  # noqa: E402
 from tests.test_training import tiny_qwen  # noqa: E402
 
 
@@ -138,6 +138,18 @@ def test_a_conversational_row_talks_through_its_simulated_user(farm):
         assert opened and not any("You are Ada" in p or PERSONA in p for p in policy.prompts)  # the brief never reaches the agent
         # The user's reply came back as a user turn, and the model answered it: 3 model turns, a tool turn, a user turn.
         assert any("Is it at 3 now?" in p for p in policy.prompts) and output.non_tensor_batch["__num_turns__"][chat] == 6
+
+
+def test_a_row_with_scripted_turns_gets_each_next_message_as_a_user_turn(tmp_path):
+    with lamp_farm(tmp_path, lamp_turns_scenario()) as catalog:
+        output, policy = rollout(verl_config(tmp_path, catalog), {"solve": True, "closing": "It is on, at 3."}, n=1)
+    rows = [info["scenario_id"] for info in output.non_tensor_batch["extra_info"]]
+    turns = rows.index("lamp_turns")
+    rewards, _ = extract_reward(output)
+    assert rewards[turns].sum().item() == 1.0
+    assert [c["turn"] for c in output.non_tensor_batch["envscaler"][turns]["checks"]] == [1, 1, 2]
+    # The next turn's message came back as a user turn and the model answered it: calls, answer, user turn, answer.
+    assert any("How is the lamp now?" in p for p in policy.prompts) and output.non_tensor_batch["__num_turns__"][turns] == 6
 
 
 def test_a_killed_server_is_an_infra_error_out_of_the_worker(tmp_path):

@@ -10,8 +10,9 @@
   (as Qwen's and Hermes' templates list them) and the task, or in a conversation the simulated user's
   opening message; ``info["tools"]`` has the OpenAI tool schemas for env managers that template them.
 - ``step(text)`` reads the tool calls in the model's text (Hermes/Qwen ``<tool_call>`` or OpenAI JSON)
-  and answers their results (``<tool_response>`` blocks, or a JSON list for OpenAI calls); a plain
-  answer (or the simulated user ending the conversation) terminates the episode with the validator's
+  and answers their results (``<tool_response>`` blocks, or a JSON list for OpenAI calls); in a scenario
+  with scripted user turns, a plain answer ends the turn and the next turn's message is the observation
+  (not done); a plain answer (or the simulated user ending the conversation, or the last turn ending) terminates the episode with the validator's
   score as reward, every check's result in ``info["envscaler"]`` and the verdict's numbers in
   ``info["metrics"]`` (which ROLL logs); running out of ``max_turns`` truncates it, scored the same way.
 - ``close()`` ends the episode. A server that cannot be reached raises :class:`InfraError`.

@@ -11,7 +11,8 @@
 A server that cannot be reached, or an episode it no longer knows, raises :class:`InfraError`: a
 reward that was never measured must stop the trainer's step, never pass for 0. Conversational
 scenarios (a simulated user holds the task) need a user model, as in the harness; their task is never
-shown to the agent, only the simulated user's messages.
+shown to the agent, only the simulated user's messages. In a scenario with scripted user turns, a
+plain answer ends the current turn, and the next turn's message is the next observation.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from agent_client.training.toolcalls import ParsedCall, parse_tool_calls
 from agent_client.user import SimulatedUser
 from envscaler.errors import InfraError
 from envscaler.models import CheckResult, ToolSchema
-from envscaler.wire import DEFAULT_FARM_CATALOG, EnvEndpoint, EpisodeCreated, FarmCatalog
+from envscaler.wire import DEFAULT_FARM_CATALOG, EnvEndpoint, EpisodeCreated, FarmCatalog, TurnEnded
 
 __all__ = [
     "CATALOG_ENV", "Background", "EpisodeScore", "FarmConnection", "FarmSettings", "FarmEnvDescription", "FarmEpisode", "FarmScenario", "ToolReply", "Turn",
@@ -151,6 +152,8 @@ class FarmScenario:
     scenario_id: str
     task: str
     conversational: bool = False
+    # Scripted user turns (0: one task): the first is ``task``, the others come as the agent ends each turn.
+    turns: int = 0
 
 
 @dataclass(frozen=True)
@@ -173,7 +176,7 @@ def describe_environment(env_id: str, endpoint: EnvEndpoint) -> FarmEnvDescripti
 
     async def describe() -> FarmEnvDescription:
         control = EnvControl(Background.http(), env_id, endpoint)
-        scenarios = [FarmScenario(env_id, s.task_id, s.task, s.conversational) for s in await control.scenarios() if s.checks > 0]
+        scenarios = [FarmScenario(env_id, s.task_id, s.task, s.conversational, s.turns) for s in await control.scenarios() if s.checks > 0]
         if not scenarios:
             raise HarnessError(f"{env_id} has no scored scenarios (with a checklist) to train on")
         created = await control.create(scenarios[0].scenario_id)
@@ -222,8 +225,9 @@ class Turn(BaseModel):
     """What one model turn led to.
 
     ``replies``: the results of its tool calls (unreadable calls get an error in place of a result);
-    ``user``: the simulated user's answer to a plain answer in a conversation; ``done``: the episode is
-    over (a plain answer outside a conversation, the user ended it, or the turn budget is spent).
+    ``user``: the user's message after a plain answer (the simulated user's in a conversation, the next
+    scripted turn's in a scenario with turns); ``done``: the episode is over (a plain answer outside a
+    conversation, the user ended it, the last scripted turn ended, or the turn budget is spent).
     """
 
     style: Literal["hermes", "openai"] | None = None
@@ -271,6 +275,10 @@ class FarmEpisode:
         self.max_turns = max_turns
         self.turns = self.tool_calls = self.agent_errors = 0
         self.ended = False
+        # What the server answered as each scripted user turn ended.
+        self.turns_ended: list[TurnEnded] = []
+        # The agent's plain answers not yet passed to the server (the checks read them as ``agent_replies``).
+        self.pending_replies: list[str] = []
         # verl runs a turn's tool calls concurrently (asyncio.gather); the environment is stateful, so they run one
         # at a time, in the order the model wrote them (the lock is FIFO and gather starts them in order).
         self._calls = asyncio.Lock()
@@ -317,10 +325,33 @@ class FarmEpisode:
         if parsed.calls:
             replies = [await self._reply(call) for call in parsed.calls]
             return Turn(style=parsed.style, replies=replies, done=self._out_of_turns())
-        if self.user is None:
+        if not self.converses:
+            self.pending_replies.append(text)
             return Turn(done=True)
-        reply = await self.user_reply(text)
+        reply = await self.next_user_message(text)
         return Turn(user=reply, done=reply is None or self._out_of_turns())
+
+    @property
+    def converses(self) -> bool:
+        """True when a plain answer gets a user's message back: scripted user turns, or a simulated user."""
+        return self.created.turns > 0 or self.user is not None
+
+    async def next_user_message(self, answer: str) -> str | None:
+        """The user's message after the agent's plain ``answer``: in a scenario with scripted turns, the next
+        turn's (the current turn ends, its checks run), else the simulated user's; None when it is over."""
+        if self.created.turns > 0:
+            return await self.end_turn(answer)
+        return await self.user_reply(answer)
+
+    async def end_turn(self, answer: str | None = None) -> str | None:
+        """End the current scripted user turn, passing ``answer`` (and earlier unpassed answers) as the agent's
+        replies: the next turn's message, or None after the last."""
+        if answer:
+            self.pending_replies.append(answer)
+        ended = await self.control.end_turn(self.created.episode_id, self.pending_replies)
+        self.pending_replies = []
+        self.turns_ended.append(ended)
+        return ended.next_message
 
     async def user_reply(self, answer: str) -> str | None:
         """The simulated user's answer to the agent's plain ``answer``; None when the user ends the conversation."""
@@ -339,7 +370,7 @@ class FarmEpisode:
 
     async def score(self) -> EpisodeScore:
         """The validator's score of the episode's state now, with every check's result."""
-        validation = await self.control.validate(self.created.episode_id)
+        validation = await self.control.validate(self.created.episode_id, self.pending_replies)
         return EpisodeScore(reward=validation.score, checks=validation.checks, turns=self.turns, tool_calls=self.tool_calls,
                             agent_errors=self.agent_errors)
 

@@ -8,7 +8,7 @@ extras=row)``, where ``extras`` are the dataset row's columns. Here:
 - ``step(text)`` reads the tool calls in the model's text (Hermes/Qwen ``<tool_call>`` or OpenAI JSON),
   runs them on the episode and answers ``tool`` messages (the chat template renders them); a plain
   answer ends the episode (or, in a conversation, gets the simulated user's reply as a ``user``
-  message); at the end the reward is the validator's score and ``metadata["envscaler"]`` holds every
+  message; in a scenario with scripted user turns, ends the turn and gets the next turn's message); at the end the reward is the validator's score and ``metadata["envscaler"]`` holds every
   check's result;
 - ``close()`` ends the episode (the generator calls it on every path; done also ends it).
 

@@ -12,6 +12,9 @@ with a signature and a Google-style docstring that give TRL (through transformer
 every tool call is an MCP ``tools/call`` on that episode; ``get_reward()`` asks the server's
 validator for the score. Everything goes over HTTP/MCP, as for any other client of the farm.
 
+TRL's tool loop has no user turn: conversational scenarios and scenarios with scripted user turns are
+left out of the dataset, and ``reset`` refuses them (train on them with verl, SkyRL or GEM).
+
 A server that cannot be reached raises :class:`InfraError` from ``reset`` and ``get_reward``: a
 reward that was never measured must stop training, not pass for 0. TRL's tool loop turns an error
 raised by a tool into a tool message, so the model sees those.
@@ -78,6 +81,10 @@ class FarmEnvironment:
             raise HarnessError(f"row for {row['env_id']!r} given to the {env_id!r} environment; pass the dict from environment_factory()")
         self._end_episode()
         created = Background.run(self._control.create(scenario_id))
+        if created.turns:
+            Background.run(self._control.end(created.episode_id))
+            raise HarnessError(f"{env_id}/{scenario_id} has {created.turns} scripted user turns: TRL's tool loop has no user turn to give "
+                               "the next ones in; train on it with verl, SkyRL or GEM, or leave it out (TrainingFarm.dataset() does)")
         if created.user_profile:
             # Its task is the simulated user's brief (persona, goal): returned here, it would be the agent's prompt.
             Background.run(self._control.end(created.episode_id))
@@ -229,11 +236,12 @@ class TrainingFarm:
 
         Conversational scenarios are left out: TRL's tool loop has no user turn for their simulated
         user to speak in, and their task (the user's brief) must not reach the agent as its prompt.
+        So are scenarios with scripted user turns, for the same want of a user turn.
         """
         rows = []
         for description in self.descriptions.values():
             for scenario in description.scenarios:
-                if scenario.conversational:
+                if scenario.conversational or scenario.turns:
                     continue
                 row = {
                     "prompt": scenario_prompt(description, scenario),

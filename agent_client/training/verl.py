@@ -11,7 +11,8 @@ tool-call parser, turn and length limits) with the farm in place of verl's tools
   MCP, one at a time in order; its result is cut to ``multi_turn.max_tool_response_length`` as verl
   cuts its own tools' results;
 - a plain answer ends the trajectory, or, in a conversation, gets the simulated user's reply as a
-  user turn (masked out of the loss like tool results) until the user ends it;
+  user turn (masked out of the loss like tool results) until the user ends it; in a scenario with
+  scripted user turns it ends the current turn, and the next turn's message is the user turn;
 - at the end ``reward_score`` is the validator's score, ``extra_fields["reward_extra_info"]`` the
   verdict's numbers (verl's trainer logs them: share of checks passed, turns, tool calls, agent errors)
   and ``extra_fields["envscaler"]`` every check's result; the episode is ended on every path (done,
@@ -122,10 +123,11 @@ class FarmAgentLoop(ToolAgentLoop):
         assert episode is not None
         episode.turns += 1
         answered = len(agent_data.messages) > messages_before and not agent_data.tool_calls
-        if state != AgentState.TERMINATED or not answered or episode.user is None:
+        if state != AgentState.TERMINATED or not answered or not episode.converses:
             return state
-        # A plain answer in a conversation: the simulated user speaks next, unless it ends the conversation.
-        reply = await episode.user_reply(agent_data.messages[-1].get("content") or "")
+        # A plain answer in a conversation: the user speaks next (the simulated one, or the next scripted turn),
+        # unless the conversation is over.
+        reply = await episode.next_user_message(agent_data.messages[-1].get("content") or "")
         if reply is None:
             return AgentState.TERMINATED
         previous = list(agent_data.messages)

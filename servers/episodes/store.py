@@ -29,14 +29,15 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from envscaler import Bundle, EnvCodeError, EnvRuntime, Episode, Scenario, ToolOutcome, ValidationResult
-from envscaler.errors import EnvScalerError
+from envscaler.errors import ChecklistError, EnvScalerError
 from envscaler.guard import Preempted, can_preempt
-from envscaler.models import CheckItem, ToolAnnotations, ToolSchema
-from envscaler.wire import MemoryStatus, Trajectory, WorkerResources
+from envscaler.models import CheckContext, CheckItem, CheckResult, ToolAnnotations, ToolSchema, Turn
+from envscaler.turns import of_turn, unreached, validation
+from envscaler.wire import MemoryStatus, Trajectory, TurnEnded, WorkerResources
 from servers.transport.asgi import find_bad_number, json_bytes
 from servers.episodes.calls import CallRunner
 from servers.episodes.ids import new_episode_id, replica_of
-from servers.errors import CallAbandoned, EpisodeLost, LimitReached, OutOfMemory, UnknownEpisode, UnknownScenario
+from servers.errors import CallAbandoned, EpisodeLost, LimitReached, NoTurnLeft, OutOfMemory, UnknownEpisode, UnknownScenario
 from servers.memory import memory_status
 
 log = logging.getLogger("envscaler.server")
@@ -95,10 +96,21 @@ class LiveEpisode:
         self.kept_chars = 0
         # Why the episode's state is gone (its worker process was restarted), or None.
         self.lost: str | None = None
+        self._start_turns()
 
-    def checklist(self, given: list[CheckItem] | None) -> list[CheckItem] | None:
-        """The checks a validation runs: ``given``, else the scenario's (None: there are none)."""
-        return given if given is not None else (self.scenario.checklist_with_func if self.scenario else None)
+    def _start_turns(self) -> None:
+        """Back to the first scripted turn: none ended, no reply heard."""
+        # The scripted turns ended so far, each with its checks' verdicts.
+        self.turn_checks: list[list[CheckResult]] = []
+        # Where the current turn's calls start in ``calls``.
+        self.turn_start = 0
+        # The agent's texts to the user in the turns ended so far.
+        self.replies: list[str] = []
+
+    @property
+    def turns(self) -> list[Turn]:
+        """The scenario's scripted user turns ([] for a single task)."""
+        return (self.scenario.turns or []) if self.scenario else []
 
     def keep(self, outcome: ToolOutcome, limit_chars: int) -> None:
         """Add ``outcome`` to the trajectory; past ``limit_chars`` in all, its diff is dropped (``diff_dropped``)
@@ -132,6 +144,7 @@ class LiveEpisode:
         self.kept_chars = 0
         self.stuck = False
         self.lost = None
+        self._start_turns()
         self.last_used = time.monotonic()
 
     def counts(self) -> dict[str, int]:
@@ -228,8 +241,9 @@ class EpisodeRegistry:
         """One tool call under its limits (``live.lock`` is held)."""
         raise NotImplementedError
 
-    async def _run_checks(self, live: LiveEpisode, checklist: list[CheckItem] | None) -> ValidationResult:
-        """The checklist run on the episode's state (``live.lock`` is held)."""
+    async def _run_checks(self, live: LiveEpisode, checklist: list[CheckItem], context: CheckContext) -> tuple[list[CheckResult], str]:
+        """The checklist (possibly empty) run on the episode's state with ``context``'s globals, and the state's
+        hash (``live.lock`` is held)."""
         raise NotImplementedError
 
     def _release(self, live: LiveEpisode) -> None:
@@ -370,17 +384,74 @@ class EpisodeRegistry:
                 extra={"env": self.env_id, "episode": live.episode_id, "tool": name, "kind": outcome.error_kind, "error": outcome.error},
             )
 
-    async def validate(self, live: LiveEpisode, checklist: list[CheckItem] | None) -> ValidationResult:
+    async def validate(self, live: LiveEpisode, checklist: list[CheckItem] | None, agent_replies: list[str] | None = None) -> ValidationResult:
         """Run the checklist (the scenario's unless one is given) off the event loop.
 
+        ``agent_replies``: the agent's texts to the user since the last turn ended. In a scenario with
+        scripted turns, the score covers every turn's checks: those of the turns ended, the current
+        turn's on the state now, and the turns never reached as failed; then the scenario's final checks.
         Raises EpisodeLost when the episode's state is gone, ChecklistError when there is no
         checklist, CallAbandoned when the checks as a whole outlive their limits (each check is
         stopped at its own limit first).
         """
+        replies = list(agent_replies or [])
         async with live.lock:
-            if live.lost is not None:
-                raise EpisodeLost(f"episode {live.episode_id} is lost ({live.lost}); reset it to run its scenario again")
-            return await self._run_checks(live, checklist)
+            self._check_usable(live)
+            if checklist is not None or not live.turns:
+                items = checklist if checklist is not None else (live.scenario.checklist_with_func if live.scenario else None)
+                if not items:
+                    raise ChecklistError("the scenario has no checklist, so it cannot be scored")
+                return validation(*await self._run_checks(live, items, CheckContext.of_calls(live.calls, replies)))
+            turns = live.turns
+            results = [check for ended in live.turn_checks for check in ended]
+            current = len(live.turn_checks)
+            if current < len(turns):
+                results += await self._turn_checks(live, current, replies)
+                for later in range(current + 1, len(turns)):
+                    results += unreached(turns[later].checklist_with_func, later + 1, len(turns), current)
+            assert live.scenario is not None
+            final, state_hash = await self._run_checks(live, live.scenario.checklist_with_func or [],
+                                                       CheckContext.of_calls(live.calls, live.replies + replies))
+            return validation(results + final, state_hash)
+
+    async def end_turn(self, live: LiveEpisode, agent_replies: list[str]) -> TurnEnded:
+        """End the episode's current scripted turn: run its checks on the state now, with its calls as
+        ``turn_results``, and move to the next turn. Raises NoTurnLeft when the scenario has no turns or
+        all have ended, EpisodeLost, CallAbandoned as :meth:`validate`."""
+        turns = live.turns
+        async with live.lock:
+            self._check_usable(live)
+            current = len(live.turn_checks)
+            scenario = f"scenario {live.scenario.task_id}" if live.scenario else "a raw episode"
+            if not turns:
+                raise NoTurnLeft(f"{scenario} of {self.env_id} has no scripted user turns: there is no turn to end; "
+                                 "validate the episode instead")
+            if current >= len(turns):
+                raise NoTurnLeft(f"all {len(turns)} turns of {scenario} of {self.env_id} have ended: no user message is left; "
+                                 "validate the episode (POST /episodes/{id}/validate) or reset it")
+            checks = await self._turn_checks(live, current, agent_replies)
+            calls = len(live.calls) - live.turn_start
+            live.turn_checks.append(checks)
+            live.replies += agent_replies
+            live.turn_start = len(live.calls)
+        next_message = turns[current + 1].message if current + 1 < len(turns) else None
+        passed = [c.passed for c in checks]
+        log.info("turn ended", extra={"env": self.env_id, "episode": live.episode_id, "turn": current + 1, "checks": len(checks)})
+        return TurnEnded(episode_id=live.episode_id, turn=current + 1, score=sum(passed) / len(passed) if passed else None,
+                         checks=checks, next_message=next_message, turns_left=len(turns) - current - 1, calls=calls)
+
+    async def _turn_checks(self, live: LiveEpisode, index: int, agent_replies: list[str]) -> list[CheckResult]:
+        """The checks of turn ``index`` (from 0) on the state now, over the calls since the turn started."""
+        checklist = live.turns[index].checklist_with_func
+        if not checklist:
+            return []
+        checks, _ = await self._run_checks(live, checklist, CheckContext.of_calls(live.calls[live.turn_start:], agent_replies))
+        return of_turn(checks, index + 1)
+
+    @staticmethod
+    def _check_usable(live: LiveEpisode) -> None:
+        if live.lost is not None:
+            raise EpisodeLost(f"episode {live.episode_id} is lost ({live.lost}); reset it to run its scenario again")
 
 
 class EpisodeStore(EpisodeRegistry):
@@ -490,12 +561,14 @@ class EpisodeStore(EpisodeRegistry):
             extra={"env": self.env_id, "episode": live.episode_id, "tool": name, "budget_s": self.inline_budget_s, "for_s": period},
         )
 
-    async def _run_checks(self, live: LiveEpisode, checklist: list[CheckItem] | None) -> ValidationResult:
+    async def _run_checks(self, live: LiveEpisode, checklist: list[CheckItem], context: CheckContext) -> tuple[list[CheckResult], str]:
         episode = live.episode
         assert episode is not None
-        items = live.checklist(checklist)
-        return await self.runner.run(self._on_thread(live.episode_id, lambda: episode.validate(items)),
-                                     checks_limit_s(items, self.runtime.check_timeout_s))
+        if not checklist:
+            return [], episode.state_hash()
+        result = await self.runner.run(self._on_thread(live.episode_id, lambda: episode.validate(checklist, context)),
+                                       checks_limit_s(checklist, self.runtime.check_timeout_s))
+        return result.checks, result.state_hash
 
     def _on_thread(self, episode_id: str, work: Callable[[], T]) -> Callable[[], T]:
         """What a call thread runs of episode ``episode_id``'s ``work``: the work itself (a worker process

@@ -334,7 +334,7 @@ class Checker:
             raise ChecklistError(f"the episode's changes do not fit its initial state: {e}") from None
         if final is None:
             raise ChecklistError("the request holds no final state")
-        return check_states(request.checklist, final, initial, self.settings.check_timeout_s)
+        return check_states(request.checklist, final, initial, self.settings.check_timeout_s, request.context)
 
 
 class _Abandoned(Exception):

@@ -35,11 +35,9 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, TypeVar
 
-from envscaler import Bundle, EnvCodeError, Episode, Scenario, ToolOutcome, ValidationResult
+from envscaler import Bundle, EnvCodeError, Episode, Scenario, ToolOutcome
 from envscaler.cgroups import ChildGroup, GroupLimits, combined
-from envscaler.checks import score
-from envscaler.errors import ChecklistError
-from envscaler.models import CheckItem, ToolAnnotations, ToolSchema
+from envscaler.models import CheckContext, CheckItem, CheckResult, ToolAnnotations, ToolSchema
 from envscaler.sandbox import CHILD_TASKS
 from envscaler.wire import WorkerResources
 from servers.episodes.store import ABANDON_GRACE_S, CallStats, EpisodeRegistry, LiveEpisode, checks_limit_s
@@ -305,20 +303,18 @@ class WorkerEpisodeStore(EpisodeRegistry):
             self._remember(live, name, arguments, reply)
         return reply.outcome
 
-    async def _run_checks(self, live: LiveEpisode, checklist: list[CheckItem] | None) -> ValidationResult:
-        items = live.checklist(checklist)
-        if not items:
-            raise ChecklistError("the scenario has no checklist, so it cannot be scored")
+    async def _run_checks(self, live: LiveEpisode, checklist: list[CheckItem], context: CheckContext) -> tuple[list[CheckResult], str]:
         await self._ensure_usable(live)
         final = await self._read(live, "final", "the final state", partial(decode, EpisodeFinal))
-        request = CheckRequest(handle=self._handles[live.episode_id], checklist=items, initial_key=final.initial_hash,
-                               changes=final.changes, final=final.final, initial=final.initial)
+        if not checklist:
+            return [], final.state_hash
+        request = CheckRequest(handle=self._handles[live.episode_id], checklist=checklist, initial_key=final.initial_hash,
+                               changes=final.changes, final=final.final, initial=final.initial, context=context)
         results = await self._check(request)
         if results.missing_initial:
             request.initial = await self._read_object(live, "initial", "the initial state")
             results = await self._check(request)
-        return ValidationResult(score=score(results.checks), checks=results.checks, state_hash=final.state_hash,
-                                check_errors=sum(r.error is not None for r in results.checks))
+        return results.checks, final.state_hash
 
     async def _check(self, request: CheckRequest) -> CheckResults:
         """The check worker's verdicts, one request at a time (a request's deadline runs from when it is sent)."""

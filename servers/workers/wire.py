@@ -22,7 +22,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from envscaler.models import Bundle, CheckItem, CheckResult, StateChange, ToolAnnotations, ToolOutcome, ToolSchema
+from envscaler.models import Bundle, CheckContext, CheckItem, CheckResult, StateChange, ToolAnnotations, ToolOutcome, ToolSchema
 from servers.transport.asgi import json_bytes
 
 M = TypeVar("M", bound=BaseModel)
@@ -129,6 +129,8 @@ class CheckRequest(BaseModel):
     initial: dict[str, Any] | None = None
     changes: list[StateChange] | None = None
     final: dict[str, Any] | None = None
+    # What the checks read besides the states (``turn_results``, ``agent_replies``).
+    context: CheckContext = CheckContext()
 
 
 class CheckResults(BaseModel):

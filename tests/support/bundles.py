@@ -447,3 +447,74 @@ def shelf_scenario() -> dict[str, Any]:
         "reference_solution": [{"name": "add_book", "arguments": {"title": "Ulysses"}},
                                {"name": "bump", "arguments": {"by": 2}}],
     }
+
+STOCK_CODE = '''
+class Stock:
+    def __init__(self, init_config: dict):
+        self.items = {}
+
+    def count(self, item_id: str) -> dict:
+        """How many of an item there are.
+
+        Args:
+            item_id (str): Id of the item.
+        """
+        if item_id not in self.items:
+            return {"success": False, "error": f"no item {item_id}"}
+        return {"success": True, "data": self.items[item_id]}
+
+    def add(self, item_id: str, amount: int) -> dict:
+        """Add to an item's count.
+
+        Args:
+            item_id (str): Id of the item.
+            amount (int): How much to add.
+        """
+        if item_id not in self.items:
+            return {"success": False, "error": f"no item {item_id}"}
+        self.items[item_id] += amount
+        return {"success": True, "data": self.items[item_id]}
+'''
+
+# Turn 2 changes nothing: only the tool output it read (and what the agent said) can show it was done.
+CHECK_READ_B = {
+    "check_item": "b was looked up, and it counts 7",
+    "check_func": ("def check_func(final_state):\n"
+                   "    return any(c['name'] == 'count' and c['arguments'].get('item_id') == 'b' and c['error'] is None\n"
+                   "               and c['result']['data'] == 7 for c in turn_results)"),
+}
+CHECK_TOLD_7 = {"check_item": "the user was told 7",
+                "check_func": "def check_func(final_state):\n    return any('7' in reply for reply in agent_replies)"}
+
+
+def stock_turns_scenario(**overrides: Any) -> dict[str, Any]:
+    """Three scripted user turns; the second changes no state and is checked on its tool output and reply."""
+    scenario = {
+        "task_id": "stock_turns_001",
+        "env_id": "stock",
+        "init_config": {"items": {"a": 0, "b": 7}},
+        "turns": [
+            {"message": "Add 2 to item a.",
+             "checklist_with_func": [{"check_item": "a counts 2", "check_func": "def check_func(final_state):\n    return final_state['items']['a'] == 2"}],
+             "reference_solution": [{"name": "add", "arguments": {"item_id": "a", "amount": 2}}],
+             "reference_reply": "Item a now counts 2."},
+            {"message": "How many of item b are there?",
+             "checklist_with_func": [CHECK_READ_B, CHECK_TOLD_7],
+             "reference_solution": [{"name": "count", "arguments": {"item_id": "b"}}],
+             "reference_reply": "There are 7 of item b."},
+            {"message": "Add 1 to item b.",
+             "checklist_with_func": [{"check_item": "b counts 8", "check_func": "def check_func(final_state):\n    return final_state['items']['b'] == 8"}],
+             "reference_solution": [{"name": "add", "arguments": {"item_id": "b", "amount": 1}}],
+             "reference_reply": "Item b now counts 8."},
+        ],
+        "checklist_with_func": [{"check_item": "three calls in all",
+                                 "check_func": "def check_func(final_state):\n    return len(turn_results) == 3"}],
+    }
+    scenario.update(copy.deepcopy(overrides))
+    return scenario
+
+
+def stock_bundle(root: Path, *scenarios: dict[str, Any]) -> Path:
+    """The stock environment with the given scenarios (by default, the scripted three-turn one)."""
+    spec = {"env_id": "stock", "env_class_name": "Stock", "env_class_code": STOCK_CODE, "environment_introduction": "A stock of items."}
+    return write_bundle(root, spec, list(scenarios) or [stock_turns_scenario()])

@@ -56,11 +56,31 @@ def lamp_scenario(task_id: str, on: bool, user_profile: str | None = None) -> di
     }
 
 
+LAMP_AT_3_SAID = {"check_item": "the user was told it is at 3",
+                  "check_func": "def check_func(final_state):\n    return any('at 3' in reply for reply in agent_replies)"}
+
+
+def lamp_turns_scenario() -> dict:
+    """lamp_turns: two scripted user turns. The first asks for the lamp on at 3 (SOLUTION); the second asks how it
+    is and changes nothing: it is checked on the agent's answer alone."""
+    return {
+        "task_id": "lamp_turns", "env_id": "lamp", "init_config": {"on": False},
+        "turns": [
+            {"message": "Turn the lamp on and set it to 3.", "checklist_with_func": [LAMP_IS_ON, LAMP_IS_DIM],
+             "reference_solution": [{"name": "switch", "arguments": {"on": True}}, {"name": "dim", "arguments": {"level": 3}}],
+             "reference_reply": "Done."},
+            {"message": "How is the lamp now?", "checklist_with_func": [LAMP_AT_3_SAID], "reference_solution": [],
+             "reference_reply": "It is on, at 3."},
+        ],
+    }
+
+
 @contextmanager
-def lamp_farm(root: Path) -> Iterator[Path]:
+def lamp_farm(root: Path, *more: dict) -> Iterator[Path]:
     """``farm up`` (process backend, gateway) of the lamp: lamp_dark (a do-nothing policy scores 0), lamp_lit
-    (it scores 0.5: the lamp is on already) and lamp_chat (conversational); yields the catalog; ``farm down`` after."""
-    scenarios = [lamp_scenario("lamp_dark", False), lamp_scenario("lamp_lit", True), lamp_scenario("lamp_chat", False, PERSONA)]
+    (it scores 0.5: the lamp is on already) and lamp_chat (conversational), then the scenarios ``more``;
+    yields the catalog; ``farm down`` after."""
+    scenarios = [lamp_scenario("lamp_dark", False), lamp_scenario("lamp_lit", True), lamp_scenario("lamp_chat", False, PERSONA), *more]
     bundle = write_bundle(root / "bundles", LAMP_SPEC, scenarios)
     catalog = root / "farm.json"
     up = envscaler("farm", "up", str(bundle), "--backend", "process", "--catalog", str(catalog))
