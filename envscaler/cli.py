@@ -146,6 +146,20 @@ def _import_envscaler(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _import_bfcl(args: argparse.Namespace) -> int:
+    from envscaler.importers import import_bfcl
+
+    report = import_bfcl(Path(args.path), Path(args.out), gold_timeout_s=args.gold_timeout)
+    print(f"imported {report.environments} environments and {report.scenarios} scenarios into {args.out}")
+    for directory in report.written:
+        print(f"  wrote {directory}")
+    if report.left_out:
+        print(f"left out {len(report.left_out)}:")
+    for item in report.left_out:
+        print(f"  {item.item}: {item.reason}")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full parser, including commands that other packages register."""
     from importlib.metadata import entry_points
@@ -218,6 +232,15 @@ def build_parser() -> argparse.ArgumentParser:
     envscaler.add_argument("--scenarios", required=True, nargs="+", metavar="FILE", help="scenario lists (JSON list or JSONL)")
     envscaler.add_argument("--out", required=True, metavar="DIR", help="folder to write one bundle per environment into")
     envscaler.set_defaults(func=_import_envscaler)
+    bfcl = sources.add_parser(
+        "bfcl", help="BFCL's multi-turn categories, from a local checkout of the benchmark",
+        **with_examples("envscaler import bfcl ~/gorilla/berkeley-function-call-leaderboard --out bundles/")
+    )
+    bfcl.add_argument("path", metavar="PATH", help="the checkout (gorilla, or a folder within it holding the data and the API classes)")
+    bfcl.add_argument("--out", required=True, metavar="DIR", help="folder to write one bundle per combination of classes into")
+    bfcl.add_argument("--gold-timeout", type=positive_float, default=300.0, metavar="S",
+                      help="seconds the gold calls of one bundle may take to play, in a limited child process (default 300)")
+    bfcl.set_defaults(func=_import_bfcl)
 
     for entry in sorted(entry_points(group="envscaler.commands"), key=lambda e: e.name):
         try:
