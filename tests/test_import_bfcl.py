@@ -32,6 +32,8 @@ def test_one_bundle_per_combination_of_classes_and_a_report_of_what_was_left_out
     assert "multi_turn_miss_func_0: category miss_func: functions are withheld until a later turn (read_note)" in printed
     assert "multi_turn_base_4: gold call: \"transfer(to='Sam', amount=get_balance())\" has an argument that is not a literal" in printed
     assert "BFCL_v3_multi_turn_base.json: an older version of a category that a newer file holds too" in printed
+    assert ("multi_turn_base_5: a gold call of turn 1 fails in BFCL's own code: Environment error in 'audit': the call "
+            "changed module global AUDITS, which every episode shares") in printed
 
 
 def test_the_bundle_holds_every_class_as_a_part_with_the_benchmarks_tools(imported):

@@ -25,7 +25,8 @@ The ``long_context`` category gets bundles of its own, whose loaders are called 
 ``long_context=True`` (``ClassPart.loader_arguments``) as BFCL does. Left out, with the reason in the
 report: tasks whose functions are withheld until a later turn (``miss_func``, and ``composite`` of v3:
 a bundle's tool list is fixed), and any task whose gold calls cannot be parsed, name an unknown tool, break their function
-doc's schema, or fail to play.
+doc's schema, or fail in BFCL's own code (an undeclared exception, a change to a module global every
+episode shares) or cannot be played at all.
 
 Differences from BFCL worth knowing: the response check reads the turn's own calls, where BFCL also
 accepts results an earlier turn produced; a state is compared as JSON (public attributes, objects as
@@ -287,12 +288,17 @@ def _bundle(checkout: BfclCheckout, classes: tuple[str, ...], long_context: bool
         if outcome.error is not None:
             report.left_out.append(LeftOut(item=run.task_id, reason=f"the gold calls could not be played: {outcome.error}"))
             continue
+        failed = next(((number, turn.env_errors[0]) for number, turn in enumerate(outcome.turns, start=1) if turn.env_errors), None)
+        if failed is not None:
+            report.left_out.append(LeftOut(item=run.task_id, reason=f"a gold call of turn {failed[0]} fails in BFCL's own code: {failed[1]}"))
+            continue
         scenarios.append(_scenario(spec, by_id[run.task_id], run, outcome))
     if not scenarios:
         return None
     # The code analysis cannot see a write through another object's method (a file system's tree): what the
     # gold calls did decides for the tools they called.
-    writers = sorted({name for outcome in outcomes if outcome.error is None for turn in outcome.turns for name in turn.changed_by})
+    kept = {scenario.task_id for scenario in scenarios}
+    writers = sorted({name for outcome in outcomes if outcome.task_id in kept for turn in outcome.turns for name in turn.changed_by})
     spec.tool_annotations = {name: ToolAnnotations(readOnlyHint=False) for name in writers} or None
     return Bundle(spec=spec, scenarios=scenarios)
 

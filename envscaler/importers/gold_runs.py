@@ -43,6 +43,9 @@ class GoldTurn(BaseModel):
     state: dict[str, Any] = Field(default_factory=dict)
     changed_by: list[str] = Field(default_factory=list)
     """The tools whose calls in this turn changed the state."""
+    env_errors: list[str] = Field(default_factory=list)
+    """The errors of calls that failed by the environment's fault (its code raised an undeclared exception,
+    changed what every episode shares, or ran out of time): a reference no agent could be held to."""
 
 
 class GoldOutcome(BaseModel):

@@ -37,7 +37,8 @@ def play(request: GoldRequest) -> GoldAnswer:
         for calls in run.turns:
             played = [episode.call(call.name, call.arguments) for call in calls]
             outcome.turns.append(GoldTurn(calls=[CallResult.of(o) for o in played], state=episode.state(),
-                                          changed_by=sorted({o.name for o in played if o.diff})))
+                                          changed_by=sorted({o.name for o in played if o.diff}),
+                                          env_errors=[o.error for o in played if o.error and o.error_kind in ("env", "timeout")]))
         answer.outcomes.append(outcome)
     return answer
 
