@@ -27,7 +27,7 @@ from agent_client.models import AgentResult
 from agent_client.remote import EnvControl, McpTools
 from agent_client.user import SimulatedUser
 from envscaler.jsonl import replace_surrogates
-from envscaler.models import Turn
+from envscaler.models import Scenario, Turn
 from envscaler.wire import EpisodeCreated, TurnEnded
 
 SYSTEM_PROMPT = (
@@ -125,8 +125,19 @@ class ReplayAgent:
     converses = False
     model = None
 
+    def __init__(self) -> None:
+        # A server's scenarios do not change while it runs: each is fetched (and parsed) once per run,
+        # not once per repeat.
+        self._scenarios: dict[tuple[str, str], Scenario] = {}
+
+    async def _scenario(self, ctx: EpisodeContext) -> Scenario:
+        key = (ctx.env_id, ctx.task_id)
+        if key not in self._scenarios:
+            self._scenarios[key] = await ctx.control.scenario(ctx.task_id)
+        return self._scenarios[key]
+
     async def run(self, ctx: EpisodeContext) -> AgentResult:
-        scenario = await ctx.control.scenario(ctx.task_id)
+        scenario = await self._scenario(ctx)
         ctx.opening(ctx.info.task)
         script = scenario.turns or [Turn(message=scenario.task, reference_solution=scenario.reference_solution,
                                          reference_reply=scenario.reference_reply)]

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 from urllib.parse import quote
@@ -20,9 +19,11 @@ import anyio
 from agent_client.agents import CommandAgent, OpenAIAgent, RandomAgent, ReplayAgent
 from agent_client.export import export, read_records
 from agent_client.inspect_log import write_inspect_log
+from agent_client.interrupt import run_interruptible
 from agent_client.llm import LlmEndpoint
 from agent_client.errors import HarnessError
 from agent_client.models import load_farm_catalog
+from agent_client.pool import default_procs
 from agent_client.remote import EnvControl, new_http_client
 from agent_client.runner import RunOptions, run
 from agent_client.summary import infra_reasons, render, render_spread, render_turns, summarize
@@ -36,21 +37,22 @@ from envscaler.wire import DEFAULT_FARM_CATALOG
 def _agent_factory(args: argparse.Namespace):
     if args.agent == "replay":
         return ReplayAgent
+    # Factories that pickle (classes and partials, no lambdas): --procs sends them to its worker processes.
     if args.agent == "random":
-        return lambda: RandomAgent(steps=args.random_steps)
+        return partial(RandomAgent, steps=args.random_steps)
     if args.agent == "openai":
         if not args.model:
             raise HarnessError("--agent openai needs --model (and --base-url for endpoints other than OpenAI's)")
         check_endpoint(args.base_url, None, "--agent openai")
         endpoint = LlmEndpoint(base_url=args.base_url, model=args.model, temperature=args.temperature,
                                retries=args.retries, backoff_s=args.backoff)
-        return lambda: OpenAIAgent(endpoint)
+        return partial(OpenAIAgent, endpoint)
     if not args.command:
         raise HarnessError("--agent command needs --command 'PROGRAM ARGS...' (with {mcp_url} and {task} placeholders)")
     harness_own = [name for name in args.agent_env or [] if name.startswith("ENVSCALER_")]
     if harness_own:
         raise HarnessError(f"--agent-env {harness_own[0]}: ENVSCALER_* variables are the harness's and never reach an agent")
-    return lambda: CommandAgent(args.command, timeout_s=args.time_limit, passed_env=tuple(args.agent_env or ()))
+    return partial(CommandAgent, args.command, timeout_s=args.time_limit, passed_env=tuple(args.agent_env or ()))
 
 
 def _user_endpoint(args: argparse.Namespace) -> LlmEndpoint | None:
@@ -61,47 +63,16 @@ def _user_endpoint(args: argparse.Namespace) -> LlmEndpoint | None:
     return LlmEndpoint(base_url=args.user_base_url or args.base_url, model=model, retries=args.retries, backoff_s=args.backoff)
 
 
-async def _interruptible(work: Callable[[], Awaitable[object]]) -> None:
-    """Run ``work``; on SIGINT cancel it through anyio (its live episodes are ended, shielded) and raise
-    KeyboardInterrupt once it has stopped.
-
-    asyncio's own Ctrl-C handling cancels the main task natively, and a cancel scope inside the work can
-    take that cancellation for its own: the run then goes on as if nothing happened.
-    """
-    interrupted = False
-    try:
-        async with anyio.create_task_group() as tasks:
-
-            async def watch() -> None:
-                nonlocal interrupted
-                with anyio.open_signal_receiver(signal.SIGINT) as signals:
-                    async for _ in signals:
-                        interrupted = True
-                        tasks.cancel_scope.cancel()
-                        return
-
-            tasks.start_soon(watch)
-            await work()
-            tasks.cancel_scope.cancel()  # done: stop watching
-    except BaseExceptionGroup as group:
-        # The work's own error (a usage error, say) is the caller's to see, not a group around it.
-        if len(group.exceptions) == 1:
-            raise group.exceptions[0] from None
-        raise
-    if interrupted:
-        raise KeyboardInterrupt
-
-
 def _run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.is_dir():
         raise HarnessError(f"--out {out} is a folder; give a file in it, such as {out / 'run.jsonl'}")
     options = RunOptions(repeats=args.repeats, concurrency=args.concurrency, max_steps=args.max_steps,
                          time_limit_s=args.time_limit, user_endpoint=_user_endpoint(args), progress=not args.quiet,
-                         rerun_infra_errors=not args.keep_infra_errors, lease_s=args.lease)
+                         rerun_infra_errors=not args.keep_infra_errors, lease_s=args.lease, procs=args.procs or default_procs())
     make_agent = _agent_factory(args)
     catalog = load_farm_catalog(args.farm)
-    anyio.run(_interruptible, partial(run, catalog, make_agent, out, patterns=args.scenario, options=options))
+    run_interruptible(partial(run, catalog, make_agent, out, patterns=args.scenario, options=options))
     records = read_records(out)
     print(render(summarize(records, args.repeats), f"agent {args.agent}, {len(records)} episode(s) in {out}"))
     if args.repeats > 1:
@@ -267,7 +238,7 @@ def _demo_on_farm(args: argparse.Namespace, out_dir: Path, catalog: str) -> int:
         path.unlink(missing_ok=True)
         print(f"demo: running the {name} agent over MCP on every scenario", file=sys.stderr)
         options = RunOptions(concurrency=args.concurrency)
-        anyio.run(_interruptible, partial(run, farm, make_agent, path, options=options))
+        run_interruptible(partial(run, farm, make_agent, path, options=options))
         results[name] = read_records(path)
         print()
         print(render(summarize(results[name], 1), f"{name} agent ({path})"))
@@ -294,7 +265,10 @@ def register_run(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", required=True, metavar="FILE.jsonl", help="where records go (appended; resumable)")
     parser.add_argument("--scenario", action="append", metavar="ENV[/TASK]", help="only these environments or scenarios (repeatable)")
     parser.add_argument("--repeats", type=positive_int, default=1, help="runs per scenario, for pass^k (default: 1)")
-    parser.add_argument("--concurrency", type=positive_int, default=8, help="episodes at once (default: 8)")
+    parser.add_argument("--concurrency", type=positive_int, default=8, help="episodes at once, in all processes together (default: 8)")
+    parser.add_argument("--procs", type=positive_int, metavar="N",
+                        help=f"processes that run the episodes, one output file and summary still (default: one per 4 cores, "
+                             f"at least 1: {default_procs()} here)")
     parser.add_argument("--max-steps", type=positive_int, default=30, help="tool calls per episode at most (default: 30)")
     parser.add_argument("--time-limit", type=positive_float, default=300.0, help="seconds per episode (default: 300)")
     parser.add_argument("--lease", type=positive_float, default=60.0, metavar="SECONDS",

@@ -6,6 +6,7 @@ Part of the tree drawn in ``envscaler.errors``; the exit code applies when one r
     ├── HarnessError            2   the harness cannot start: bad catalog, unknown scenario, bad flags,
     │                               another run writing the same --out
     ├── RecordsUnwritable       1   the run file cannot be written (a full disk): the run stopped cleanly
+    ├── WorkersLost             1   every worker process of a --procs run died with episodes still to run
     └── InfraError (envscaler)  1   a server, the network or an LLM endpoint failed: the episode cannot be judged
         ├── TransportError      1   an HTTP request could not be sent, or no complete response came back
         └── EnvServerError      1/2 an environment server (or the gateway) answered with an error status;
@@ -26,6 +27,14 @@ class HarnessError(EnvScalerError):
 class RecordsUnwritable(EnvScalerError):
     """The run file cannot be written (a full disk, a quota): the run stopped, its episodes in flight
     were ended, and the file holds whole records only; the same command finishes it once there is room."""
+
+    exit_code = EXIT_FAILED
+
+
+class WorkersLost(EnvScalerError):
+    """Every worker process of a ``--procs`` run died with episodes still to run: the records written are
+    whole, the episodes the workers had in flight are recorded as infra errors, and a rerun of the same
+    command runs the rest."""
 
     exit_code = EXIT_FAILED
 

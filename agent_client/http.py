@@ -15,6 +15,7 @@ POST (a tool call, a new episode) fails with TransportError instead of running t
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from typing import Any
 from urllib.parse import urlsplit
@@ -76,22 +77,27 @@ class LeanHttp:
 
     async def request(self, method: str, url: str, body: Any = None, headers: dict[str, str] | None = None) -> Response:
         """``method url`` with ``body`` as JSON (when not None); TransportError when no response comes back."""
-        parts = urlsplit(url)
+        scheme, host, port, netloc = _origin(url)
         payload = b"" if body is None else json.dumps(body, separators=(",", ":")).encode()
-        if parts.scheme == "https":
+        if scheme == "https":
             return await self._via_httpx(method, url, payload, headers)
-        if parts.scheme != "http" or not parts.hostname:
+        if scheme != "http" or not host:
             raise TransportError(f"unsupported URL {url!r}: use http:// or https://")
-        key = (parts.hostname, parts.port or 80)
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        lines = [f"{method} {target} HTTP/1.1", f"Host: {parts.netloc}", f"Content-Length: {len(payload)}"]
+        # What follows the origin: the path (``/`` when empty) and the query, as the request line wants them.
+        target = url[len(scheme) + 3 + len(netloc):].partition("#")[0] or "/"
+        if target.startswith("?"):
+            target = "/" + target
+        lines = [f"{method} {target} HTTP/1.1", f"Host: {netloc}", f"Content-Length: {len(payload)}"]
         if payload:
             lines.append("Content-Type: application/json")
         lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
         message = ("\r\n".join(lines) + "\r\n\r\n").encode() + payload
         try:
-            return await asyncio.wait_for(self._exchange(key, message, method), self.timeout_s)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: wait_for runs the exchange as a task of its own, which
+            # costs more CPU than the rest of a small request.
+            async with asyncio.timeout(self.timeout_s):
+                return await self._exchange((host, port), message, method)
+        except TimeoutError:
             raise TransportError(f"{method} {url}: no response within {self.timeout_s:g} s") from None
         except (OSError, asyncio.IncompleteReadError, ValueError) as e:
             raise TransportError(f"{method} {url}: {type(e).__name__}: {e}") from None
@@ -111,7 +117,8 @@ class LeanHttp:
                 if method not in _IDEMPOTENT:
                     raise ConnectionError(f"the server closed a kept-alive connection without an answer; "
                                           f"a {method} is not sent twice ({type(e).__name__})") from None
-        connection = _Connection(*await asyncio.wait_for(asyncio.open_connection(*key), self.connect_timeout_s))
+        async with asyncio.timeout(self.connect_timeout_s):
+            connection = _Connection(*await asyncio.open_connection(*key))
         return await self._send(key, connection, message, method)
 
     async def _send(self, key: tuple[str, int], connection: _Connection, message: bytes, method: str) -> Response:
@@ -150,6 +157,23 @@ class LeanHttp:
         except httpx.HTTPError as e:
             raise TransportError(f"{method} {url}: {e!r}") from None
         return Response(response.status_code, {k.lower(): v for k, v in response.headers.items()}, response.content)
+
+
+@functools.lru_cache(maxsize=1024)
+def _origin_of(scheme_and_netloc: str) -> tuple[str, str | None, int, str]:
+    parts = urlsplit(scheme_and_netloc)
+    return parts.scheme, parts.hostname, parts.port or (443 if parts.scheme == "https" else 80), parts.netloc
+
+
+def _origin(url: str) -> tuple[str, str | None, int, str]:
+    """(scheme, host, port, netloc) of ``url``; parsed once per origin, since a run talks to a few servers only."""
+    scheme, sep, rest = url.partition("://")
+    end = len(rest)
+    for stop in "/?#":
+        found = rest.find(stop)
+        if found != -1 and found < end:
+            end = found
+    return _origin_of(f"{scheme}{sep}{rest[:end]}")
 
 
 async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-import openai
-from openai.types.chat import ChatCompletion
+from typing import TYPE_CHECKING, Any
 
 from agent_client.models import Usage
-from envscaler.llm import RetryPolicy, chat_completion, new_client
+
+if TYPE_CHECKING:
+    import openai
+    from openai.types.chat import ChatCompletion
+
+# envscaler.llm is imported where a model is called: it imports the openai SDK, a second of CPU that
+# every worker process of a replay or command run would spend for nothing.
 
 
 @dataclass
@@ -25,6 +28,8 @@ class LlmEndpoint:
 
     def client(self) -> openai.AsyncOpenAI:
         """A client of this endpoint (the retries are ``complete``'s, not the SDK's)."""
+        from envscaler.llm import new_client
+
         return new_client(self.base_url, self.api_key)
 
 
@@ -34,6 +39,8 @@ async def complete(endpoint: LlmEndpoint, client: openai.AsyncOpenAI, usage: Usa
     Raises LlmUnavailable (an InfraError: the episode is recorded as an infra error) when the
     endpoint stays down or refuses the request.
     """
+    from envscaler.llm import RetryPolicy, chat_completion
+
     if endpoint.temperature is not None:
         request["temperature"] = endpoint.temperature
     response = await chat_completion(client, RetryPolicy(endpoint.retries, endpoint.backoff_s), model=endpoint.model, **request)

@@ -85,3 +85,27 @@ class Record(BaseModel):
     def infra_failed(self) -> bool:
         """The episode could not be judged: nothing here says anything about the agent."""
         return self.termination == "infra_error"
+
+    def head(self) -> RecordHead:
+        """What a run keeps of this record once it is written."""
+        return RecordHead(env_id=self.env_id, task_id=self.task_id, repeat=self.repeat, termination=self.termination,
+                          reward=self.reward, steps=self.steps)
+
+
+class RecordHead(BaseModel):
+    """What a run keeps of each of its records once written: which episode, how it ended, its reward and
+    steps. The whole record (messages, tools, trajectory) is in the output file only, so that a long run
+    holds no more in memory than a short one, and worker processes send their records as bytes that
+    nobody parses again."""
+
+    env_id: str
+    task_id: str
+    repeat: int
+    termination: Termination
+    reward: float | None = None
+    steps: int = 0
+
+    @property
+    def infra_failed(self) -> bool:
+        """The episode could not be judged."""
+        return self.termination == "infra_error"

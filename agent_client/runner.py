@@ -23,7 +23,7 @@ from agent_client.agents import Agent, EpisodeContext
 from agent_client.llm import LlmEndpoint
 from agent_client.http import LeanHttp
 from agent_client.errors import HarnessError, RecordsUnwritable
-from agent_client.models import AgentResult, Record
+from agent_client.models import AgentResult, Record, RecordHead
 from agent_client.progress import Progress
 from agent_client.remote import EnvControl, McpTools, new_http_client
 from envscaler.errors import InfraError
@@ -45,6 +45,8 @@ class RunOptions:
     # How long a server keeps an episode of this run unused: renewed every third of it while the episode
     # runs, so the episodes of a run that was killed end within about that long.
     lease_s: float = 60.0
+    # Processes that run the episodes (``concurrency`` is shared among them); 1 runs them in this one.
+    procs: int = 1
 
 
 @dataclass(frozen=True)
@@ -207,20 +209,32 @@ def record_line(record: Record) -> str:
     That line is an infra error (so a rerun tries the episode again) without the messages,
     trajectory and score, which held what could not be written.
     """
+    return _written(record)[0]
+
+
+def record_entry(record: Record) -> tuple[RecordHead, bytes]:
+    """``record``'s JSONL line (with its ``"\\n"``, see :func:`record_line`) and the head of what that line holds."""
+    line, written = _written(record)
+    return written.head(), (line + "\n").encode()
+
+
+def _written(record: Record) -> tuple[str, Record]:
+    """The line of ``record`` and the record it holds: ``record``, or the stand-in that says why it could not be written."""
     try:
-        return dumps(record)
+        return dumps(record), record
     except Exception as e:  # noqa: BLE001 - whatever the value, the run goes on and the episode is accounted for
         stand_in = Record(env_id=record.env_id, task_id=record.task_id, repeat=record.repeat, agent=record.agent,
                           model=record.model, episode_id=record.episode_id, termination="infra_error",
                           error=f"this episode's record could not be written ({type(e).__name__}: {e}); "
                                 "its messages, trajectory and score were left out",
                           started_at=record.started_at, duration_s=record.duration_s)
-        return dumps(stand_in)
+        return dumps(stand_in), stand_in
 
 
 async def run(catalog: FarmCatalog, make_agent: Callable[[], Agent], out: Path, *, patterns: list[str] | None = None,
-              options: RunOptions | None = None) -> list[Record]:
-    """Run every selected scenario ``repeats`` times; append records to ``out``; return this run's records."""
+              options: RunOptions | None = None) -> list[RecordHead]:
+    """Run every selected scenario ``repeats`` times; append records to ``out``; return the heads of this run's
+    records (the whole records are in ``out``)."""
     options = options or RunOptions()
     out.parent.mkdir(parents=True, exist_ok=True)
     with _only_writer(out):
@@ -251,47 +265,73 @@ def _only_writer(out: Path) -> Iterator[None]:
 
 
 async def _run(catalog: FarmCatalog, make_agent: Callable[[], Agent], out: Path, patterns: list[str] | None,
-               options: RunOptions) -> list[Record]:
+               options: RunOptions) -> list[RecordHead]:
     agent = make_agent()
     identity = RunIdentity(agent.name, agent.model, frozenset(catalog.envs))
     done = read_done(out, identity, rerun_infra_errors=options.rerun_infra_errors)
-    records: list[Record] = []
     async with new_http_client() as http:
         controls = {env_id: EnvControl(http, env_id, endpoint) for env_id, endpoint in catalog.envs.items()}
         listed: list[ScenarioSummary] = []
         for control in controls.values():
             listed += await control.scenarios()
         jobs = [(s, r) for s in select(listed, patterns) for r in range(options.repeats) if (s.env_id, s.task_id, r) not in done]
-        progress = Progress(len(jobs), sys.stderr, options.progress)
         if len(done):
             print(f"resuming: {len(done)} record(s) already in {out}, {len(jobs)} to run", file=sys.stderr)
-        limiter = anyio.Semaphore(options.concurrency)
-        sink = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        unwritable: list[str] = []
+        fd = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        sink = RecordSink(fd, Progress(len(jobs), sys.stderr, options.progress))
         try:
-            async with anyio.create_task_group() as tasks:
+            procs = min(options.procs, options.concurrency, len(jobs))
+            if procs > 1:
+                # Imported here: the pool imports this module (its workers run ``run_episode``).
+                from agent_client.pool import run_in_processes
 
-                async def one(scenario: ScenarioSummary, repeat: int) -> None:
-                    async with limiter:
-                        record = await run_episode(http, controls[scenario.env_id], scenario, repeat, agent, options)
-                    # Written per episode: a killed run loses at most the episodes in flight.
-                    problem = _append(sink, (record_line(record) + "\n").encode())
-                    if problem is not None:
-                        # No room for this record: stop, ending the episodes in flight; rerunning finishes the run.
-                        unwritable.append(problem)
-                        tasks.cancel_scope.cancel()
-                        return
-                    records.append(record)
-                    progress.add(record)
-
-                for scenario, repeat in jobs:
-                    tasks.start_soon(one, scenario, repeat)
+                await run_in_processes(catalog, make_agent, agent, jobs, options, procs, sink)
+            else:
+                await _run_here(http, controls, agent, jobs, options, sink)
         finally:
-            os.close(sink)
-    if unwritable:
-        raise RecordsUnwritable(f"cannot write {out}: {unwritable[0]}; {len(records)} record(s) of this run are in it, whole. "
-                                "Make room and run the same command again to finish")
-    return records
+            os.close(fd)
+    if sink.unwritable:
+        raise RecordsUnwritable(f"cannot write {out}: {sink.unwritable}; {len(sink.heads)} record(s) of this run are in it, "
+                                "whole. Make room and run the same command again to finish")
+    return sink.heads
+
+
+class RecordSink:
+    """The one writer of a run's output file: each record appended whole, counted in the progress display."""
+
+    def __init__(self, fd: int, progress: Progress) -> None:
+        self.fd, self.progress = fd, progress
+        self.heads: list[RecordHead] = []
+        # Why a record could not be written (a full disk), once one could not: the run then stops.
+        self.unwritable: str | None = None
+
+    def write(self, head: RecordHead, line: bytes) -> bool:
+        """Append ``line``, the record whose head is ``head``; False when it could not be written."""
+        problem = _append(self.fd, line)
+        if problem is not None:
+            self.unwritable = self.unwritable or problem
+            return False
+        self.heads.append(head)
+        self.progress.add(head)
+        return True
+
+
+async def _run_here(http: LeanHttp, controls: dict[str, EnvControl], agent: Agent, jobs: list[tuple[ScenarioSummary, int]],
+                    options: RunOptions, sink: RecordSink) -> None:
+    """The episodes of ``jobs`` in this process, ``options.concurrency`` at once, into ``sink``."""
+    limiter = anyio.Semaphore(options.concurrency)
+    async with anyio.create_task_group() as tasks:
+
+        async def one(scenario: ScenarioSummary, repeat: int) -> None:
+            async with limiter:
+                record = await run_episode(http, controls[scenario.env_id], scenario, repeat, agent, options)
+            # Written per episode: a killed run loses at most the episodes in flight.
+            if not sink.write(*record_entry(record)):
+                # No room for this record: stop, ending the episodes in flight; rerunning finishes the run.
+                tasks.cancel_scope.cancel()
+
+        for scenario, repeat in jobs:
+            tasks.start_soon(one, scenario, repeat)
 
 
 def _append(fd: int, line: bytes) -> str | None:

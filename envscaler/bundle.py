@@ -1,8 +1,10 @@
-"""Bundles on disk: ``<dir>/<env_id>/env.json`` and ``<dir>/<env_id>/scenarios.jsonl``."""
+"""Bundles on disk: ``<dir>/<env_id>/env.json``, ``<dir>/<env_id>/scenarios.jsonl`` and data files under
+``<dir>/<env_id>/data/`` (``envscaler.data_files``)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +12,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from envscaler.data_files import DATA_DIR, check_references
 from envscaler.errors import BundleError
 from envscaler.jsonl import dumps, escape_unsafe, read_values
 from envscaler.models import Bundle, EnvSpec, Scenario
@@ -78,9 +81,10 @@ def load_bundle(directory: str | Path) -> Bundle:
                 f"{scenarios_path}:{number}: env_id: {scenario.env_id!r} does not match "
                 f"{ENV_FILE}'s {spec.env_id!r}"
             )
+        check_references(directory, scenario.init_config, f"{scenarios_path}:{number}: scenario {scenario.task_id!r}")
         scenarios.append(scenario)
     require_unique_task_ids(spec.env_id, scenarios, str(scenarios_path))
-    return Bundle(spec=spec, scenarios=scenarios)
+    return Bundle(spec=spec, scenarios=scenarios, directory=directory.resolve())
 
 
 def require_unique_task_ids(env_id: str, scenarios: list[Scenario], where: str) -> None:
@@ -98,6 +102,9 @@ def save_bundle(bundle: Bundle, root: str | Path) -> Path:
     """Write ``bundle`` under ``root/<env_id>/`` and return that directory."""
     directory = Path(root) / bundle.spec.env_id
     directory.mkdir(parents=True, exist_ok=True)
+    data = bundle.directory / DATA_DIR if bundle.directory is not None else None
+    if data is not None and data.is_dir() and data.resolve() != (directory / DATA_DIR).resolve():
+        shutil.copytree(data, directory / DATA_DIR, dirs_exist_ok=True)
     write_env_json(directory, bundle.spec.model_dump(mode="json", exclude_none=True))
     lines = [dumps(s.model_dump(mode="json", exclude_none=True)) for s in bundle.scenarios]
     (directory / SCENARIOS_FILE).write_text("".join(line + "\n" for line in lines), encoding="utf-8")

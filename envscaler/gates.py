@@ -135,7 +135,7 @@ def check_environment(
     report = EnvReport(env_id=bundle.env_id)
     try:
         require_installed(bundle.env_id, bundle.spec.requires)
-        runtime = EnvRuntime(bundle.spec, call_timeout_s=call_timeout_s, check_timeout_s=check_timeout_s)
+        runtime = EnvRuntime(bundle.spec, call_timeout_s=call_timeout_s, check_timeout_s=check_timeout_s, bundle_dir=bundle.directory)
     except EnvScalerError as e:
         report.env_gates.append(GateResult(gate="class_loads", passed=False, detail=str(e)))
         return report, None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -268,6 +269,9 @@ class Bundle(BaseModel):
 
     spec: EnvSpec
     scenarios: list[Scenario] = Field(default_factory=list)
+    # The folder it was loaded from: its data files are under ``directory/data`` (``envscaler.data_files``).
+    # None for a bundle made in memory, which has none.
+    directory: Path | None = None
 
     @property
     def env_id(self) -> str:

@@ -59,31 +59,58 @@ class NotNative(Exception):
 class SharedState:
     """A scenario's constructed state, frozen: its containers are only ever read through overlays.
 
-    ``attributes`` is the constructed instance's ``__dict__`` (private attributes included).
+    ``attributes`` is the constructed instance's ``__dict__`` (private attributes included). Containers
+    whose ids are in ``data_ids`` are a data file's content (``envscaler.data_files``), frozen for as long
+    as the process runs and shared with other scenarios: they are neither walked nor listed again here,
+    and their digests go to ``data_digests``, which every scenario naming the file shares.
     """
 
-    __slots__ = ("attributes", "container_ids", "digests")
+    __slots__ = ("attributes", "container_ids", "data_ids", "digests")
 
-    def __init__(self, attributes: dict[str, Any]) -> None:
+    def __init__(self, attributes: dict[str, Any], data_ids: set[int] | None = None,
+                 data_digests: dict[int, bytes] | None = None) -> None:
         self.attributes = attributes
         self.container_ids: set[int] = set()
+        self.data_ids: set[int] = data_ids if data_ids is not None else set()
         for value in attributes.values():
-            _collect_native(value, self.container_ids)
+            _collect_native(value, self.container_ids, self.data_ids)
         # id(shared container) -> digest, filled as state hashes are asked for (see state.state_hash).
-        self.digests: dict[int, bytes] = {}
+        self.digests: dict[int, bytes] = _Digests(self.data_ids, data_digests) if data_digests is not None else {}
 
     def is_shared(self, value: Any) -> bool:
-        return id(value) in self.container_ids
+        return id(value) in self.container_ids or id(value) in self.data_ids
 
 
-def _collect_native(value: Any, ids: set[int]) -> None:
-    """Add the ids of every container under ``value``; NotNative when something is not JSON-shaped, a
-    back-link (a container holding one that holds it) included."""
+class _Digests(dict):
+    """A scenario's container digests, those of data files' containers kept in the files' own cache: their
+    ids are theirs for good, while a scenario's own ids may be reused once it is let go of."""
+
+    __slots__ = ("data_ids", "data")
+
+    def __init__(self, data_ids: set[int], data: dict[int, bytes]) -> None:
+        super().__init__()
+        self.data_ids = data_ids
+        self.data = data
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        found = dict.get(self, key)
+        return found if found is not None else self.data.get(key, default)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        (self.data if key in self.data_ids else super()).__setitem__(key, value)
+
+
+def _collect_native(value: Any, ids: set[int], known: set[int] | frozenset[int] = frozenset()) -> None:
+    """Add the ids of every container under ``value`` but those under ``known`` ones (a data file's, checked
+    when it was loaded); NotNative when something is not JSON-shaped, a back-link (a container holding one
+    that holds it) included."""
     stack = [value]
     repeated = False
     while stack:
         item = stack.pop()
         kind = type(item)
+        if id(item) in known:
+            continue
         if kind is dict:
             if id(item) in ids:
                 repeated = True
@@ -461,7 +488,7 @@ class Overlay:
         if kind is OverlayDict or kind is OverlayList:
             if value._overlay is self:
                 return value
-        elif self.shared is not None and id(value) not in self.shared.container_ids:
+        elif self.shared is not None and not self.shared.is_shared(value):
             return value  # a container the running call made: plain until the call ends
         copy = self.memo.get(id(value))
         if copy is None:
@@ -497,6 +524,48 @@ class Overlay:
         """A root over ``attributes`` whose containers this (read-only view) overlay copies on access."""
         return _init(OverlayDict(attributes), self, (), written=True)
 
+    def detach(self, value: Any, frozen: set[int]) -> Any:
+        """``value`` (made by code that read this read-only view's containers) with plain containers only: a
+        copy this overlay made goes back to being its original when nothing was written to it or to a copy
+        under it, else becomes a plain dict or list; plain containers are changed in place. Containers whose
+        ids are in ``frozen`` are left as they are, unread: the cost follows what the code copied and made."""
+        originals: dict[int, Any] = {}
+        kept: set[int] = set()  # copies that cannot go back: written, or holding a copy that was
+        for parent, _, original, copy in reversed(self.created):  # children before their parents
+            originals[id(copy)] = original
+            if copy._written or id(copy) in kept:
+                kept.add(id(copy))
+                kept.add(id(parent))
+        done: dict[int, Any] = {}
+
+        def walk(item: Any) -> Any:
+            kind = type(item)
+            if kind not in _CONTAINERS or id(item) in frozen:
+                return item
+            if id(item) in done:
+                return done[id(item)]
+            if id(item) in originals and id(item) not in kept:
+                result = done[id(item)] = originals[id(item)]
+                return result
+            if kind is OverlayDict or kind is dict:
+                target = done[id(item)] = {} if kind is OverlayDict else item
+                for key, child in list(dict.items(item)):
+                    new = walk(child)
+                    if target is not item or new is not child:
+                        dict.__setitem__(target, key, new)
+                return target
+            target = done[id(item)] = [] if kind is OverlayList else item
+            children = [walk(child) for child in list.__iter__(item)]
+            if target is item:
+                list.__setitem__(target, slice(None), children)
+            else:
+                target.extend(children)
+            return target
+
+        result = walk(value)
+        self.release()
+        return result
+
     # -- the end of a call --------------------------------------------------------------------------
 
     def adopt(self, value: Any, path: Path, adopted: dict[int, Any], holders: tuple[int, ...] = ()) -> Any:
@@ -508,7 +577,7 @@ class Overlay:
         """
         kind = type(value)
         if kind is dict or kind is list:
-            if self.shared is not None and id(value) in self.shared.container_ids:
+            if self.shared is not None and self.shared.is_shared(value):
                 return value
             if id(value) in holders:
                 raise NotNative(f"a back-link: {json_pointer(path)} refers back to a container that holds it")
@@ -609,13 +678,13 @@ class Overlay:
         targets = set(holders)
         seen: set[int] = set()
         stack = [owned]
-        shared = self.shared.container_ids if self.shared is not None else ()
+        shared = self.shared
         while stack:
             item = stack.pop()
             if id(item) in targets:
                 raise NotNative(f"a back-link: {json_pointer(path)} refers back to a container that holds it "
                                 f"({json_pointer(owned._path)})")
-            if id(item) in seen or id(item) in shared:
+            if id(item) in seen or (shared is not None and shared.is_shared(item)):
                 continue
             seen.add(id(item))
             children = dict.values(item) if isinstance(item, dict) else list.__iter__(item)

@@ -28,6 +28,7 @@ import logging
 import time
 import traceback
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 from envscaler.annotations import tool_annotations
@@ -41,12 +42,14 @@ from envscaler.models import (
     CheckContext,
     CheckItem,
     EnvSpec,
+    Scenario,
     StateChange,
     ToolErrorPolicy,
     ToolOutcome,
     ToolSchema,
     ValidationResult,
 )
+from envscaler.data_files import DataFiles, references
 from envscaler.overlay import MISSING, NotNative, Overlay, SharedState, plain, plain_graph, value_changes
 from envscaler.schema import schema_problems, validate
 from envscaler.strict import omit_nulls
@@ -74,6 +77,7 @@ class EnvRuntime:
         call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
         check_timeout_s: float = DEFAULT_CHECK_TIMEOUT_S,
         max_result_chars: int = DEFAULT_MAX_RESULT_CHARS,
+        bundle_dir: Path | None = None,
     ) -> None:
         self.spec = spec
         self.env_id = spec.env_id
@@ -97,8 +101,17 @@ class EnvRuntime:
         self._parameters = {name: _accepted_parameters(methods[name]) for name in self.tools}
         self._env_file = code_filename(spec.env_id)
         self._shared: OrderedDict[str, SharedState | NotNative] = OrderedDict()
+        self.data_files = DataFiles(bundle_dir, spec.env_id)
+        # The digests of the data files' containers, for every scenario's state hashes (SharedState).
+        self._data_digests: dict[int, bytes] = {}
         self._tracked_class = _tracked_subclass(self.env_class)
         self.env_globals = EnvGlobals(self.env_class, subclasses=(self._tracked_class,) if self._tracked_class else ())
+
+    def load_data(self, scenarios: list[Scenario]) -> None:
+        """Load the data files ``scenarios`` name and hash their content (``envscaler.data_files``): done before
+        any episode, so that neither counts against an episode's time limits. BundleError for a bad file."""
+        for content in self.data_files.load_all(scenarios):
+            state_hash({"content": content}, self._data_digests)
 
     def tool_list(self) -> list[ToolSchema]:
         """The callable tools, in the spec's order."""
@@ -113,9 +126,12 @@ class EnvRuntime:
         config = init_config or {}
         shared = self._shared.get(scenario_key) if scenario_key is not None else None
         if shared is None:
-            instance = self.instantiate(config)
+            where = f"scenario {scenario_key!r}" if scenario_key is not None else "the episode's init_config"
+            instance = self.instantiate(config, share_files=True, where=where)
             try:
-                shared = SharedState(vars(instance))
+                # With data files only: their digests' cache costs a lookup in Python for every container hashed.
+                data = (self.data_files.container_ids, self._data_digests) if self.data_files.container_ids else (None, None)
+                shared = SharedState(vars(instance), *data)
             except NotNative as e:
                 shared = e
             except TypeError:  # no __dict__ (__slots__)
@@ -125,7 +141,8 @@ class EnvRuntime:
                 if len(self._shared) > _SHARED_SCENARIOS:
                     self._shared.popitem(last=False)
             if isinstance(shared, NotNative):
-                return Episode(self, private=instance)
+                # Built on the data files' shared content, which a private instance would change: built again.
+                return Episode(self, private=instance if not references(config) else self.instantiate(config, where=where))
         elif scenario_key is not None:
             self._shared.move_to_end(scenario_key)
         if isinstance(shared, NotNative):
@@ -136,9 +153,22 @@ class EnvRuntime:
         """Whether the scenario's state is built and shared: a new episode of it then runs no environment code."""
         return isinstance(self._shared.get(scenario_key), SharedState)
 
-    def instantiate(self, init_config: dict[str, Any]) -> Any:
-        """EnvScaler's construction, under the call time limit. Raises EnvCodeError on failure."""
-        config = json.loads(to_json_text(init_config)[0])
+    def instantiate(self, init_config: dict[str, Any], *, share_files: bool = False, where: str = "the init_config") -> Any:
+        """EnvScaler's construction, under the call time limit. Raises EnvCodeError on failure, BundleError
+        when a data file it names cannot be loaded.
+
+        A data file reference (``envscaler.data_files``) stands for the file's content: a private copy of it,
+        or with ``share_files`` the file's shared content itself, which the constructor reads through a view
+        that copies what it touches (``Overlay.view``), so that it cannot change what other scenarios share.
+        """
+        files = self.data_files.resolved(init_config, where)
+        config = json.loads(to_json_text({k: v for k, v in init_config.items() if files[k] is v})[0])
+        view: Overlay | None = None
+        if files is not init_config:
+            config = {k: config[k] if k in config else files[k] if share_files else plain(files[k]) for k in init_config}
+            if share_files:
+                view = Overlay(None)
+                config = view.view(config)
         try:
             instance = call_with_limit(construct, self.call_timeout_s, self.env_class, config)
         except TimeLimitExceeded:
@@ -151,6 +181,9 @@ class EnvRuntime:
             changed = self.env_globals.restore_changed()
         if changed:
             raise EnvCodeError(f"{self.env_id}: the constructor {describe_change(changed)}")
+        if view is not None and hasattr(instance, "__dict__"):
+            attributes = vars(instance)
+            attributes.update({k: view.detach(v, self.data_files.container_ids) for k, v in attributes.items()})
         return instance
 
     def describe_exception(self, error: BaseException, *, where: bool = True) -> str:
@@ -371,6 +404,14 @@ class Episode:
         if self._overlay is None:
             return json.loads(self.initial_text)
         return {k: plain(v) for k, v in self._public_initial().items()}
+
+    def initial_by_reference(self) -> dict[str, Any]:
+        """The initial state as :meth:`initial_state` has it, but for the values that are a data file's content
+        as loaded (``envscaler.data_files``): those as the file's reference, which costs nothing to send."""
+        if self._overlay is None:
+            return self.initial_state()
+        files = self.runtime.data_files
+        return {k: files.reference(v) or plain(v) for k, v in self._public_initial().items()}
 
     def state_hash(self) -> str:
         """A digest equal for equal states, whatever their key order or history."""

@@ -18,7 +18,8 @@ from pydantic import BaseModel, Field, ValidationError
 from envscaler import Bundle, EnvRuntime, EnvScalerError
 from envscaler.bundle import describe_validation_error
 from envscaler.cgroups import GroupLimits
-from envscaler.errors import ChecklistError
+from envscaler.data_files import check_references
+from envscaler.errors import BundleError, ChecklistError
 from envscaler.wire import (
     EpisodeCreated,
     EpisodeEnded,
@@ -26,7 +27,6 @@ from envscaler.wire import (
     EpisodeReset,
     EpisodeLease,
     EpisodeStart,
-    EpisodeState,
     EpisodeValidation,
     Health,
     ScenarioListing,
@@ -37,6 +37,7 @@ from envscaler.wire import (
 )
 from servers.transport.asgi import json_bytes, parse_json, read_body, send_json
 from servers.transport.cors import CorsPolicy, request_origin
+from servers.episodes.calls import QUEUE_WAIT_S
 from servers.episodes.ids import REPLICA_ID_PATTERN
 from servers.episodes.store import EpisodeRegistry, EpisodeStore, LiveEpisode
 from servers.errors import (
@@ -46,11 +47,12 @@ from servers.errors import (
     LimitReached,
     NoTurnLeft,
     OutOfMemory,
+    Overloaded,
     UnknownEpisode,
     UnknownScenario,
 )
 from servers.protocols.mcp import ROUTING_HEADERS, McpEndpoint, parse_error, parse_message
-from servers.memory import memory_status
+from servers.memory import memory_status, release_free_memory
 from servers.protocols.openenv.config import OpenEnvConfig
 from servers.protocols.sse import SseSessions
 from servers.workers.store import WorkerEpisodeStore
@@ -63,6 +65,8 @@ M = TypeVar("M", bound=BaseModel)
 
 Scope = dict[str, Any]
 
+# A control answer larger than this (a state of big data) is followed by handing freed memory back to the system.
+LARGE_BODY_BYTES = 16 * 1024 * 1024
 _EPISODE_ACTIONS = ("state", "trajectory", "reset", "validate", "lease", "turn")
 """What ``/episodes/{id}/ACTION`` may name on the control API."""
 
@@ -89,6 +93,8 @@ class ServerConfig(BaseModel):
     check_timeout_s: float = Field(default=5.0, gt=0)
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
     worker_threads: int = Field(default=32, ge=1)
+    # How long a call may wait for one of those threads before it is refused (it never runs).
+    queue_wait_s: float = Field(default=QUEUE_WAIT_S, gt=0)
     inline_budget_s: float = Field(default=0.02, ge=0)
     allowed_origins: list[str] = Field(default_factory=list)
     memory_reserve_mb: float = Field(default=32.0, ge=0)
@@ -109,6 +115,15 @@ class ServerConfig(BaseModel):
     worker_cpus: float = Field(default=1.0, gt=0, le=100)
 
 
+class RawJson:
+    """A reply's JSON text, made without the model it is the JSON of (see ``GET /episodes/{id}/state``)."""
+
+    __slots__ = ("body",)
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+
+
 def _episode_store(bundle: Bundle, config: ServerConfig) -> EpisodeRegistry:
     """Where the environment's code runs: a worker process (``worker_process``), or this one."""
     limits: dict[str, Any] = dict(max_episodes=config.max_episodes, idle_ttl_s=config.idle_ttl_s, memory_reserve_mb=config.memory_reserve_mb,
@@ -116,12 +131,14 @@ def _episode_store(bundle: Bundle, config: ServerConfig) -> EpisodeRegistry:
     if config.worker_process:
         settings = WorkerSettings(bundle=bundle, call_timeout_s=config.call_timeout_s, check_timeout_s=config.check_timeout_s,
                                   max_result_chars=config.max_result_chars, worker_threads=config.worker_threads,
-                                  inline_budget_s=config.inline_budget_s, memory_reserve_mb=config.memory_reserve_mb)
+                                  queue_wait_s=config.queue_wait_s, inline_budget_s=config.inline_budget_s,
+                                  memory_reserve_mb=config.memory_reserve_mb)
         group = GroupLimits(memory_mb=config.worker_memory_mb, pids=config.worker_tasks, cpu_weight=round(config.worker_cpus * 100))
         return WorkerEpisodeStore(bundle, settings, sandbox=config.worker_sandbox, group=group, **limits)
     runtime = EnvRuntime(bundle.spec, call_timeout_s=config.call_timeout_s, check_timeout_s=config.check_timeout_s,
-                         max_result_chars=config.max_result_chars)
-    return EpisodeStore(bundle, runtime, worker_threads=config.worker_threads, inline_budget_s=config.inline_budget_s, **limits)
+                         max_result_chars=config.max_result_chars, bundle_dir=bundle.directory)
+    return EpisodeStore(bundle, runtime, worker_threads=config.worker_threads, queue_wait_s=config.queue_wait_s,
+                        inline_budget_s=config.inline_budget_s, **limits)
 
 
 class EnvServerApp:
@@ -199,7 +216,7 @@ class EnvServerApp:
             # Not a control route: no token could help (a strict client would read 401 as "OAuth here").
             raise ErrorReply(404, f"no route {method} {path}")
         self._authorize(scope)
-        result: BaseModel | dict[str, Any]
+        result: BaseModel | dict[str, Any] | RawJson
         if parts == ["info"] and method == "GET":
             result, status = await self._info(), 200
         elif parts == ["scenarios"] and method == "GET":
@@ -214,16 +231,23 @@ class EnvServerApp:
             result, status = await self._episode_route(parts, method, receive), 200
         else:
             raise ErrorReply(404, f"no route {method} {path}")
-        await send_json(send, status, json_bytes(result))
+        body = result.body if isinstance(result, RawJson) else json_bytes(result)
+        del result
+        await send_json(send, status, body)
+        if len(body) > LARGE_BODY_BYTES:
+            del body
+            release_free_memory()  # a state read of big data parsed it here: its pages go back, not only to the heap
 
-    async def _episode_route(self, parts: list[str], method: str, receive: Any) -> BaseModel:
+    async def _episode_route(self, parts: list[str], method: str, receive: Any) -> BaseModel | RawJson:
         action = parts[2] if len(parts) == 3 else None
         live = self._live(parts[1])
         if action is None and method == "DELETE":
             self.store.end(live.episode_id)
             return EpisodeEnded(episode_id=live.episode_id, calls=len(live.calls), **live.counts())
         if action == "state" and method == "GET":
-            return EpisodeState(episode_id=live.episode_id, state=await self._guard(self.store.state(live)))
+            # EpisodeState's JSON, with the state's text as the store gives it (a state of big data is never parsed here).
+            state = await self._guard(self.store.state_json(live))
+            return RawJson(b'{"episode_id":%s,"state":%s}' % (json_bytes(live.episode_id), state))
         if action == "trajectory" and method == "GET":
             return live.trajectory()
         if action == "reset" and method == "POST":
@@ -288,12 +312,16 @@ class EnvServerApp:
         except EpisodeLost as e:
             raise ErrorReply(410, str(e)) from None
 
-    @staticmethod
-    def _check_episode_start(request: EpisodeStart) -> None:
+    def _check_episode_start(self, request: EpisodeStart) -> None:
         if request.scenario_id is None and request.init_config is None:
             raise ErrorReply(422, "give either scenario_id or init_config")
         if request.scenario_id is not None and request.init_config is not None:
             raise ErrorReply(422, "give scenario_id or init_config, not both")
+        if request.init_config is not None:
+            try:
+                check_references(self.bundle.directory, request.init_config, f"{self.bundle.env_id}: the request's init_config")
+            except BundleError as e:
+                raise ErrorReply(422, str(e)) from None
 
     async def _checking(self, checks: Awaitable[T]) -> T:
         """Await a store action that runs checks, turning the checks' and the episode's troubles into HTTP statuses."""
@@ -305,6 +333,10 @@ class EnvServerApp:
             raise ErrorReply(504, f"the checks outlived their limit of {self.config.check_timeout_s:g} s each and were abandoned") from None
         except EpisodeLost as e:
             raise ErrorReply(410, str(e)) from None
+        except OutOfMemory as e:
+            raise ErrorReply(507, str(e)) from None
+        except Overloaded as e:
+            raise ErrorReply(503, f"{self.bundle.env_id}: {e}") from None
         except EnvScalerError as e:
             raise ErrorReply(500, f"environment error: {e}") from None
 
@@ -320,6 +352,8 @@ class EnvServerApp:
             raise ErrorReply(507, str(e)) from None
         except EpisodeLost as e:
             raise ErrorReply(410, str(e)) from None
+        except Overloaded as e:
+            raise ErrorReply(503, f"{self.bundle.env_id}: {e}") from None
         except EnvScalerError as e:
             raise ErrorReply(500, f"environment error: {e}") from None
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from envscaler.loader import precheck_class
 from envscaler.requirements import require_installed
 from envscaler.sandbox import no_new_privileges, sandbox_problem, warn_unprotected
 from servers.app import ServerConfig
+from servers.episodes.calls import QUEUE_WAIT_S
 from servers.episodes.ids import new_replica_id
 from servers.protocols.openenv.config import OpenEnvConfig
 
@@ -35,6 +37,7 @@ _FLAGS = {
     "check_timeout_s": "--check-timeout",
     "max_body_bytes": "--max-body",
     "worker_threads": "--workers",
+    "queue_wait_s": "--queue-wait",
     "inline_budget_s": "--inline-budget",
     "allowed_origins": "--allowed-origin",
     "memory_reserve_mb": "--memory-reserve",
@@ -67,6 +70,8 @@ def _serve(args: argparse.Namespace) -> int:
     require_installed(spec.env_id, spec.requires)
     if config.openenv is not None:
         openenv_listener()  # the extra is missing: said here, not by a sandboxed child's traceback
+    listening = inherited_listener(args.listen_fd, "--listen-fd")
+    openenv_listening = inherited_listener(args.openenv_listen_fd, "--openenv-listen-fd")
     logs.configure(args.log_level)
     problem = sandbox_problem() if args.sandbox else "--no-sandbox"
     if config.worker_process:
@@ -74,14 +79,29 @@ def _serve(args: argparse.Namespace) -> int:
         if problem is not None:
             warn_unprotected(problem)
         serve(env_dir, args.host, args.port, config.model_copy(update={"worker_sandbox": problem is None}),
-              announce_token=generated, heartbeat=args.stop_when_stale)
+              announce_token=generated, heartbeat=args.stop_when_stale, listening=listening, openenv_listening=openenv_listening)
         return 0
     if problem is None:
         serve_in_sandbox(env_dir, args.host, args.port, config, announce_token=generated, heartbeat=args.stop_when_stale,
-                         log_level=args.log_level)
+                         log_level=args.log_level, listening=listening, openenv_listening=openenv_listening)
     warn_unprotected(problem)
-    serve(env_dir, args.host, args.port, config, announce_token=generated, heartbeat=args.stop_when_stale)
+    serve(env_dir, args.host, args.port, config, announce_token=generated, heartbeat=args.stop_when_stale, listening=listening,
+          openenv_listening=openenv_listening)
     return 0
+
+
+def inherited_listener(fd: int | None, flag: str) -> socket.socket | None:
+    """The listening TCP socket inherited at ``fd`` (``flag`` names it in the error), or None without one."""
+    if fd is None:
+        return None
+    try:
+        sock = socket.socket(fileno=fd)
+        listening = sock.type == socket.SOCK_STREAM and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+    except OSError:
+        listening = False
+    if not listening:
+        raise EnvScalerError(f"serve: {flag} {fd}: not a listening TCP socket (pass one this process inherits, or use --port)")
+    return sock
 
 
 def _read_token_file(path: str | None) -> str | None:
@@ -107,6 +127,7 @@ def _config(args: argparse.Namespace, token: str) -> ServerConfig:
         check_timeout_s=args.check_timeout,
         max_body_bytes=args.max_body,
         worker_threads=args.workers,
+        queue_wait_s=args.queue_wait,
         inline_budget_s=args.inline_budget,
         allowed_origins=args.allowed_origin or [],
         memory_reserve_mb=args.memory_reserve,
@@ -158,6 +179,10 @@ def register_serve(commands: Any) -> None:
                         help="characters of results and arguments one episode's trajectory keeps; past it, results are "
                              "kept cut (marked truncated) (default: 16000000)")
     parser.add_argument("--workers", type=int, default=32, help="threads at most for tool calls that block or run long (default: 32)")
+    parser.add_argument("--queue-wait", type=float, default=QUEUE_WAIT_S, metavar="SECONDS",
+                        help="seconds a call may wait for one of those threads (all busy with slow calls) before it is "
+                        "refused, never run: a tool call gets an error result that says so, a control request 503 "
+                        f"(default: {QUEUE_WAIT_S:g}); a call's time limit runs from when it starts, not while it waits")
     parser.add_argument(
         "--inline-budget",
         type=float,
@@ -201,6 +226,11 @@ def register_serve(commands: Any) -> None:
                         "the code shares a process with the token. By default it runs in a worker process (sandboxed "
                         "where bwrap works) that the server kills and replaces when it must, rebuilding its episodes "
                         "there from their calls, and the checks run in another one that environment code never reaches")
+    parser.add_argument("--listen-fd", type=int, metavar="FD",
+                        help="serve the listening TCP socket inherited at descriptor FD instead of binding --port (a "
+                        "supervisor that holds the port across restarts, as the farm does)")
+    parser.add_argument("--openenv-listen-fd", type=int, metavar="FD",
+                        help="with --openenv-port: serve OpenEnv on the listening socket inherited at FD instead of binding it")
     parser.add_argument("--stop-when-stale", metavar="FILE",
                         help="stop once FILE has not been touched for 15 s (a farm's heartbeat: no server outlives its daemon)")
     parser.add_argument("--no-sandbox", dest="sandbox", action="store_false",

@@ -9,10 +9,12 @@ Part of the tree drawn in ``envscaler.errors``; the exit code applies when one r
     ├── UnknownScenario         -   the environment has no scenario with this id (HTTP 404)
     ├── OutOfMemory             -   no memory is left for another episode (HTTP 507)
     ├── CallAbandoned           -   a call on a worker thread outlived its deadline and was left behind
+    ├── Overloaded              -   a call waited too long for a thread and was not run (HTTP 503; a tool call: an error result)
     ├── EpisodeLost             -   the episode's state went with its worker process and could not be rebuilt (HTTP 410)
     ├── NoTurnLeft              -   the episode has no scripted user turn to end (HTTP 409)
     ├── OpenEnvSessionError     -   an OpenEnv reset or step that cannot be done (sent back to the session)
     ├── CannotListen            2   a port to serve on is taken or cannot be bound
+    │   └── PortTaken           2   another program holds it
     └── FarmError               2   the farm cannot do what was asked: bad input, no engine, unreadable farm files
 
 The server-side errors never end a command: the application turns them into HTTP statuses.
@@ -52,6 +54,10 @@ class CallAbandoned(EnvScalerError):
     """The call did not finish by its deadline; its thread was left behind."""
 
 
+class Overloaded(EnvScalerError):
+    """The call waited too long for a thread to run it and was refused: it never ran, so it can be made again."""
+
+
 class EpisodeLost(EnvScalerError):
     """The episode's state is gone: the worker process that held it was killed or died, and replaying
     the episode's calls in a new one could not bring it back."""
@@ -63,6 +69,10 @@ class NoTurnLeft(EnvScalerError):
 
 class CannotListen(EnvScalerError):
     """A port to serve on is taken or cannot be bound (``serve --port``, ``farm up --gateway-port``)."""
+
+
+class PortTaken(CannotListen):
+    """The port to serve on is held by another program (EADDRINUSE)."""
 
 
 class FarmError(EnvScalerError):

@@ -28,7 +28,7 @@ from envscaler.guard import keep_alarm_handler, protect_time_limits
 from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment, sandboxed
 from servers.app import EnvServerApp, ServerConfig
 from servers.episodes.calls import share_the_interpreter
-from servers.errors import CannotListen
+from servers.errors import CannotListen, PortTaken
 from servers.memory import release_free_memory
 from servers.transport.event_loop import loop_factory
 from servers.transport.http_server import HttpServer
@@ -49,8 +49,10 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        advice = "another program holds it: pick another port, or 0 for a free one" if e.errno == errno.EADDRINUSE else "check the address"
-        raise CannotListen(f"cannot listen on {host}:{port}: {e.strerror or e} ({advice})") from None
+        if e.errno == errno.EADDRINUSE:
+            raise PortTaken(f"cannot listen on {host}:{port}: {e.strerror or e} (another program holds it: pick another port, "
+                            "or 0 for a free one)") from None
+        raise CannotListen(f"cannot listen on {host}:{port}: {e.strerror or e} (check the address)") from None
     sock.listen(1024)
     sock.set_inheritable(True)
     return sock
@@ -74,18 +76,22 @@ _SANDBOX_PASSES = (READY_FD_VARIABLE, FARM_ID_VARIABLE, "MALLOC_ARENA_MAX")
 
 def serve_in_sandbox(
     bundle_dir: str, host: str, port: int, config: ServerConfig, *, announce_token: bool,
-    heartbeat: str | None = None, log_level: str = "info",
+    heartbeat: str | None = None, log_level: str = "info", listening: socket.socket | None = None,
+    openenv_listening: socket.socket | None = None,
 ) -> None:
     """Bind here, then become ``serve`` inside a bubblewrap sandbox (see the module's doc); never returns.
 
     Check ``envscaler.sandbox.sandbox_problem()`` first. bwrap forwards no signal, so it is made to
     ignore SIGTERM and SIGINT and the server stays in this process group: SIGTERM or Ctrl-C to the
     group (what a terminal, systemd and the farm send) stops the server gracefully, and bwrap exits
-    with its status. SIGKILL to bwrap kills the server with it.
+    with its status. SIGKILL to bwrap kills the server with it. ``listening`` (and ``openenv_listening``):
+    sockets already listening, passed on instead of binding ``port``.
     """
     load_bundle(bundle_dir)  # a bad bundle is reported here, in the user's terms, not from inside
-    sock = bind(host, port)
-    openenv_sock = bind(host, config.openenv.openenv_port) if config.openenv is not None else None
+    sock = listening if listening is not None else bind(host, port)
+    openenv_sock = openenv_listening
+    if openenv_sock is None and config.openenv is not None:
+        openenv_sock = bind(host, config.openenv.openenv_port)
     settings = SandboxedServe(
         bundle_dir=str(Path(bundle_dir).resolve()), host=host, config=config, announce_token=announce_token,
         heartbeat=str(Path(heartbeat).resolve()) if heartbeat else None, log_level=log_level, listen_fd=sock.fileno(),

@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 from servers.episodes.calls import CallRunner
-from servers.errors import CallAbandoned
+from servers.errors import CallAbandoned, Overloaded
 
 pytestmark = pytest.mark.anyio
 
@@ -60,20 +60,38 @@ async def test_a_stuck_call_is_abandoned_at_its_limit():
 
 
 async def test_stuck_threads_are_bounded_and_calls_resume_when_they_end():
-    runner = CallRunner("test", handover_after_s=0.02, max_threads=2)
+    runner = CallRunner("test", handover_after_s=0.02, max_threads=2, wait_s=0.2)
 
     async def stuck() -> None:
         with pytest.raises(CallAbandoned):
             await runner.run(lambda: time.sleep(1.0), 0.3)
 
+    ran = []
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(stuck)
         tasks.start_soon(stuck)
         await anyio.sleep(0.1)
         assert runner.threads == 2 and runner.exhausted
-        with pytest.raises(CallAbandoned):
-            await runner.run(lambda: "no thread left for me", 0.2)
-    assert runner.threads <= 2
+        # No thread takes it within the wait: refused, and never run, though a thread comes free later.
+        with pytest.raises(Overloaded):
+            await runner.run(lambda: ran.append("no thread left for me"), 0.2)
+    assert runner.threads <= 2 and runner.refused == 1
     await anyio.sleep(1.0)
     assert not runner.exhausted
     assert await runner.run(lambda: "served again", 1) == "served again"
+    assert ran == []
+
+
+async def test_a_call_limit_runs_from_its_start_not_while_it_waits_for_a_thread():
+    runner = CallRunner("test", max_threads=1)
+    results = []
+
+    async def slow(number: int) -> None:
+        results.append(await runner.run(lambda: time.sleep(0.15) or number, 0.3))
+
+    # One thread: the last calls wait twice their limit before they start, and each runs within it.
+    async with anyio.create_task_group() as tasks:
+        for number in range(5):
+            tasks.start_soon(slow, number)
+    assert sorted(results) == list(range(5))
+    assert runner.abandoned == 0 and runner.refused == 0

@@ -10,9 +10,13 @@ hand-over serves many calls.
 
 A call that runs longer than ``handover_after_s`` retires its worker (it finishes that call, reports
 it, and exits) and a fresh worker takes the queue, so a slow or stuck call only holds up its own
-caller. A call still running at its deadline is abandoned: its caller gets :class:`CallAbandoned`
-at once. The thread cannot be killed; it stays retired until the call returns, if ever, and at most
-``max_threads`` threads exist, so a flood of stuck calls cannot exhaust the process.
+caller. A call's limit runs from when a thread starts it, never from when it was queued: a call that
+waited behind others (every thread busy with slow but legitimate calls, a machine short of CPU) gets
+its whole limit. A call still running at its deadline is abandoned: its caller gets
+:class:`CallAbandoned` at once. The thread cannot be killed; it stays retired until the call returns,
+if ever, and at most ``max_threads`` threads exist, so a flood of stuck calls cannot exhaust the
+process. A call that waits longer than ``wait_s`` for a thread is refused with :class:`Overloaded`,
+and never runs: nothing of it happened, so it can be asked again.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from envscaler.guard import block_alarm_in_this_thread
-from servers.errors import CallAbandoned
+from servers.errors import CallAbandoned, Overloaded
 
 T = TypeVar("T")
 
@@ -35,12 +39,15 @@ log = logging.getLogger("envscaler.server")
 
 
 class _Job(Generic[T]):
-    __slots__ = ("fn", "future", "deadline", "abandoned")
+    __slots__ = ("fn", "future", "limit_s", "queued", "started", "abandoned")
 
-    def __init__(self, fn: Callable[[], T], future: asyncio.Future[T], deadline: float) -> None:
+    def __init__(self, fn: Callable[[], T], future: asyncio.Future[T], limit_s: float, queued: float) -> None:
         self.fn = fn
         self.future = future
-        self.deadline = deadline
+        self.limit_s = limit_s
+        self.queued = queued
+        # When a thread took it (``CallRunner._claims`` held): from then on its limit runs.
+        self.started: float | None = None
         self.abandoned = False
 
 
@@ -53,6 +60,9 @@ class _Worker:
         self.started = 0.0
         self.retired = False
 
+
+QUEUE_WAIT_S = 30.0
+"""How long a call may wait for a call thread before it is refused (``serve --queue-wait``)."""
 
 SWITCH_INTERVAL_S = 0.0005
 """How often a thread that runs Python code gives the others their turn, in a process that runs
@@ -68,12 +78,17 @@ def share_the_interpreter() -> None:
 class CallRunner:
     """Runs blocking callables for the one event loop that awaits them (bound on first use)."""
 
-    def __init__(self, name: str, *, handover_after_s: float = 0.05, max_threads: int = 32, tick_s: float = 0.02) -> None:
+    def __init__(self, name: str, *, handover_after_s: float = 0.05, max_threads: int = 32, tick_s: float = 0.02,
+                 wait_s: float = QUEUE_WAIT_S) -> None:
         self.name = name
         self.handover_after_s = handover_after_s
         self.max_threads = max_threads
         self.tick_s = tick_s
+        self.wait_s = wait_s
         self.abandoned = 0
+        self.refused = 0
+        # Held while a thread takes a job and while the loop refuses one: a job is either run or refused, never both.
+        self._claims = threading.Lock()
         # Why the last call thread could not be started, until one is.
         self.start_error: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -108,11 +123,12 @@ class CallRunner:
         return self._active is None and (len(self._workers) >= self.max_threads or self.start_error is not None)
 
     async def run(self, fn: Callable[[], T], limit_s: float) -> T:
-        """``fn()`` on a worker thread. Raises what it raises, or CallAbandoned after ``limit_s``."""
+        """``fn()`` on a worker thread. Raises what it raises, CallAbandoned once it has run for ``limit_s``,
+        or Overloaded (it never ran) when no thread took it within ``wait_s``."""
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
-        job: _Job[T] = _Job(fn, loop.create_future(), time.monotonic() + limit_s)
+        job: _Job[T] = _Job(fn, loop.create_future(), limit_s, time.monotonic())
         self._pending.add(job)
         if self._active is None:
             self._start_worker()
@@ -158,10 +174,17 @@ class CallRunner:
 
     def _supervise(self) -> None:
         now = time.monotonic()
-        for job in [j for j in self._pending if j.deadline <= now and not j.future.done()]:
-            job.abandoned = True
-            self.abandoned += 1
-            job.future.set_exception(CallAbandoned())
+        for job in list(self._pending):
+            if job.future.done():
+                continue
+            started = job.started
+            if started is not None:
+                if now - started > job.limit_s:
+                    job.abandoned = True
+                    self.abandoned += 1
+                    job.future.set_exception(CallAbandoned())
+            elif now - job.queued > self.wait_s:
+                self._refuse(job, now)
         active = self._active
         if active is None or (active.job is not None and now - active.started > self.handover_after_s):
             if active is not None:
@@ -171,6 +194,18 @@ class CallRunner:
             self._loop.call_later(self.tick_s, self._supervise)  # type: ignore[union-attr]
         else:
             self._ticking = False
+
+    def _refuse(self, job: _Job[Any], now: float) -> None:
+        """Refuse ``job``, which has waited too long for a thread, unless a thread is taking it right now."""
+        with self._claims:
+            if job.started is not None:
+                return
+            job.abandoned = True
+        self.refused += 1
+        log.warning("a call waited too long for a call thread and was refused", extra={"runner": self.name, "waited_s": round(now - job.queued, 1)})
+        job.future.set_exception(Overloaded(
+            f"overloaded: the call waited {now - job.queued:.0f} s for one of {self.max_threads} call threads, all busy, and was "
+            "not run; nothing of it happened, so it can be made again once the environment is less busy"))
 
     def _settle(self, done: list[tuple[_Job[Any], bool, Any]]) -> None:
         for job, ok, value in done:
@@ -208,9 +243,10 @@ class CallRunner:
                     # Retired while idle (a hand-over raced with the end of a call): the active worker takes it.
                     self._queue.put(job)
                     break
-            if job.abandoned:
-                continue
-            worker.started = time.monotonic()  # before job: the supervisor reads job, then started
+            with self._claims:
+                if job.abandoned:
+                    continue
+                job.started = worker.started = time.monotonic()  # before job: the supervisor reads job, then started
             worker.job = job
             try:
                 done.append((job, True, job.fn()))

@@ -35,9 +35,18 @@ from envscaler.models import CheckContext, CheckItem, CheckResult, ToolAnnotatio
 from envscaler.turns import of_turn, unreached, validation
 from envscaler.wire import MemoryStatus, Trajectory, TurnEnded, WorkerResources
 from servers.transport.asgi import find_bad_number, json_bytes
-from servers.episodes.calls import CallRunner
+from servers.episodes.calls import QUEUE_WAIT_S, CallRunner
 from servers.episodes.ids import new_episode_id, replica_of
-from servers.errors import CallAbandoned, EpisodeLost, LimitReached, NoTurnLeft, OutOfMemory, UnknownEpisode, UnknownScenario
+from servers.errors import (
+    CallAbandoned,
+    EpisodeLost,
+    LimitReached,
+    NoTurnLeft,
+    OutOfMemory,
+    Overloaded,
+    UnknownEpisode,
+    UnknownScenario,
+)
 from servers.memory import memory_status
 
 log = logging.getLogger("envscaler.server")
@@ -233,6 +242,10 @@ class EpisodeRegistry:
         """The episode's state as JSON-able data."""
         raise NotImplementedError
 
+    async def state_json(self, live: LiveEpisode) -> bytes:
+        """The episode's state as the JSON text of an object (what ``GET /episodes/{id}/state`` sends)."""
+        return json_bytes(await self.state(live))
+
     async def _construct(self, episode_id: str, scenario: Scenario | None, init_config: dict[str, Any] | None) -> Episode | None:
         """Build the state of episode ``episode_id``: the Episode when it lives here, else None."""
         raise NotImplementedError
@@ -364,7 +377,13 @@ class EpisodeRegistry:
             elif live.lost is not None:  # recorded: the agent was answered
                 outcome = ToolOutcome.failure(name, arguments, "env", f"This episode is lost ({live.lost}). It must be reset or ended.")
             else:
-                outcome = await self._run_call(live, name, arguments)
+                try:
+                    outcome = await self._run_call(live, name, arguments)
+                except Overloaded as e:
+                    if not self.records:
+                        raise  # a worker process: the server in front of it answers the agent
+                    # Nothing ran: the agent is told so, and a rebuild of the episode has nothing of it to replay.
+                    outcome = ToolOutcome.failure(name, arguments, "env", f"{self.env_id}: {e}")
             if trace is not None:
                 outcome.traceparent, outcome.tracestate = trace
             self._called(live, name, outcome)
@@ -457,10 +476,11 @@ class EpisodeRegistry:
 class EpisodeStore(EpisodeRegistry):
     """Episodes whose environment code runs in this process, inline or on call threads."""
 
-    def __init__(self, bundle: Bundle, runtime: EnvRuntime, *, worker_threads: int, inline_budget_s: float, **limits: Any) -> None:
+    def __init__(self, bundle: Bundle, runtime: EnvRuntime, *, worker_threads: int, inline_budget_s: float,
+                 queue_wait_s: float = QUEUE_WAIT_S, **limits: Any) -> None:
         super().__init__(bundle, **limits)
         self.runtime = runtime
-        self.runner = CallRunner(f"env-{runtime.env_id}", max_threads=worker_threads)
+        self.runner = CallRunner(f"env-{runtime.env_id}", max_threads=worker_threads, wait_s=queue_wait_s)
         self.inline_budget_s = inline_budget_s
         # Tools that outran the inline budget: they go to a call thread directly until then (time.monotonic()).
         self._threaded_until: dict[str, float] = {}

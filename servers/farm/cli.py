@@ -309,7 +309,7 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
                     "the catalog gives each environment's openenv_url")
     up.add_argument("--probe-period", type=float, metavar="SECONDS",
                     help="each server is asked for /healthz once per this many seconds, the farm's probes spread over it; "
-                         "one that misses 3 in a row is hung and is restarted (default: 10, or environments/50 when more)")
+                         "one that misses 3 in a row is hung and is restarted (default: 10, or environments/20 when more)")
     up.add_argument("--no-sandbox", dest="sandbox", action="store_false",
                     help="process backend: run environment code without the bubblewrap sandbox (by default each server's "
                     "environment and check workers run in one where bwrap works: no network, nothing of your files but "

@@ -189,10 +189,10 @@ async def run_daemon(paths: FarmPaths) -> None:
 
 def _gateway_bounds(plan: FarmPlan) -> Bounds:
     """What the farm's clients may hold of the gateway. Its connections: half the descriptors the
-    daemon has left once it holds two per server (a pidfd, a start-up pipe) and its reserve, the other
-    half for the connections it opens to the servers on their behalf. Bodies being read: four of the
-    largest it forwards."""
-    return Bounds(max_connections=max(16, (descriptor_room() - 2 * len(plan.envs)) // 2),
+    daemon has left once it holds four per server (a pidfd, a start-up pipe, its listening sockets) and
+    its reserve, the other half for the connections it opens to the servers on their behalf. Bodies
+    being read: four of the largest it forwards."""
+    return Bounds(max_connections=max(16, (descriptor_room() - 4 * len(plan.envs)) // 2),
                   max_connections_per_client=plan.connections_per_client, max_buffered_bytes=4 * MAX_BODY)
 
 

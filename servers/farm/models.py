@@ -49,7 +49,7 @@ class Probes(BaseModel):
     """How the daemon looks for servers that are alive but hung (``servers.farm.health``)."""
 
     # Each server is asked for /healthz once per period, the farm's probes spread evenly over it;
-    # None: 10 s, longer for farms so big that the daemon would send more than 50 probes a second.
+    # None: 10 s, longer for farms so big that the daemon would send more than 20 probes a second.
     period_s: float | None = Field(default=None, gt=0)
     timeout_s: float = Field(default=2.0, gt=0)
     # Missed probes in a row after which the server is killed and restarted.

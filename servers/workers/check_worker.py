@@ -3,7 +3,8 @@
 It runs an environment's checks where the environment's code never runs: that code can patch, in
 its own process, anything a checker there would use, and so decide its own reward. The checks get
 the states as data: the server asks the environment worker for what an episode changed, and sends
-it here with the checklist; this process keeps each scenario's initial state (by its hash, sent once).
+it here with the checklist; this process keeps each scenario's initial state (by its hash, sent once), and
+loads the data files they name once, for all of them (``envscaler.data_files``).
 
 Check code is untrusted too, and can patch its own process as well (``builtins.bool``, the checker's
 functions), so this process is a zygote that never runs it: each request's checks run in a child
@@ -33,7 +34,8 @@ from collections import OrderedDict
 from typing import Any
 
 from envscaler.checks import check_states
-from envscaler.errors import ChecklistError
+from envscaler.data_files import DataFiles
+from envscaler.errors import BundleError, ChecklistError
 from envscaler.guard import keep_alarm_handler, protect_time_limits
 from envscaler.models import CheckItem, StateChange
 from envscaler.sandbox import die_with_parent
@@ -139,6 +141,8 @@ class Checker:
         self.sock = sock
         self.mark = RunningMarks(settings.mark_fd) if settings.mark_fd is not None else None
         self.initials: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        # The data files the initial states name, loaded once and shared by all of them.
+        self.files = DataFiles(settings.bundle_dir, "the check worker", list_containers=False)
         # Built once here; each child only loads it.
         self.policy = seccomp_policy() if settings.child_seccomp else None
         self.ready: list[_Child] = []  # oldest first
@@ -163,10 +167,16 @@ class Checker:
         """(status, payload) of the answer to ``request`` (``payload``, as read): each check's verdict on its
         states, CheckResults with ``missing_initial`` when its initial state is not held, or a WorkerFailure."""
         initial = request.initial
-        kept = False
+        kept = from_files = False
         if request.initial_key is not None:
             if initial is not None:
                 kept = True
+                try:
+                    resolved = self.files.resolved(initial, "the initial state")
+                except BundleError as e:
+                    raise ChecklistError(str(e)) from None
+                # A ready child, forked before the file was loaded here, would load it again: one is forked with it.
+                from_files, initial = resolved is not initial, resolved
                 self.initials[request.initial_key] = initial
                 if len(self.initials) > KEPT_INITIALS:
                     self.initials.popitem(last=False)
@@ -180,17 +190,18 @@ class Checker:
         if self.mark is not None:
             self.mark.set(0, request.handle)
         try:
-            child = self._child_for(request, initial, payload, kept)
+            child = self._child_for(request, initial, payload, kept, handable=not from_files)
             return self._answer(child, checks_limit_s(request.checklist, self.settings.check_timeout_s))
         finally:
             if self.mark is not None:
                 self.mark.clear(0)
 
-    def _child_for(self, request: CheckRequest, initial: dict[str, Any], payload: bytes, kept: bool) -> _Child:
-        """The oldest ready child, handed ``payload``; else (a large request, or ready children that ended while
-        they waited) a child forked now with the request in memory. ``kept``: the request's initial state
-        was just kept here, so the ready children lack it."""
-        small = len(payload) <= INHERITED_REQUEST_BYTES
+    def _child_for(self, request: CheckRequest, initial: dict[str, Any], payload: bytes, kept: bool, handable: bool = True) -> _Child:
+        """The oldest ready child, handed ``payload``; else (a large request, one whose initial state only this
+        process has read whole (``handable`` False), or ready children that ended while they waited) a child
+        forked now with the request in memory. ``kept``: the request's initial state was just kept here, so the
+        ready children lack it."""
+        small = handable and len(payload) <= INHERITED_REQUEST_BYTES
         if kept:
             # Only a child handed the initial state in the payload can use it.
             for child in self.ready[1 if small else 0:]:
@@ -374,6 +385,12 @@ def run_checker(sock: socket.socket) -> None:
     protect_time_limits()
     keep_alarm_handler()
     checker = Checker(settings, sock)
+    try:
+        for name in settings.data_files:
+            checker.files.load(name, "a scenario's init_config")
+    except BundleError as e:
+        sock.sendall(frame(HELLO_ID, WorkerFailure(error="BundleError", message=str(e)), FAILED))
+        raise SystemExit(1) from None
     sock.sendall(frame(HELLO_ID, {}))
     while True:
         checker.prepare()

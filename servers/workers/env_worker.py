@@ -27,12 +27,12 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from envscaler import EnvCodeError, EnvRuntime, ToolOutcome
-from envscaler.errors import ChecklistError
+from envscaler.errors import BundleError, ChecklistError
 from envscaler.guard import guard_thread_ids, keep_alarm_handler, protect_time_limits
 from servers.episodes.calls import share_the_interpreter
 from servers.episodes.store import EpisodeStore, LiveEpisode
 from servers.transport.event_loop import loop_factory
-from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, UnknownEpisode, UnknownScenario
+from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, Overloaded, UnknownEpisode, UnknownScenario
 from servers.memory import memory_status
 from servers.workers.process import child_main
 from servers.workers.wire import (
@@ -61,7 +61,8 @@ T = TypeVar("T")
 THREAD_CHECK_S = 0.5
 """How often the worker looks for threads that environment code left running."""
 
-_FAILURES = (EnvCodeError, UnknownScenario, UnknownEpisode, OutOfMemory, ChecklistError, CallAbandoned, EpisodeLost)
+_FAILURES = (EnvCodeError, UnknownScenario, UnknownEpisode, OutOfMemory, ChecklistError, CallAbandoned, EpisodeLost, BundleError,
+             Overloaded)
 
 
 class WorkerLink(asyncio.Protocol):
@@ -150,10 +151,10 @@ class WorkerLink(asyncio.Protocol):
             return {}
         if request.op == "final":
             return await self.final(store.get(request.handle))
-        if request.op == "initial":
+        if request.op == "initial":  # for the check worker, which loads the data files itself
             live = store.get(request.handle)
             assert live.episode is not None
-            return live.episode.initial_state()
+            return live.episode.initial_by_reference()
         if request.op == "state":
             return await store.state(store.get(request.handle))
         if request.op == "end":
@@ -278,7 +279,8 @@ def run_worker(sock: socket.socket) -> None:
     bundle = settings.bundle
     try:
         runtime = EnvRuntime(bundle.spec, call_timeout_s=settings.call_timeout_s, check_timeout_s=settings.check_timeout_s,
-                             max_result_chars=settings.max_result_chars)
+                             max_result_chars=settings.max_result_chars, bundle_dir=bundle.directory)
+        runtime.load_data(bundle.scenarios)
     except Exception as e:  # noqa: BLE001 - loading is environment code: report it to the server, then stop
         # The loader's own errors name the environment already; anything else it raised does not.
         message = str(e) if isinstance(e, EnvCodeError) else f"{bundle.env_id}: {e}"
@@ -286,7 +288,7 @@ def run_worker(sock: socket.socket) -> None:
         raise SystemExit(1) from None
     marks = RunningMarks(settings.mark_fd) if settings.mark_fd is not None else None
     store = MarkedEpisodeStore(bundle, runtime, max_episodes=2**31, idle_ttl_s=float("inf"), worker_threads=settings.worker_threads,
-                               inline_budget_s=settings.inline_budget_s, memory_reserve_mb=settings.memory_reserve_mb, records=False,
+                               queue_wait_s=settings.queue_wait_s, inline_budget_s=settings.inline_budget_s, memory_reserve_mb=settings.memory_reserve_mb, records=False,
                                marks=marks)
     keep_alarm_handler()
     hello = WorkerHello(tools=runtime.tool_list(), annotations=runtime.annotations)

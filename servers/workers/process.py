@@ -13,9 +13,14 @@ file: each line is logged under the child's environment and role, cut to ``OUTPU
 past ``OUTPUT_BYTES`` in one child's life the rest is counted and dropped. Where the server can make
 one (``envscaler.cgroups``), the child starts in its environment's control group.
 
-Every request has a deadline: its own limit plus ``GRACE_S``. A child that misses one is frozen (SIGALRM
-ignored and a loop, the GIL held by a C loop, a catastrophic regex), and one whose socket closes has
-died (``SystemExit`` at the top, a crash). Either way its process group is killed, what waits on it
+Every request has a deadline: its own limit plus ``GRACE_S``, counted from when it was sent or from
+the child's last answer, whichever is later. A child that keeps answering is not frozen: a request
+that waits in it behind others (all its call threads busy with slow but legitimate calls, a machine
+short of CPU) is the child's to refuse (``Overloaded``, after ``queue_wait_s``), or to run under its
+own limit, which runs from when it starts there. So a request is at most ``queue_wait_s`` later than
+its limit plus the grace, however busy the child. A child that misses a deadline is frozen (SIGALRM
+ignored and a loop, the GIL held by a C loop, a catastrophic regex, SIGSTOP): nothing comes from it at
+all. One whose socket closes has died (``SystemExit`` at the top, a crash). Either way its process group is killed, what waits on it
 fails with :class:`WorkerGone`, the owner is told (``on_lost``), and the next request starts a new
 child.
 
@@ -57,14 +62,15 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 from pydantic import BaseModel
 
 from envscaler import EnvCodeError, logs
 from envscaler.cgroups import ChildGroup
-from envscaler.errors import ChecklistError
+from envscaler.errors import BundleError, ChecklistError
 from envscaler.sandbox import CHILD_TASKS, Launch, clean_environment, confined_uid, die_with_parent, make_undumpable, sandboxed
-from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, UnknownEpisode, UnknownScenario
+from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, Overloaded, UnknownEpisode, UnknownScenario
 from servers.memory import oom_kills
 from servers.workers.wire import (
     EXIT_REASONS,
@@ -91,9 +97,13 @@ _KILLED = (-signal.SIGKILL, 128 + signal.SIGKILL)
 OUTPUT_BYTES = 256 * 1024
 """How much of one child's output is logged; the rest is counted, not kept."""
 OUTPUT_LINE_CHARS = 4000
+OUT_OF_MEMORY = "out of memory: the kernel killed it"
+"""Why a child that the kernel's OOM killer killed is gone."""
 _ERRORS: dict[str, type[Exception]] = {
     "EnvCodeError": EnvCodeError, "UnknownScenario": UnknownScenario, "UnknownEpisode": UnknownEpisode,
     "OutOfMemory": OutOfMemory, "ChecklistError": ChecklistError, "CallAbandoned": CallAbandoned, "EpisodeLost": EpisodeLost,
+    "BundleError": BundleError,
+    "Overloaded": Overloaded,
 }
 
 
@@ -120,10 +130,12 @@ class WorkerGone(Exception):
     enter it (:meth:`WorkerProcess.alone`), else the turns after it never come.
     """
 
-    def __init__(self, reason: str, *, hung: bool, blamed: bool, turn: Turn | None = None) -> None:
+    def __init__(self, reason: str, *, hung: bool, blamed: bool, turn: Turn | None = None, out_of_memory: bool = False) -> None:
         super().__init__(reason)
         self.hung = hung
         self.blamed = blamed
+        # The kernel killed the child for its memory (its control group's limit).
+        self.out_of_memory = out_of_memory
         self.turn = turn
 
 
@@ -158,13 +170,14 @@ class _Link(asyncio.Protocol):
             # It ended itself for a reason of its own, not for a request it was answering.
             self.owner.lose(self.child, f"the {self.owner.role} exited ({EXIT_REASONS[code]})", blame=False)
             return
+        out_of_memory = code is not None and self.child.killed_for_memory(code)
         if code is None:
             why = "closed its socket"
-        elif code in _KILLED and self.child.oom_kills is not None and (self.child.oom_kills_now() or 0) > self.child.oom_kills:
-            why = "out of memory: the kernel killed it"
+        elif out_of_memory:
+            why = OUT_OF_MEMORY
         else:
             why = f"exit code {code}"
-        self.owner.lose(self.child, f"the {self.owner.role} exited ({why})")
+        self.owner.lose(self.child, f"the {self.owner.role} exited ({why})", out_of_memory=out_of_memory)
 
 
 class _Output(asyncio.Protocol):
@@ -216,7 +229,7 @@ class _Child:
     """One child process, its socket, and (once the event loop has it) the link over it."""
 
     def __init__(self, module: str, settings: BaseModel, sandbox: bool, new_processes: bool, inherited: tuple[int, ...],
-                 group: ChildGroup | None, tasks: int) -> None:
+                 group: ChildGroup | None, tasks: int, readable: tuple[Path, ...] = ()) -> None:
         ours, theirs = socket.socketpair()
         self.sock = ours
         self.group = group
@@ -224,11 +237,12 @@ class _Child:
         self.oom_kills = self.oom_kills_now()
         command = [sys.executable, "-m", module, str(theirs.fileno())]
         # In the server's process group: whatever kills the server's group (a farm restarting or stopping
-        # it) takes the child and what it forked. Whatever it reads comes over the socket: no path is readable.
+        # it) takes the child and what it forked. Whatever it reads comes over the socket, but for the
+        # ``readable`` paths (a bundle's data files), shown read-only.
         with contextlib.ExitStack() as stack:
             # The group's memory files where the child reads its own: it refuses an episode before the kernel kills it.
             placed = group.memory_files() if group is not None else None
-            launch = (stack.enter_context(sandboxed(command, readable=[], placed=placed, tasks=tasks, new_processes=new_processes,
+            launch = (stack.enter_context(sandboxed(command, readable=readable, placed=placed, tasks=tasks, new_processes=new_processes,
                                                     memfd=group is not None))
                       if sandbox else Launch(command))
             self.process = subprocess.Popen(launch.argv, pass_fds=[theirs.fileno(), *inherited, *launch.fds], env=clean_environment(),
@@ -243,6 +257,10 @@ class _Child:
         # Frames to send at the end of this event-loop iteration: under load, one write carries many.
         self.outbox: list[bytes] = []
 
+    def killed_for_memory(self, code: int) -> bool:
+        """Whether exit status ``code`` is the kernel's OOM killer's doing (its group counts one more kill)."""
+        return code in _KILLED and self.oom_kills is not None and (self.oom_kills_now() or 0) > self.oom_kills
+
     def oom_kills_now(self) -> int | None:
         """How many processes the kernel's OOM killer has killed in its group (else the server's) so far."""
         return self.group.oom_kills() if self.group is not None else oom_kills()
@@ -254,7 +272,10 @@ class _Child:
             _, status, payload = recv_frame(self.sock)
         except (EOFError, OSError, FrameTooLarge):
             self.kill()
-            raise EnvCodeError(f"the {role} did not start (exit code {self.process.poll()})") from None
+            code = self.process.poll()
+            if code is not None and self.killed_for_memory(code):
+                raise OutOfMemory(f"the {role} did not start ({OUT_OF_MEMORY}, as it loaded the environment and its data files)") from None
+            raise EnvCodeError(f"the {role} did not start (exit code {code})") from None
         self.sock.setblocking(False)
         if status == FAILED:
             self.kill()
@@ -301,18 +322,27 @@ class WorkerProcess:
     child is killed or dies. ``mark``, shared with each child (its ``mark_fd`` setting), names the
     subjects the child's threads run: a request is asked about a subject (an episode's handle), and
     when the child falls with several requests in flight, the one whose subject it names is asked
-    again alone first (a hint, never a reason to blame: see the module's doc).
+    again alone first (a hint, never a reason to blame: see the module's doc). ``readable``: paths its
+    sandbox shows, read-only (an environment's data files); ``start_timeout_s``: how long a child may take
+    to say hello (loading them included).
 
     The first child starts here, before any event loop: :attr:`hello` is its first frame (with
     ``lazy``, there is no first child and no hello: the first request starts one). Later ones start
     on the loop, when a request finds the last one gone. ``new_processes``: its sandbox lets it fork
-    (a zygote that runs no untrusted code itself, see ``envscaler.sandbox.sandboxed``).
+    (a zygote that runs no untrusted code itself, see ``envscaler.sandbox.sandboxed``). ``queue_wait_s``:
+    how long the child may keep a request waiting (for a call thread) while it answers others.
     """
 
     def __init__(self, module: str, settings: BaseModel, *, role: str, sandbox: bool, on_lost: Callable[[str], None],
                  mark: RunningMarks | None = None, lazy: bool = False, new_processes: bool = False, env_id: str = "",
-                 group: ChildGroup | None = None, tasks: int = CHILD_TASKS) -> None:
+                 group: ChildGroup | None = None, tasks: int = CHILD_TASKS, readable: tuple[Path, ...] = (),
+                 queue_wait_s: float = 0.0, start_timeout_s: float = START_TIMEOUT_S) -> None:
         self.module = module
+        self.readable = readable
+        self.queue_wait_s = queue_wait_s
+        self.start_timeout_s = start_timeout_s
+        # When the current child last answered anything (time.monotonic()): a child that answers is not frozen.
+        self._heard = 0.0
         self.settings = settings
         self.role = role
         self.env_id = env_id
@@ -329,7 +359,7 @@ class WorkerProcess:
         self.hello = b""
         if not lazy:
             self._child = self._spawn()
-            self.hello = self._child.read_hello(START_TIMEOUT_S, role)
+            self.hello = self._child.read_hello(self.start_timeout_s, role)
         self._starting: asyncio.Future[_Child] | None = None
         # request id -> what waits for it, in the order sent
         self._pending: dict[int, _Pending] = {}
@@ -347,7 +377,7 @@ class WorkerProcess:
         if self.mark is not None:
             self.mark.clear()
         child = _Child(self.module, self.settings, self.sandbox, self.new_processes, () if self.mark is None else (self.mark.fd,),
-                       self.group, self.tasks)
+                       self.group, self.tasks, self.readable)
         self._serials += 1
         child.serial = self._serials
         return child
@@ -491,20 +521,21 @@ class WorkerProcess:
         if child.process.stdout is not None and child.output is None:
             child.output, _ = await loop.connect_read_pipe(lambda: _Output(self, child), child.process.stdout)
         if fresh:
-            status, payload = await self._wait(HELLO_ID, START_TIMEOUT_S, START_TIMEOUT_S, "its start", "")
+            status, payload = await self._wait(HELLO_ID, self.start_timeout_s, self.start_timeout_s, "its start", "")
             if status == FAILED:
                 raise EnvCodeError(decode(WorkerFailure, payload).message)
             if self.restarts:
                 log.warning(f"{self.role} restarted", extra={"restarts": self.restarts})
         return child
 
-    def lose(self, child: _Child, reason: str, hung: bool = False, blame: bool = True, late_blamed: bool = False) -> None:
+    def lose(self, child: _Child, reason: str, hung: bool = False, blame: bool = True, late_blamed: bool = False,
+             out_of_memory: bool = False) -> None:
         """Kill ``child``, fail what waits on it, tell the owner; the next request starts a new one.
 
         With ``blame``, the only request in flight is blamed (``hung``: it missed its deadline); when
         several were, those whose callers ask again get turns (see the module's doc). ``late_blamed``
         (the owner replaces a child that still answers): every request already past its own limit is
-        blamed instead, and the others are asked again.
+        blamed instead, and the others are asked again. ``out_of_memory``: the kernel killed it for its memory.
         """
         if child.gone or child is not self._child:
             return
@@ -522,12 +553,12 @@ class WorkerProcess:
         now = time.monotonic()
         for pending in falling:
             if blame and not shared:
-                gone = WorkerGone(reason, hung=hung, blamed=True)
+                gone = WorkerGone(reason, hung=hung, blamed=True, out_of_memory=out_of_memory)
             elif late_blamed and now - pending.sent > pending.limit_s:
                 # Caught up, but already past its own limit by this server's clock: it would have timed out anyway.
                 gone = WorkerGone(f"{reason}; {pending.what} had run past its own limit of {pending.limit_s:g} s", hung=True, blamed=True)
             else:
-                gone = WorkerGone(reason, hung=False, blamed=False, turn=turns.get(pending))
+                gone = WorkerGone(reason, hung=False, blamed=False, turn=turns.get(pending), out_of_memory=out_of_memory)
             pending.future.set_exception(gone)
         self._wake()
 
@@ -546,6 +577,7 @@ class WorkerProcess:
         return turns
 
     def answered(self, request_id: int, status: int, payload: bytes) -> None:
+        self._heard = time.monotonic()
         pending = self._pending.pop(request_id, None)
         if pending is not None and not pending.future.done():
             pending.future.set_result((status, payload))
@@ -554,14 +586,20 @@ class WorkerProcess:
 
     def _supervise(self) -> None:
         now = time.monotonic()
-        overdue = [pending for pending in self._pending.values() if pending.deadline <= now]
+        deadlines = {pending: self._deadline(pending) for pending in self._pending.values()}
+        overdue = [pending for pending, deadline in deadlines.items() if deadline <= now]
         if overdue and self._child is not None:
-            late = min(overdue, key=lambda pending: pending.deadline)
+            late = min(overdue, key=deadlines.__getitem__)
             self.lose(self._child, f"the {self.role} did not answer {late.what} within {late.limit_s:g} s and was restarted", hung=True)
         if self._pending:
             asyncio.get_running_loop().call_later(_TICK_S, self._supervise)
         else:
             self._ticking = False
+
+    def _deadline(self, pending: _Pending) -> float:
+        """When ``pending`` counts as missed: its wait from when it was sent or from the child's last
+        answer, whichever is later, and at most ``queue_wait_s`` past its wait from when it was sent."""
+        return min(max(pending.sent, self._heard) + pending.wait_s, pending.sent + pending.wait_s + self.queue_wait_s)
 
     async def _wait(self, request_id: int, wait_s: float, limit_s: float, what: str, subject: str, again: bool = False,
                     holding: Turn | None = None) -> tuple[int, bytes]:
@@ -569,7 +607,7 @@ class WorkerProcess:
         flight, though its caller give up: the child still runs it."""
         loop = asyncio.get_running_loop()
         now = time.monotonic()
-        pending = _Pending(loop.create_future(), now, now + wait_s, limit_s, what, subject, again, holding)
+        pending = _Pending(loop.create_future(), now, wait_s, limit_s, what, subject, again, holding)
         self._pending[request_id] = pending
         if not self._ticking:
             self._ticking = True
@@ -603,13 +641,13 @@ class _Pending:
     """A request the child has not answered yet (``again``: as :meth:`WorkerProcess.ask` was told; ``holding``:
     the turn its task was in when it was sent, if any)."""
 
-    __slots__ = ("future", "sent", "deadline", "limit_s", "what", "subject", "again", "holding")
+    __slots__ = ("future", "sent", "wait_s", "limit_s", "what", "subject", "again", "holding")
 
-    def __init__(self, future: asyncio.Future[tuple[int, bytes]], sent: float, deadline: float, limit_s: float, what: str,
+    def __init__(self, future: asyncio.Future[tuple[int, bytes]], sent: float, wait_s: float, limit_s: float, what: str,
                  subject: str, again: bool, holding: Turn | None) -> None:
         self.future = future
         self.sent = sent
-        self.deadline = deadline
+        self.wait_s = wait_s
         self.limit_s = limit_s
         self.what = what
         self.subject = subject

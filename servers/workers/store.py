@@ -37,12 +37,14 @@ from typing import Any, TypeVar
 
 from envscaler import Bundle, EnvCodeError, Episode, Scenario, ToolOutcome
 from envscaler.cgroups import ChildGroup, GroupLimits, combined
+from envscaler.data_files import data_folders, data_megabytes, references
 from envscaler.models import CheckContext, CheckItem, CheckResult, ToolAnnotations, ToolSchema
 from envscaler.sandbox import CHILD_TASKS
 from envscaler.wire import WorkerResources
+from servers.memory import memory_status
 from servers.episodes.store import ABANDON_GRACE_S, CallStats, EpisodeRegistry, LiveEpisode, checks_limit_s
-from servers.errors import CallAbandoned, EpisodeLost, UnknownEpisode
-from servers.workers.process import Turn, WorkerGone, WorkerProcess
+from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, Overloaded, UnknownEpisode
+from servers.workers.process import START_TIMEOUT_S, Turn, WorkerGone, WorkerProcess
 from servers.workers.wire import (
     CheckerSettings,
     CheckRequest,
@@ -54,6 +56,7 @@ from servers.workers.wire import (
     WorkerOutcome,
     WorkerRequest,
     WorkerSettings,
+    checked_object,
     decode,
 )
 
@@ -62,6 +65,8 @@ log = logging.getLogger("envscaler.server")
 T = TypeVar("T")
 
 ROLE = "environment worker"
+# Each worker loads (and the environment worker hashes) the data files at its start: a second more per MB to say hello.
+START_S_PER_DATA_MB = 1.0
 # How many times a request is asked in all, at most, when the worker keeps falling under it without blaming it.
 CAUGHT_UP_TRIES = 4
 
@@ -89,13 +94,22 @@ class WorkerEpisodeStore(EpisodeRegistry):
         # counted, and an environment worker that fills its memory cannot starve the checks.
         self.groups = [ChildGroup.create(group, role) for role in ("env", "checks")] if sandbox and group is not None else [None, None]
         tasks = group.pids if group is not None else CHILD_TASKS
-        shared = dict(sandbox=sandbox, env_id=self.env_id, tasks=tasks)
-        self.worker = WorkerProcess("servers.workers.env_worker", settings, role=ROLE, on_lost=self._worker_lost, mark=mark,
-                                    group=self.groups[0], **shared)
+        shared = dict(sandbox=sandbox, env_id=self.env_id, tasks=tasks, readable=data_folders(bundle),
+                      start_timeout_s=START_TIMEOUT_S + START_S_PER_DATA_MB * data_megabytes(bundle))
+        # The memory the workers may hold together, when their control group counts it (else the server's own limit holds).
+        self.memory_limit_mb = group.memory_mb if self.groups[0] is not None and group is not None else None
+        try:
+            self.worker = WorkerProcess("servers.workers.env_worker", settings, role=ROLE, on_lost=self._worker_lost, mark=mark,
+                                        group=self.groups[0], queue_wait_s=settings.queue_wait_s, **shared)
+        except OutOfMemory as e:
+            self.close_groups()
+            raise OutOfMemory(self._out_of_memory(None, "as it started", str(e))) from None
         check_mark = RunningMarks()
         # A zygote that forks a process for each validation's checks: its sandbox lets it fork, and each
         # child takes that away from itself before any check code runs.
-        checker_settings = CheckerSettings(check_timeout_s=settings.check_timeout_s, mark_fd=check_mark.fd, child_seccomp=sandbox)
+        checker_settings = CheckerSettings(check_timeout_s=settings.check_timeout_s, mark_fd=check_mark.fd, child_seccomp=sandbox,
+                                           bundle_dir=bundle.directory,
+                                           data_files=sorted({name for s in bundle.scenarios for name in references(s.init_config).values()}))
         self.checker = WorkerProcess("servers.workers.check_worker", checker_settings, role="check worker", on_lost=self._checker_lost,
                                      mark=check_mark, lazy=True, new_processes=True, group=self.groups[1], **shared)
         self._checking = asyncio.Lock()
@@ -118,6 +132,23 @@ class WorkerEpisodeStore(EpisodeRegistry):
             self._stale[episode_id] = reason
         log.error("environment worker lost; its episodes are rebuilt as they are used",
                   extra={"env": self.env_id, "reason": reason, "episodes": len(held)})
+
+    def _out_of_memory(self, episode_id: str | None, what: str, detail: str, tool: str | None = None) -> str:
+        """What to say (and log) when a worker ran out of memory: the environment, the episode, the limit, how to raise it."""
+        if self.memory_limit_mb is not None:
+            limit_mb: float | None = self.memory_limit_mb
+            limit = (f"the limit is {self.memory_limit_mb} MB per worker: raise it with --worker-memory-mb (envscaler serve) "
+                     "or --memory-mb (envscaler farm up)")
+        else:
+            status = memory_status()
+            limit_mb = status.limit_mb
+            limit = (f"the server's {status.limited_by} limit is {status.limit_mb:.0f} MB: raise it with --memory-mb (envscaler farm up)"
+                     if status.limit_mb is not None else "no limit is set: the machine's memory ran out")
+        episode = f": episode {episode_id}" if episode_id is not None else ""
+        message = f"{self.env_id}{episode}: out of memory {what}: {detail}; {limit}"
+        log.error("environment out of memory", extra={"env": self.env_id, "episode": episode_id, "tool": tool, "limit_mb": limit_mb,
+                                                       "error": message})
+        return message
 
     def _checker_lost(self, reason: str) -> None:
         log.error("check worker lost", extra={"env": self.env_id, "reason": reason})
@@ -151,6 +182,9 @@ class WorkerEpisodeStore(EpisodeRegistry):
                 except (EpisodeLost, EnvCodeError, UnknownEpisode) as e:
                     self._mark_lost(live, f"{reason}; it cannot be rebuilt: {e}")
                     return
+                except Overloaded:
+                    self._stale[live.episode_id] = reason  # not rebuilt yet: the next request tries again
+                    raise
                 self.rebuilt += 1
                 log.info("episode rebuilt in a new environment worker",
                          extra={"env": self.env_id, "episode": live.episode_id, "calls": len(history.calls)})
@@ -260,6 +294,13 @@ class WorkerEpisodeStore(EpisodeRegistry):
             await self._ensure_usable(live)
             return await self._read_object(live, "state", "a state read")
 
+    async def state_json(self, live: LiveEpisode) -> bytes:
+        # Passed on as the worker wrote it, once checked: parsed here, a state of big data would cost the server
+        # several times its size (the objects, then their text again).
+        async with live.lock:
+            await self._ensure_usable(live)
+            return await self._read(live, "state", "a state read", checked_object)
+
     async def _construct(self, episode_id: str, scenario: Scenario | None, init_config: dict[str, Any] | None) -> Episode | None:
         fresh = episode_id not in self._handles
         if fresh:  # a new episode (else a reset): its handle lives as long as it does
@@ -271,6 +312,8 @@ class WorkerEpisodeStore(EpisodeRegistry):
         except Exception as e:
             if fresh:
                 del self._handles[episode_id]
+            if isinstance(e, WorkerGone) and e.out_of_memory or isinstance(e, OutOfMemory):
+                raise OutOfMemory(self._out_of_memory(episode_id, "building the episode", str(e))) from None
             if isinstance(e, WorkerGone):
                 raise EnvCodeError(f"{self.env_id}: {e}") from None
             raise
@@ -287,13 +330,16 @@ class WorkerEpisodeStore(EpisodeRegistry):
             payload, worker = await self._ask_about(request, self.settings.call_timeout_s + ABANDON_GRACE_S, f"tool {name!r}", live)
             reply = decode(WorkerOutcome, payload)
         except WorkerGone as e:
-            message = f"{e}; the call was undone, and the episode goes on from before it"
+            said = self._out_of_memory(live.episode_id, f"in tool {name!r}", str(e), name) if e.out_of_memory else str(e)
+            message = f"{said}; the call was undone, and the episode goes on from before it"
             return ToolOutcome.failure(name, arguments, "timeout" if e.hung else "env", message)
         except EpisodeLost:
             return self._lost_outcome(live, name, arguments)
         except (EnvCodeError, UnknownEpisode, ValueError, RecursionError) as e:
             return ToolOutcome.failure(name, arguments, "env", f"Environment error in {name!r}: {e}")
         reply.outcome.result_text = reply.text
+        if reply.outcome.exception == "MemoryError":  # under an address-space limit, an allocation fails instead
+            reply.outcome.error = self._out_of_memory(live.episode_id, f"in tool {name!r}", str(reply.outcome.error), name)
         if reply.stuck:
             # Its thread runs on and cannot be stopped: only a new worker is rid of it. The episode is
             # rebuilt there without this call.
@@ -310,20 +356,24 @@ class WorkerEpisodeStore(EpisodeRegistry):
             return [], final.state_hash
         request = CheckRequest(handle=self._handles[live.episode_id], checklist=checklist, initial_key=final.initial_hash,
                                changes=final.changes, final=final.final, initial=final.initial, context=context)
-        results = await self._check(request)
+        results = await self._check(request, live.episode_id)
         if results.missing_initial:
             request.initial = await self._read_object(live, "initial", "the initial state")
-            results = await self._check(request)
+            results = await self._check(request, live.episode_id)
         return results.checks, final.state_hash
 
-    async def _check(self, request: CheckRequest) -> CheckResults:
+    async def _check(self, request: CheckRequest, episode_id: str) -> CheckResults:
         """The check worker's verdicts, one request at a time (a request's deadline runs from when it is sent)."""
         limit = checks_limit_s(request.checklist, self.settings.check_timeout_s)
         async with self._checking:
             try:
                 payload = await self.checker.ask(request, limit, "the checks", request.handle)
-            except WorkerGone:
+            except WorkerGone as e:
+                if e.out_of_memory:
+                    raise OutOfMemory(self._out_of_memory(episode_id, "in its checks", str(e))) from None
                 raise CallAbandoned() from None
+            except OutOfMemory as e:  # the check worker's start
+                raise OutOfMemory(self._out_of_memory(episode_id, "in its checks", str(e))) from None
         try:
             return decode(CheckResults, payload)
         except (ValueError, RecursionError):
@@ -340,6 +390,10 @@ class WorkerEpisodeStore(EpisodeRegistry):
         """Stop the workers (the server is shutting down)."""
         self.worker.close()
         self.checker.close()
+        self.close_groups()
+
+    def close_groups(self) -> None:
+        """Remove the workers' control groups."""
         for group in self.groups:
             if group is not None:
                 group.remove()

@@ -18,11 +18,13 @@ import os
 import socket
 import struct
 import zlib
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from envscaler.models import Bundle, CheckContext, CheckItem, CheckResult, StateChange, ToolAnnotations, ToolOutcome, ToolSchema
+from servers.episodes.calls import QUEUE_WAIT_S
 from servers.transport.asgi import json_bytes
 
 M = TypeVar("M", bound=BaseModel)
@@ -55,6 +57,7 @@ class WorkerSettings(BaseModel):
     check_timeout_s: float
     max_result_chars: int
     worker_threads: int
+    queue_wait_s: float = QUEUE_WAIT_S
     inline_budget_s: float
     memory_reserve_mb: float
 
@@ -116,11 +119,16 @@ class CheckerSettings(BaseModel):
     mark_fd: int | None = None
     # Each check's process loads the no-new-processes seccomp policy: the sandbox lets the worker fork.
     child_seccomp: bool = False
+    # The bundle's folder, whose data files the initial states it is sent name (``envscaler.data_files``),
+    # and the files its scenarios name: loaded at start, so that loading never counts against a check's limit.
+    bundle_dir: Path | None = None
+    data_files: list[str] = []
 
 
 class CheckRequest(BaseModel):
     """One episode's checks, for the check worker: the final state is ``final``, or ``changes`` made to
-    the initial state ``initial_key`` (sent in ``initial`` when the check worker does not hold it).
+    the initial state ``initial_key`` (sent in ``initial`` when the check worker does not hold it; a top-level
+    value that is a data file's content is sent as the file's reference, ``envscaler.data_files``).
     ``handle`` names the episode, as in :class:`WorkerRequest`."""
 
     handle: str
@@ -156,7 +164,8 @@ class WorkerOutcome(BaseModel):
 class WorkerFailure(BaseModel):
     """Any failed request: which of the server's errors it is, and its message."""
 
-    error: Literal["EnvCodeError", "UnknownScenario", "UnknownEpisode", "OutOfMemory", "ChecklistError", "CallAbandoned", "EpisodeLost"]
+    error: Literal["EnvCodeError", "UnknownScenario", "UnknownEpisode", "OutOfMemory", "ChecklistError", "CallAbandoned", "EpisodeLost",
+                   "BundleError", "Overloaded"]
     message: str
 
 
@@ -246,6 +255,8 @@ class FrameReader:
                 break
             frames.append((request_id, status, bytes(buffer[HEADER.size:end])))
             del buffer[:end]
+        if not buffer:
+            self.buffer = bytearray()  # an emptied bytearray keeps its room: that of the largest frame so far
         return frames
 
 
@@ -282,6 +293,25 @@ def decode(model: type[M], payload: bytes) -> M:
         if not any(error["type"] == "json_invalid" for error in e.errors()):
             raise
     return model.model_validate(json.loads(payload))
+
+
+def checked_object(payload: bytes) -> bytes:
+    """``payload`` itself once it is known to be the JSON text of one object; ValueError (RecursionError) when not.
+
+    Read without keeping what it holds: each object is dropped as soon as it is read, so checking a
+    state of 100 MB costs a fraction of parsing it.
+    """
+    if payload.lstrip()[:1] != b"{" or json.loads(payload, object_pairs_hook=_drop, parse_constant=_refuse) is not None:
+        raise ValueError("not a JSON object")
+    return payload
+
+
+def _drop(pairs: list[tuple[str, Any]]) -> None:
+    return None
+
+
+def _refuse(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def read_settings(sock: socket.socket, model: type[M]) -> M:

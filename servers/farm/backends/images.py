@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from envscaler.bundle import load_bundle
+from envscaler.data_files import DATA_DIR, data_folders
+from envscaler.models import Bundle
 from servers.errors import FarmError
 
 RUNTIME_REPOSITORY = "envscaler-runtime"
@@ -124,8 +126,8 @@ def requirement_wheels(requires: list[str], wheels: Path) -> None:
         subprocess.run([*pip, *requires], check=True)
 
 
-def _context(bundle_dir: Path, runtime: str, labels: dict[str, str], requires: list[str], wheels: Path | None) -> io.BytesIO:
-    """A build context holding the bundle, the wheels of its requirements (if any) and a short Dockerfile."""
+def _context(bundle: Bundle, bundle_dir: Path, runtime: str, labels: dict[str, str], requires: list[str], wheels: Path | None) -> io.BytesIO:
+    """A build context holding the bundle (its data files too), the wheels of its requirements (if any) and a short Dockerfile."""
     label_text = " ".join(f'{k}="{v}"' for k, v in labels.items())
     lines = [f"FROM {runtime}", "COPY --chown=0:0 bundle /bundle"]
     if requires:
@@ -140,6 +142,8 @@ def _context(bundle_dir: Path, runtime: str, labels: dict[str, str], requires: l
         tar.addfile(info, io.BytesIO(dockerfile))
         for name in ("env.json", "scenarios.jsonl"):
             tar.add(bundle_dir / name, arcname=f"bundle/{name}")
+        for folder in data_folders(bundle):
+            tar.add(folder, arcname=f"bundle/{DATA_DIR}")
         if wheels is not None:
             tar.add(wheels, arcname="wheels")
     buffer.seek(0)
@@ -161,7 +165,7 @@ def build_env_image(client: Any, bundle_dir: Path, runtime: str) -> tuple[str, b
     with tempfile.TemporaryDirectory(prefix="envscaler-wheels-") as wheels:
         if requires:
             requirement_wheels(requires, Path(wheels))
-        context = _context(Path(bundle_dir), runtime, labels, requires, Path(wheels) if requires else None)
+        context = _context(bundle, Path(bundle_dir), runtime, labels, requires, Path(wheels) if requires else None)
     client.images.build(fileobj=context, custom_context=True, tag=tag, rm=True, pull=False)
     return tag, True
 

@@ -22,14 +22,18 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Protocol
 
 import anyio
 
 from envscaler.sandbox import FARM_ID_VARIABLE, adopt_orphans, clean_environment, die_with_parent, limit_resources
-from servers.farm.backends.spawning import ADDRESS_SPACE_FACTOR, ServerProcess, Spawner, read_ready_line, server_command
+from servers.farm.backends.spawning import (
+    ADDRESS_SPACE_FACTOR, Listeners, ServerProcess, Spawner, hold_ports, read_ready_line, server_command,
+)
 from servers.farm.backends.zygote import zygote_spawner
+from servers.errors import CannotListen
 from servers.farm.board import Board
 from servers.farm.models import EnvPlan, FarmPaths, FarmPlan
 from servers.serve import READY_FD_VARIABLE
@@ -158,20 +162,22 @@ class PopenSpawner:
         # The serve flags every server gets (FarmPlan.server_flags).
         self.flags = flags
 
-    async def spawn(self, env: EnvPlan, environment: dict[str, str], log_path: Path, memory_mb: int) -> ServerProcess:
+    async def spawn(self, env: EnvPlan, environment: dict[str, str], log_path: Path, memory_mb: int,
+                    listeners: Listeners | None = None) -> ServerProcess:
         """Start ``env``'s server (see ``Spawner.spawn``); the ready pipe's write end goes to the child only."""
         read_fd, write_fd = os.pipe()
+        listen_fds = [sock.fileno() for sock in listeners.sockets] if listeners is not None else []
         try:
             with open(log_path, "ab") as log_file:
                 # Popen runs in the event loop's thread on purpose: PR_SET_PDEATHSIG fires when the
                 # thread that forked the child ends, and this one lives as long as the daemon.
                 child = subprocess.Popen(
-                    server_command(env, self.flags),
+                    server_command(env, self.flags, listen_fds),
                     stdin=subprocess.DEVNULL,
                     stdout=log_file,
                     stderr=subprocess.STDOUT,
                     env={**environment, READY_FD_VARIABLE: str(write_fd)},
-                    pass_fds=(write_fd,),
+                    pass_fds=(write_fd, *listen_fds),
                     start_new_session=True,
                     preexec_fn=functools.partial(server_preexec, memory_mb),
                 )
@@ -197,13 +203,15 @@ def default_spawner(plan: FarmPlan) -> Spawner:
 _REAP_PERIOD_S = 2.0
 
 
-def reap_adopted() -> int:
+def reap_adopted(known: Collection[int] = ()) -> int:
     """Reap the exited orphans this subreaper adopted from its servers' groups; how many.
 
     bubblewrap's outer process can exit before the sandbox's init has (the probe a server runs at
     start, a replaced worker): that init is then ours (``adopt_orphans``), and unreaped it stays a
     zombie for the server's whole life. The daemon's own children are left to whoever started them:
     they are in the daemon's group (the zygote, haproxy) or lead their own (a server started with Popen).
+    ``known``: pids that are not looked at (the servers: each is reaped by its supervisor), so that a
+    farm of servers started with Popen costs a list of pids every few seconds, not a file per server.
     """
     own_group = os.getpgrp()
     reaped = 0
@@ -213,6 +221,8 @@ def reap_adopted() -> int:
         except OSError:
             continue  # a thread that ended meanwhile
         for pid in pids:
+            if pid in known:
+                continue
             try:
                 fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             except (OSError, IndexError):
@@ -235,6 +245,8 @@ class ProcessBackend:
         self.board = board
         self.spawner = spawner or default_spawner(plan)
         self.servers: dict[str, ServerProcess] = {}
+        # env_id -> the listening sockets its server inherits at every start (``hold_ports``).
+        self.listeners: dict[str, Listeners] = {}
         # env_id -> why the daemon killed it (a hung server): reported instead of "killed by SIGKILL".
         self._kill_reasons: dict[str, str] = {}
         self._starting = anyio.CapacityLimiter(start_slots(self.spawner.starts_per_core))
@@ -247,17 +259,35 @@ class ProcessBackend:
         try:
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(self._reap_adopted_forever)
-                for env in self.plan.envs:
-                    tasks.start_soon(self._supervise, env)
+                for number, env in enumerate(self.plan.envs):
+                    bound = self._hold_ports(env)
+                    if bound is not None:
+                        self.plan.envs[number] = bound  # the catalog gives the ports as bound
+                        tasks.start_soon(self._supervise, bound)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.spawner.aclose()
+            for listeners in self.listeners.values():
+                listeners.close()
+
+    def _hold_ports(self, env: EnvPlan) -> EnvPlan | None:
+        """Bind ``env``'s ports for as long as the farm runs (see ``hold_ports``); its plan as bound, or
+        None when it cannot listen at all (it is marked failed, with why)."""
+        try:
+            bound, self.listeners[env.env_id] = hold_ports(env)
+        except CannotListen as e:
+            self.board.update(env.env_id, status="failed", last_exit=str(e))
+            log.error("an environment server cannot listen", extra={"env": env.env_id, "error": str(e)})
+            return None
+        if bound.port != env.port:
+            self.board.update(env.env_id, url=bound.url)
+        return bound
 
     async def _reap_adopted_forever(self) -> None:
         """Whoever adopts orphans reaps them (see :func:`reap_adopted`): every few seconds, since the
         event loop keeps SIGCHLD to itself."""
         while True:
-            reap_adopted()
+            reap_adopted({server.pid for server in self.servers.values()})
             await anyio.sleep(_REAP_PERIOD_S)
 
     def _environment(self, env: EnvPlan) -> dict[str, str]:
@@ -307,7 +337,7 @@ class ProcessBackend:
             if self._stopping:
                 return None
             server = await self.spawner.spawn(
-                env, self._environment(env), self.paths.env_log(env.env_id), self.plan.limits.memory_mb
+                env, self._environment(env), self.paths.env_log(env.env_id), self.plan.limits.memory_mb, self.listeners[env.env_id]
             )
             self.servers[env.env_id] = server
             self.board.update(env.env_id, pid=server.pid)

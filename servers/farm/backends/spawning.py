@@ -5,14 +5,21 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import anyio
 
+from servers.errors import PortTaken
 from servers.farm.models import EnvPlan
+from servers.serve import bind
+
+log = logging.getLogger("envscaler.farm")
 
 # Address space is not resident memory: thread stacks and allocator arenas reserve far more than they use.
 ADDRESS_SPACE_FACTOR = 4
@@ -23,12 +30,57 @@ def serve_command(bundle_dir: str, host: str, port: int, flags: list[str]) -> li
     return [sys.executable, "-m", "servers.cli", bundle_dir, "--host", host, "--port", str(port), "--log-level", "warning", *flags]
 
 
-def server_command(env: EnvPlan, flags: list[str]) -> list[str]:
+@dataclass
+class Listeners:
+    """The listening sockets the daemon holds for one server, for as long as the farm runs: the server
+    inherits them at every start, so a restart never binds again, and connections that arrive while it
+    restarts wait in the backlog."""
+
+    main: socket.socket
+    openenv: socket.socket | None = None
+
+    @property
+    def sockets(self) -> list[socket.socket]:
+        """The main socket, then the OpenEnv one when there is one (the order a server inherits them in)."""
+        return [self.main] if self.openenv is None else [self.main, self.openenv]
+
+    def close(self) -> None:
+        """Stop listening (the farm is stopping)."""
+        for sock in self.sockets:
+            sock.close()
+
+
+def hold_ports(env: EnvPlan) -> tuple[EnvPlan, Listeners]:
+    """Bind ``env``'s planned loopback ports for the daemon; a port that another program took since the plan
+    was made is replaced by a free one. The plan as bound (its ports, so its URLs), and the sockets."""
+    main = _bind_or_free(env, env.port, "port")
+    openenv = _bind_or_free(env, env.openenv_port, "OpenEnv port") if env.openenv_port is not None else None
+    bound = env.model_copy(update={"port": main.getsockname()[1],
+                                   "openenv_port": openenv.getsockname()[1] if openenv is not None else None})
+    return bound, Listeners(main, openenv)
+
+
+def _bind_or_free(env: EnvPlan, port: int, what: str) -> socket.socket:
+    try:
+        return bind("127.0.0.1", port)
+    except PortTaken:
+        pass
+    sock = bind("127.0.0.1", 0)
+    log.warning(f"the planned {what} was taken by another program; the server listens on another",
+                extra={"env": env.env_id, "planned": port, "port": sock.getsockname()[1]})
+    return sock
+
+
+def server_command(env: EnvPlan, flags: list[str], listen_fds: list[int] | None = None) -> list[str]:
     """The command line of one environment server on its loopback port (and OpenEnv port, if planned),
-    with the plan's ``flags`` (``FarmPlan.server_flags``: limits, ``--no-sandbox``)."""
+    with the plan's ``flags`` (``FarmPlan.server_flags``: limits, ``--no-sandbox``). With ``listen_fds``
+    (the main socket's descriptor in the server, then the OpenEnv one's), it serves sockets it inherits
+    instead of binding the ports."""
     command = serve_command(env.bundle_dir, "127.0.0.1", env.port, ["--public-url", env.url, *flags])
     if env.openenv_port is not None:
         command += ["--openenv-port", str(env.openenv_port)]
+    for flag, fd in zip(("--listen-fd", "--openenv-listen-fd"), listen_fds or []):
+        command += [flag, str(fd)]
     return command
 
 
@@ -53,10 +105,12 @@ class Spawner(Protocol):
     # How many servers per core may be starting at once: what a start costs the CPU decides it.
     starts_per_core: int
 
-    async def spawn(self, env: EnvPlan, environment: dict[str, str], log_path: Path, memory_mb: int) -> ServerProcess:
+    async def spawn(self, env: EnvPlan, environment: dict[str, str], log_path: Path, memory_mb: int,
+                    listeners: Listeners | None = None) -> ServerProcess:
         """Start ``env``'s server with exactly ``environment`` as its environment variables, stdout and
         stderr appended to ``log_path``, its address space limited from ``memory_mb``, no core dumps,
-        its own process group, and death when the farm goes away."""
+        its own process group, and death when the farm goes away. With ``listeners``, it serves those
+        sockets (inherited) instead of binding its ports."""
 
     async def aclose(self) -> None:
         """Stop what the spawner itself runs (not the servers: the backend stops those first)."""

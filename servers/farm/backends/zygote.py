@@ -8,7 +8,8 @@ Two kinds of Unix socket carry the work (SOCK_SEQPACKET: one message per send, f
 passed with SCM_RIGHTS):
 
 - the control socket, daemon -> zygote: one ``SpawnRequest`` per server, with four descriptors: the
-  server's channel, its log file, its ready pipe's write end and its environment pipe's read end;
+  server's channel, its log file, its ready pipe's write end and its environment pipe's read end; then
+  the listening sockets the daemon holds for it, if any (the server serves them at descriptors 4, 5);
 - one channel per server, zygote -> daemon: a ``SpawnReply`` (the pid, and a pidfd of the child),
   later an ``ExitReport`` once the zygote has reaped the child, then EOF. EOF with no report means
   the zygote died, and the server with it (PR_SET_PDEATHSIG).
@@ -22,6 +23,7 @@ daemon uses ``ZygoteSpawner``.
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import json
 import os
@@ -43,7 +45,7 @@ from pydantic import BaseModel
 
 from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment, die_with_parent, limit_resources
 from envscaler.seccomp import seccomp_bpf, seccomp_problem
-from servers.farm.backends.spawning import ADDRESS_SPACE_FACTOR, read_ready_line, server_command
+from servers.farm.backends.spawning import ADDRESS_SPACE_FACTOR, Listeners, read_ready_line, server_command
 from servers.farm.models import EnvPlan, FarmPlan
 
 # Imported before the first fork: what ``servers.cli`` needs to serve a bundle, and its event loop.
@@ -57,6 +59,8 @@ OPENENV_PRELOAD = "servers.protocols.openenv.app"
 SPAWNER_VARIABLE = "ENVSCALER_SPAWNER"
 
 _PASSED_FDS = 4
+# Where a forked server finds the listening sockets the daemon passed with its request (main, OpenEnv).
+_LISTEN_FDS = (4, 5)
 _MESSAGE_BYTES = 65536
 # What the zygote reports when it died before it could report an exit: its children got this signal.
 _DEATH_SIGNAL = signal.SIGKILL
@@ -74,6 +78,8 @@ class SpawnRequest(BaseModel):
 
     argv: list[str]
     address_space_mb: int
+    # Listening sockets that follow the four descriptors (``_LISTEN_FDS``).
+    listeners: int = 0
 
 
 class SpawnReply(BaseModel):
@@ -205,13 +211,17 @@ class ZygoteSpawner:
         self._zygote: _Zygote | None = None
         self._send_lock = anyio.Lock()
 
-    async def spawn(self, env: EnvPlan, environment: dict[str, str], log_path: Path, memory_mb: int) -> ZygoteServer:
+    async def spawn(self, env: EnvPlan, environment: dict[str, str], log_path: Path, memory_mb: int,
+                    listeners: Listeners | None = None) -> ZygoteServer:
         """Fork ``env``'s server with exactly ``environment`` as its environment variables, stdout and
         stderr appended to ``log_path``, its address space limited from ``memory_mb``, no core dumps,
-        its own process group, and death when the zygote (and so the farm) goes away."""
-        request = SpawnRequest(argv=server_command(env, self.flags)[3:], address_space_mb=memory_mb * ADDRESS_SPACE_FACTOR)
+        its own process group, and death when the zygote (and so the farm) goes away. With ``listeners``,
+        it serves those sockets instead of binding its ports."""
+        sockets = listeners.sockets if listeners is not None else []
+        argv = server_command(env, self.flags, list(_LISTEN_FDS[:len(sockets)]))[3:]
+        request = SpawnRequest(argv=argv, address_space_mb=memory_mb * ADDRESS_SPACE_FACTOR, listeners=len(sockets))
         for attempt in range(2):
-            server = await self._spawn_once(request, environment, log_path)
+            server = await self._spawn_once(request, environment, log_path, [sock.fileno() for sock in sockets])
             if server is not None:
                 return server
             # The zygote died with our request in hand: the next attempt starts a new one.
@@ -230,7 +240,8 @@ class ZygoteSpawner:
         zygote.process.wait()
         os.close(zygote.pidfd)
 
-    async def _spawn_once(self, request: SpawnRequest, environment: dict[str, str], log_path: Path) -> ZygoteServer | None:
+    async def _spawn_once(self, request: SpawnRequest, environment: dict[str, str], log_path: Path,
+                          listen_fds: list[int]) -> ZygoteServer | None:
         zygote = self._running_zygote()
         log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -241,7 +252,7 @@ class ZygoteSpawner:
         try:
             try:
                 _write_environment(environ_write, environment)
-                sent = await self._send(zygote, request.model_dump_json().encode(), [theirs.fileno(), log_fd, ready_write, environ_read])
+                sent = await self._send(zygote, request.model_dump_json().encode(), [theirs.fileno(), log_fd, ready_write, environ_read, *listen_fds])
             finally:
                 for fd in (log_fd, ready_write, environ_read, environ_write):
                     os.close(fd)
@@ -303,7 +314,7 @@ async def _receive(sock: socket.socket) -> tuple[bytes, list[int]] | None:
     """One message and the descriptors that came with it; None at EOF."""
     while True:
         try:
-            data, fds, _, _ = socket.recv_fds(sock, _MESSAGE_BYTES, _PASSED_FDS)
+            data, fds, _, _ = socket.recv_fds(sock, _MESSAGE_BYTES, _PASSED_FDS + len(_LISTEN_FDS))
         except BlockingIOError:
             await anyio.wait_readable(sock)
             continue
@@ -352,7 +363,7 @@ def serve_requests(control: socket.socket) -> None:
         for key, _ in selector.select():
             if key.data is None:
                 try:
-                    data, fds, _, _ = socket.recv_fds(control, _MESSAGE_BYTES, _PASSED_FDS)
+                    data, fds, _, _ = socket.recv_fds(control, _MESSAGE_BYTES, _PASSED_FDS + len(_LISTEN_FDS))
                 except ConnectionResetError:
                     return
                 if not data and not fds:
@@ -369,27 +380,30 @@ def serve_requests(control: socket.socket) -> None:
 
 
 def _fork_server(data: bytes, fds: list[int], control: socket.socket, children: list[_Child]) -> _Child | None:
-    if len(fds) != _PASSED_FDS:
+    if len(fds) < _PASSED_FDS:
         for fd in fds:
             os.close(fd)
         return None
     channel = socket.socket(fileno=fds[0])
-    log_fd, ready_fd, environ_fd = fds[1:]
+    log_fd, ready_fd, environ_fd = fds[1:_PASSED_FDS]
+    listen_fds = fds[_PASSED_FDS:]
     try:
         request = SpawnRequest.model_validate_json(data)
+        if request.listeners != len(listen_fds):
+            raise ValueError(f"the request names {request.listeners} listening sockets and {len(listen_fds)} came with it")
         if threading.active_count() != 1:
             raise RuntimeError(f"the zygote runs {threading.active_count()} threads; fork needs one")
         gc.freeze()  # what the imports built moves out of the collector's reach: its pages stay shared
         pid = os.fork()
         if pid == 0:
-            _become_server(request, log_fd, ready_fd, environ_fd)
+            _become_server(request, log_fd, ready_fd, environ_fd, listen_fds)
         pidfd = os.pidfd_open(pid)
     except Exception as e:
         _send_quietly(channel, SpawnReply(error=f"{type(e).__name__}: {e}").model_dump_json().encode(), [])
         channel.close()
         return None
     finally:
-        for fd in (log_fd, ready_fd, environ_fd):
+        for fd in (log_fd, ready_fd, environ_fd, *listen_fds):
             os.close(fd)
     _send_quietly(channel, SpawnReply(pid=pid).model_dump_json().encode(), [pidfd])
     return _Child(pid, pidfd, channel)
@@ -409,7 +423,7 @@ def _send_quietly(channel: socket.socket, data: bytes, fds: list[int]) -> None:
         pass  # the daemon stopped waiting for this server
 
 
-def _become_server(request: SpawnRequest, log_fd: int, ready_fd: int, environ_fd: int) -> None:
+def _become_server(request: SpawnRequest, log_fd: int, ready_fd: int, environ_fd: int, listen_fds: list[int]) -> None:
     """In the forked child: become a fresh server process, run it, and exit with its status. Never returns."""
     status = 1
     try:
@@ -424,8 +438,14 @@ def _become_server(request: SpawnRequest, log_fd: int, ready_fd: int, environ_fd
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
         environment = _read_environment(environ_fd)
+        # Out of the way first: a descriptor passed with the request may sit where another must go.
+        above = max(16, ready_fd, *listen_fds) + 1
+        ready_fd, *listen_fds = (fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, above) for fd in (ready_fd, *listen_fds))
         os.dup2(ready_fd, 3, inheritable=False)
-        os.closerange(4, os.sysconf("SC_OPEN_MAX"))  # the zygote's sockets, the siblings' pidfds and channels
+        for fd, target in zip(listen_fds, _LISTEN_FDS):
+            os.dup2(fd, target, inheritable=False)
+        # The zygote's sockets, the siblings' pidfds and channels.
+        os.closerange(_LISTEN_FDS[0] + len(listen_fds), os.sysconf("SC_OPEN_MAX"))
         os.environ.clear()
         os.environ.update(environment)
         from servers.serve import READY_FD_VARIABLE

@@ -1,0 +1,85 @@
+"""The farm daemon holds its servers' listening sockets: a port taken after planning, or while a server
+restarts, never fails the farm."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from envscaler.sandbox import FARM_ID_VARIABLE
+from servers.farm.models import FarmPaths, Limits, write_json
+from servers.farm.plan import plan_farm
+from tests.support.bundles import counter_bundle
+from tests.support.cli import envscaler
+from tests.support.farm import read_state
+
+
+def wait_until(predicate, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.1)
+
+
+def taken(port: int) -> socket.socket:
+    """Another program's socket listening on ``port``."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", port))
+    sock.listen()
+    return sock
+
+
+def test_a_port_taken_between_planning_and_binding_is_replaced_and_restarts_keep_the_held_one(tmp_path: Path):
+    catalog = tmp_path / "farm.json"
+    plan = plan_farm([str(counter_bundle(tmp_path / "bundles"))], "process", catalog, Limits(), 0)
+    planned = plan.envs[0].port
+    paths = FarmPaths(catalog)
+    paths.dir.mkdir()
+    write_json(paths.plan, plan)
+    with taken(planned) as thief:
+        # What `farm up` does once it has planned, with the planned port already gone.
+        daemon = subprocess.Popen([sys.executable, "-m", "servers.farm.daemon", str(paths.dir)], stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                  env={**os.environ, FARM_ID_VARIABLE: plan.farm_id})
+        try:
+            wait_until(lambda: paths.state.exists() and read_state(catalog)["ready"])
+            endpoint = json.loads(catalog.read_text())["envs"]["counter"]
+            port = httpx.URL(endpoint["url"]).port
+            assert port != planned
+            assert read_state(catalog)["envs"]["counter"]["url"] == endpoint["url"]
+            info = httpx.get(endpoint["url"] + "/info", headers={"Authorization": f"Bearer {endpoint['token']}"})
+            assert info.status_code == 200
+
+            # A restart serves the socket the daemon holds: same port, though the thief would like it.
+            first = read_state(catalog)["envs"]["counter"]["pid"]
+            os.kill(first, signal.SIGKILL)
+            wait_until(lambda: read_state(catalog)["envs"]["counter"]["restarts"] == 1
+                       and read_state(catalog)["envs"]["counter"]["status"] == "healthy")
+            assert httpx.get(endpoint["url"] + "/healthz").status_code == 200
+            assert json.loads(catalog.read_text())["envs"]["counter"]["url"] == endpoint["url"]
+            assert thief.getsockname()[1] == planned
+        finally:
+            down = envscaler("farm", "down", "--catalog", str(catalog))
+            daemon.wait(30)
+    assert down.returncode == 0, down.stderr
+
+
+def test_serve_refuses_a_descriptor_that_is_not_a_listening_socket(tmp_path: Path):
+    read_end, write_end = os.pipe()
+    try:
+        served = subprocess.run([sys.executable, "-m", "servers.cli", str(counter_bundle(tmp_path / "bundles")), "--no-sandbox",
+                                 "--listen-fd", str(read_end)], capture_output=True, text=True, pass_fds=(read_end,), timeout=60)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    assert served.returncode == 2
+    assert served.stderr.strip().splitlines() == [f"error: serve: --listen-fd {read_end}: not a listening TCP socket "
+                                                  "(pass one this process inherits, or use --port)"]
