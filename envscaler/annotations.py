@@ -15,7 +15,9 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 
+from envscaler.composite import part_classes
 from envscaler.models import EnvSpec, ToolAnnotations
+from envscaler.tools import public_methods
 
 # Methods of list, dict and set that change the object they are called on.
 _ADDING = {"append", "extend", "insert", "add", "setdefault"}
@@ -253,8 +255,19 @@ def derive_annotations(source: str, cls: type, tool_names: list[str]) -> dict[st
     """Hints for each tool, from the code of ``cls`` (and its bases defined in ``source``).
 
     A method whose source cannot be found is left without read-only or idempotent claims, so clients
-    treat it as the MCP defaults say (may write, may destroy).
+    treat it as the MCP defaults say (may write, may destroy). A composed class (``envscaler.composite``)
+    is read part by part.
     """
+    classes = part_classes(cls)
+    if len(classes) == 1:
+        return _class_annotations(source, cls, tool_names)
+    derived: dict[str, ToolAnnotations] = {}
+    for part in classes:  # a composed class: each tool is read in the class that defines it
+        derived.update(_class_annotations(source, part, [name for name in tool_names if name in public_methods(part)]))
+    return {name: derived[name] for name in tool_names if name in derived}
+
+
+def _class_annotations(source: str, cls: type, tool_names: list[str]) -> dict[str, ToolAnnotations]:
     defs = _method_defs(source, [klass.__name__ for klass in cls.__mro__ if klass is not object])
     own = {name: _scan(node) for name, node in defs.items()}
 

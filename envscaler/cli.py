@@ -20,6 +20,7 @@ from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE,
 
 if TYPE_CHECKING:
     from envscaler.gates import EnvReport, ScenarioReport
+    from envscaler.importers import ImportReport
 
 # What the commands need is imported when they run, inside ``main``'s handling of Ctrl-C: a command
 # interrupted while it starts says "interrupted" (130), not a traceback of the imports it was in.
@@ -146,14 +147,28 @@ def _import_envscaler(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _print_import_report(report: ImportReport, out: str) -> None:
+    """What an import wrote on stdout, and each thing it left out (with why) on stderr."""
+    print(f"imported {report.environments} environment(s) and {report.scenarios} scenario(s) into {out} "
+          f"({len(report.left_out)} item(s) left out)")
+    for item in report.left_out:
+        print(f"left out {item.item}: {item.reason}", file=sys.stderr)
+
+
 def _import_tau_bench(args: argparse.Namespace) -> int:
     from envscaler.importers import import_tau_bench
 
-    report = import_tau_bench(Path(args.checkout), Path(args.out), domains=args.domain, splits=args.split, timeout_s=args.timeout)
-    for item in report.left_out:
-        print(f"left out {item.item}: {item.reason}", file=sys.stderr)
-    print(f"imported {report.environments} domain(s) and {report.scenarios} task(s) into {args.out} "
-          f"({len(report.left_out)} item(s) left out)")
+    report = import_tau_bench(Path(args.checkout), Path(args.out), domains=args.domain, splits=args.split,
+                              timeout_s=args.gold_timeout)
+    _print_import_report(report, args.out)
+    return EXIT_OK
+
+
+def _import_bfcl(args: argparse.Namespace) -> int:
+    from envscaler.importers import import_bfcl
+
+    report = import_bfcl(Path(args.path), Path(args.out), gold_timeout_s=args.gold_timeout)
+    _print_import_report(report, args.out)
     return EXIT_OK
 
 
@@ -240,9 +255,18 @@ def build_parser() -> argparse.ArgumentParser:
     tau.add_argument("--out", required=True, metavar="DIR", help="folder to write one bundle per domain into")
     tau.add_argument("--domain", nargs="+", metavar="NAME", help="domains to import (default: every one found)")
     tau.add_argument("--split", nargs="+", default=["test"], metavar="SPLIT", help="task splits, tasks_<SPLIT>.py (default: test)")
-    tau.add_argument("--timeout", type=positive_float, default=600.0, metavar="SECONDS",
-                     help="seconds allowed for running one domain's gold actions (default: 600)")
+    tau.add_argument("--gold-timeout", type=positive_float, default=600.0, metavar="SECONDS",
+                     help="seconds one domain's gold actions may take to play, in a sandboxed child (default: 600)")
     tau.set_defaults(func=_import_tau_bench)
+    bfcl = sources.add_parser(
+        "bfcl", help="BFCL's multi-turn categories, from a local checkout of the benchmark",
+        **with_examples("envscaler import bfcl ~/gorilla/berkeley-function-call-leaderboard --out bundles/")
+    )
+    bfcl.add_argument("path", metavar="PATH", help="the checkout (gorilla, or a folder within it holding the data and the API classes)")
+    bfcl.add_argument("--out", required=True, metavar="DIR", help="folder to write one bundle per combination of classes into")
+    bfcl.add_argument("--gold-timeout", type=positive_float, default=300.0, metavar="SECONDS",
+                      help="seconds the gold calls of one bundle may take to play, in a sandboxed child (default: 300)")
+    bfcl.set_defaults(func=_import_bfcl)
 
     for entry in sorted(entry_points(group="envscaler.commands"), key=lambda e: e.name):
         try:

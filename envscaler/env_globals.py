@@ -133,7 +133,8 @@ class EnvGlobals:
                 size = _items(value, budget) if plain else 0
                 deep = plain and size <= budget
                 budget -= size if deep else 0
-                length = len(value) if plain and not deep else None
+                # A scalar past the budget is immutable: its identity tells every change.
+                length = len(value) if plain and not deep and isinstance(value, (dict, list, tuple, set, frozenset)) else None
                 self._shared.append(_Shared(owner, vars(owner), prefix + name, name, value, pristine, deep, length))
 
     def restore_changed(self) -> list[str]:

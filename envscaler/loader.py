@@ -8,6 +8,7 @@ import linecache
 import sys
 import types
 
+from envscaler.composite import compose
 from envscaler.errors import EnvCodeError
 from envscaler.guard import running_env_code
 from envscaler.models import EnvSpec
@@ -35,21 +36,25 @@ def precheck_class(spec: EnvSpec) -> None:
     """
     _compile(spec)  # a syntax error, named by its line
     names = [node.name for node in ast.parse(spec.env_class_code).body if isinstance(node, ast.ClassDef)]
-    if spec.env_class_name not in names:
-        raise EnvCodeError(
-            f"{spec.env_id}: class code defines no class {spec.env_class_name!r} at its top level "
-            f"(it defines: {', '.join(names) or 'none'})"
-        )
+    wanted = [part.class_name for part in spec.classes] if spec.classes else [spec.env_class_name]
+    for class_name in wanted:
+        if class_name not in names:
+            raise EnvCodeError(
+                f"{spec.env_id}: class code defines no class {class_name!r} at its top level "
+                f"(it defines: {', '.join(names) or 'none'})"
+            )
 
 
 def load_class(spec: EnvSpec) -> type:
-    """Compile ``spec.env_class_code`` and return ``spec.env_class_name`` from it.
+    """Compile ``spec.env_class_code`` and return ``spec.env_class_name`` from it, or with ``spec.classes`` a
+    class composing those classes (``envscaler.composite``).
 
     Each distinct code gets its own module, so two environments never share globals; the same code
     is compiled once per process. Raises EnvCodeError naming the line of a syntax error, or the
     exception the module raised while loading.
     """
-    digest = hashlib.sha256(f"{spec.env_class_name}\0{spec.env_class_code}".encode()).hexdigest()[:16]
+    part_key = "\0".join(part.model_dump_json() for part in spec.classes or [])
+    digest = hashlib.sha256(f"{spec.env_class_name}\0{part_key}\0{spec.env_class_code}".encode()).hexdigest()[:16]
     cached = _CLASSES.get(digest)
     if cached is not None:
         return cached
@@ -72,11 +77,18 @@ def load_class(spec: EnvSpec) -> type:
     except BaseException as e:  # noqa: BLE001 - module-level code is untrusted; report anything
         del sys.modules[module_name]
         raise EnvCodeError(f"{spec.env_id}: class code failed to load: {type(e).__name__}: {e}") from None
-    cls = module.__dict__.get(spec.env_class_name)
-    if not isinstance(cls, type):
-        found = sorted(k for k, v in module.__dict__.items() if isinstance(v, type) and v.__module__ == module_name)
-        raise EnvCodeError(
-            f"{spec.env_id}: class code defines no class {spec.env_class_name!r} (it defines: {', '.join(found) or 'none'})"
-        )
+    if spec.classes:
+        parts = [(part, _defined_class(spec, module, part.class_name)) for part in spec.classes]
+        cls = compose(spec.env_id, spec.env_class_name, parts, module_name)
+    else:
+        cls = _defined_class(spec, module, spec.env_class_name)
     _CLASSES[digest] = cls
+    return cls
+
+
+def _defined_class(spec: EnvSpec, module: types.ModuleType, name: str) -> type:
+    cls = module.__dict__.get(name)
+    if not isinstance(cls, type):
+        found = sorted(k for k, v in module.__dict__.items() if isinstance(v, type) and v.__module__ == module.__name__)
+        raise EnvCodeError(f"{spec.env_id}: class code defines no class {name!r} (it defines: {', '.join(found) or 'none'})")
     return cls

@@ -104,8 +104,38 @@ class ToolAnnotations(BaseModel):
         return self.model_dump(exclude_none=True)
 
 
+class ClassPart(BaseModel):
+    """One class of a multi-class environment (``EnvSpec.classes``).
+
+    ``name`` is the part's key in the state and in a scenario's ``init_config``; ``class_name`` the class
+    in ``env_class_code``; ``loader`` the method that takes the part's configuration after ``cls()``
+    (BFCL's ``_load_scenario``), or None for EnvScaler's construction; ``loader_arguments`` keyword
+    arguments the loader gets besides the configuration (BFCL's ``long_context``).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    class_name: str
+    loader: str | None = None
+    loader_arguments: dict[str, Any] | None = None
+
+    @field_validator("name", "class_name", "loader")
+    @classmethod
+    def _identifier(cls, value: str | None) -> str | None:
+        if value is not None and not value.isidentifier():
+            raise ValueError(f"{value!r} is not a Python identifier")
+        return value
+
+
 class EnvSpec(_Open):
-    """One environment: EnvScaler's env metadata item."""
+    """One environment: EnvScaler's env metadata item.
+
+    With ``classes``, the environment is several classes of ``env_class_code`` side by side (BFCL's
+    API classes): the state is ``{part.name: that instance's public attributes}``, a scenario's
+    ``init_config`` is ``{part.name: config}``, and the tools are the public methods of every part
+    (``envscaler.composite``).
+    """
 
     env_id: str
     env_class_name: str
@@ -121,6 +151,22 @@ class EnvSpec(_Open):
     # Python distributions the code imports beyond the standard library, as PEP 508 requirements
     # (``"mpmath>=1.3"``): checked where the environment is served (envscaler/requirements.py).
     requires: list[str] | None = None
+    classes: list[ClassPart] | None = None
+
+    @field_validator("classes")
+    @classmethod
+    def _distinct_parts(cls, classes: list[ClassPart] | None) -> list[ClassPart] | None:
+        if classes is not None:
+            if not classes:
+                raise ValueError("classes is empty: list at least one class, or leave it out")
+            names = [part.name for part in classes]
+            twice = sorted({name for name in names if names.count(name) > 1})
+            if twice:
+                raise ValueError(f"part names must differ; repeated: {', '.join(twice)}")
+            hidden = [name for name in names if name.startswith("_")]
+            if hidden:
+                raise ValueError(f"part names become state keys and may not start with '_': {', '.join(hidden)}")
+        return classes
 
     @field_validator("requires")
     @classmethod

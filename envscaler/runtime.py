@@ -2,7 +2,8 @@
 
 Semantics follow EnvScaler, since its data assumes them: an instance is ``cls(init_config)``
 (falling back to ``cls()``), then every init_config key is set as an attribute; the state is the
-instance's public attributes; the tools are the public methods the spec lists.
+instance's public attributes; the tools are the public methods the spec lists. An environment of
+several classes (``EnvSpec.classes``) is one composed class (``envscaler.composite``).
 
 Everything environment code does goes through a guard: only allowlisted tools are callable,
 arguments are checked against the tool's schema first, and every call and check has a time limit.
@@ -32,6 +33,7 @@ from typing import Any
 
 from envscaler.annotations import tool_annotations
 from envscaler.checks import check_states, score
+from envscaler.composite import construct
 from envscaler.env_globals import EnvGlobals, describe_change
 from envscaler.errors import EnvCodeError, SchemaError
 from envscaler.guard import GuardSignal, Preempted, TimeLimitExceeded, call_preemptibly, call_with_limit
@@ -168,7 +170,7 @@ class EnvRuntime:
                 view = Overlay(None)
                 config = view.view(config)
         try:
-            instance = call_with_limit(_construct, self.call_timeout_s, self.env_class, config)
+            instance = call_with_limit(construct, self.call_timeout_s, self.env_class, config)
         except TimeLimitExceeded:
             raise EnvCodeError(f"{self.env_id}: constructor ran longer than {self.call_timeout_s:g} s") from None
         except GuardSignal:
@@ -290,26 +292,6 @@ def _accepted_parameters(function: Any) -> set[str] | None:
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return None
     return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-
-
-@functools.lru_cache(maxsize=256)
-def _takes_config(cls: type) -> bool:
-    try:
-        inspect.signature(cls).bind({})
-    except TypeError:
-        return False
-    except ValueError:  # no signature to inspect: let the call decide
-        return True
-    return True
-
-
-def _construct(cls: type, config: dict[str, Any]) -> Any:
-    # EnvScaler falls back to cls() when cls(init_config) fails; falling back only when the
-    # constructor cannot take the argument keeps a TypeError inside __init__ visible.
-    instance = cls(config) if _takes_config(cls) else cls()
-    for key, value in config.items():
-        setattr(instance, key, value)
-    return instance
 
 
 def _tracked_subclass(cls: type) -> type | None:

@@ -452,6 +452,16 @@ class Sharing:
 '''
 
 
+def test_a_scalar_global_after_the_deep_check_budget_is_spent_loads_and_is_still_watched():
+    # A table that spends the whole budget, then a scalar (BFCL's long_context tables come before such constants).
+    code = "TABLE = list(range(1000))\nLIMIT = 50\n\n\nclass Capped:\n    def __init__(self):\n        self.n = 0\n\n" \
+           "    def raise_limit(self) -> int:\n        global LIMIT\n        LIMIT += 1\n        return LIMIT\n"
+    runtime = EnvRuntime(EnvSpec(env_id="capped", env_class_name="Capped", env_class_code=code))
+    outcome = runtime.new_episode({}).call("raise_limit", {})
+    assert outcome.error_kind == "env" and "module global LIMIT" in outcome.error
+    assert sys.modules[runtime.env_class.__module__].LIMIT == 50
+
+
 def test_a_call_that_changes_what_every_episode_shares_is_an_env_error_and_is_put_back():
     runtime = EnvRuntime(EnvSpec(env_id="sharing", env_class_name="Sharing", env_class_code=SHARING_CODE))
     episode = runtime.new_episode({"n": 1}, scenario_key="s1")

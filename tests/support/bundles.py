@@ -370,6 +370,84 @@ def users_scenario(reference: list[dict[str, Any]]) -> dict[str, Any]:
             "checklist_with_func": [CHECK_U1_RENAMED], "reference_solution": reference}
 
 
+# Two classes side by side (EnvSpec.classes): both keep a public ``items`` and a module-level default of the other's
+# name, each loads its part of the scenario with its own loader, and the counter raises on bad input.
+SHELF_CODE = '''
+DEFAULTS = {"books": ["Dune"], "start": 0}
+
+
+class Shelf:
+    def __init__(self):
+        self.items = []
+        self._label = "shelf"
+
+    def _load_scenario(self, config, long_context=False):
+        self.items = list(config.get("books", DEFAULTS["books"]))
+        if long_context:
+            self.items += ["Index of every book"]
+
+    def add_book(self, title: str) -> dict:
+        """Put a book on the shelf.
+
+        Args:
+            title (str): The book's title.
+        """
+        self.items.append(title)
+        return {"count": len(self.items)}
+
+    def list_books(self) -> list:
+        """The books on the shelf."""
+        return list(self.items)
+
+
+class Tally:
+    def __init__(self):
+        self.items = DEFAULTS["start"]
+
+    def _load_scenario(self, config):
+        self.items = config.get("start", DEFAULTS["start"])
+
+    def bump(self, by: int = 1) -> int:
+        """Raise the tally.
+
+        Args:
+            by (int): How much to add; not negative.
+        """
+        if by < 0:
+            raise ValueError(f"by must not be negative, got {by}")
+        self.items += by
+        return self.items
+'''
+
+SHELF_PARTS = [{"name": "Shelf", "class_name": "Shelf", "loader": "_load_scenario"},
+               {"name": "Tally", "class_name": "Tally", "loader": "_load_scenario"}]
+
+
+def shelf_spec(**overrides: Any) -> dict[str, Any]:
+    """A two-class environment: a shelf of books and a tally, whose attributes share names."""
+    spec = {"env_id": "shelf_tally", "env_class_name": "ShelfTally", "env_class_code": SHELF_CODE,
+            "environment_introduction": "A shelf and a tally.", "classes": copy.deepcopy(SHELF_PARTS),
+            "tool_errors": {"agent_errors": ["ValueError"]}}
+    spec.update(overrides)
+    return spec
+
+
+def shelf_scenario() -> dict[str, Any]:
+    """Shelve one book and raise the tally by two, from a shelf of one book and a tally at 5."""
+    return {
+        "task_id": "shelf_001",
+        "env_id": "shelf_tally",
+        "init_config": {"Shelf": {"books": ["Emma"]}, "Tally": {"start": 5}},
+        "task": "Shelve 'Ulysses' and raise the tally by 2.",
+        "checklist_with_func": [
+            {"check_item": "Ulysses shelved", "check_func": "def check_func(final_state):\n"
+             "    return final_state['Shelf']['items'] == initial_state['Shelf']['items'] + ['Ulysses']"},
+            {"check_item": "tally at 7", "check_func": "def check_func(final_state):\n    return final_state['Tally']['items'] == 7"},
+        ],
+        "reference_solution": [{"name": "add_book", "arguments": {"title": "Ulysses"}},
+                               {"name": "bump", "arguments": {"by": 2}}],
+    }
+
 STOCK_CODE = '''
 class Stock:
     def __init__(self, init_config: dict):
