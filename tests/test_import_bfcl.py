@@ -22,13 +22,13 @@ def imported(tmp_path_factory):
     out = tmp_path_factory.mktemp("bfcl") / "bundles"
     result = envscaler("import", "bfcl", str(FIXTURE), "--out", str(out))
     assert result.returncode == 0, result.stdout + result.stderr
-    return out, result.stdout
+    return out, result.stdout + result.stderr
 
 
 def test_one_bundle_per_combination_of_classes_and_a_report_of_what_was_left_out(imported):
     out, printed = imported
     assert sorted(p.name for p in out.iterdir()) == BUNDLES
-    assert "imported 4 environments and 6 scenarios" in printed
+    assert "imported 4 environment(s) and 6 scenario(s)" in printed
     assert "multi_turn_miss_func_0: category miss_func: functions are withheld until a later turn (read_note)" in printed
     assert "multi_turn_base_4: gold call: \"transfer(to='Sam', amount=get_balance())\" has an argument that is not a literal" in printed
     assert "BFCL_v3_multi_turn_base.json: an older version of a category that a newer file holds too" in printed
@@ -110,7 +110,7 @@ def test_the_v3_layout_imports_as_well(tmp_path):
     shutil.copytree(LEADERBOARD / "bfcl_eval" / "eval_checker", root / "bfcl" / "eval_checker")
     result = envscaler("import", "bfcl", str(tmp_path / "gorilla"), "--out", str(tmp_path / "out"))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "imported 1 environments and 1 scenarios" in result.stdout
+    assert "imported 1 environment(s) and 1 scenario(s)" in result.stdout
     assert load_bundle(tmp_path / "out" / "bfcl_wallet_api").scenarios[0].turns[0].reference_solution[0].name == "get_balance"
 
 

@@ -133,7 +133,7 @@ def imported(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tau") / "bundles"
     result = envscaler("import", "tau-bench", str(CHECKOUT), "--out", str(out), timeout=300)
     assert result.returncode == 0, result.stderr
-    assert "imported 1 domain(s) and 4 task(s)" in result.stdout
+    assert "imported 1 environment(s) and 4 scenario(s)" in result.stdout
     # The transfer-only task (doing nothing solves it) is left out, and why; so is a gold write that fails and changes nothing.
     assert "left out library/test_3: its gold actions change no data and it expects no output" in result.stderr
     assert ("left out library/test_4 action 2: the gold write borrow_book fails (the tool's answer starts with 'Error:') "
