@@ -19,7 +19,7 @@ turn's checks reproduce BFCL's multi-turn checker: every involved class's state 
 the gold run's, and the results of the turn's gold calls are among the results of the turn's calls
 (as a multiset, in any order); a turn whose gold is empty (the model must ask, not act) passes when
 it makes no call. The expected states and results are those of the gold calls, played at import in
-a limited child process (``gold_runs``), never in this one.
+a limited child process (``envscaler.importers.gold``), never in this one.
 
 The ``long_context`` category gets bundles of its own, whose loaders are called with
 ``long_context=True`` (``ClassPart.loader_arguments``) as BFCL does. Left out, with the reason in the
@@ -38,6 +38,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -45,9 +46,9 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from envscaler.bundle import read_jsonl, save_bundle
-from envscaler.errors import BundleError
+from envscaler.errors import BundleError, InfraError
 from envscaler.importers.envscaler_release import ImportReport, LeftOut
-from envscaler.importers.gold_runs import GoldOutcome, GoldRun, run_gold
+from envscaler.importers.gold import GoldRun, run_gold
 from envscaler.importers.python_sources import MergeProblem, merge_modules
 from envscaler.models import Bundle, CheckItem, ClassPart, EnvSpec, Scenario, ToolAnnotations, ToolCall, ToolErrorPolicy, Turn
 from envscaler.schema import validate
@@ -263,7 +264,7 @@ def _bundle(checkout: BfclCheckout, classes: tuple[str, ...], long_context: bool
         return None
     tools = {tool.name: tool.parameters for tool in spec.listed_tools() or []}
     parameters = _parameters(checkout, classes)
-    runs: list[GoldRun] = []
+    scripted: list[Scenario] = []
     for task in tasks:
         try:
             turns = [[parse_call(text, parameters) for text in turn] for turn in task.ground_truth]
@@ -280,25 +281,36 @@ def _bundle(checkout: BfclCheckout, classes: tuple[str, ...], long_context: bool
         if broken:
             report.left_out.append(LeftOut(item=task.id, reason=f"a gold call breaks its function doc ({broken[0]})"))
             continue
-        runs.append(GoldRun(task_id=task.id, init_config={c: task.initial_config.get(c, {}) for c in classes}, turns=turns))
-    by_id = {task.id: task for task in tasks}
+        scripted.append(Scenario(
+            task_id=task.id, env_id=spec.env_id, env_class_name=spec.env_class_name,
+            init_config={c: task.initial_config.get(c, {}) for c in classes}, task=task.turns[0],
+            turns=[Turn(message=message, reference_solution=calls) for message, calls in zip(task.turns, turns, strict=True)],
+            bfcl_category=task.category))
+    if not scripted:
+        return None
+    try:
+        with tempfile.TemporaryDirectory(prefix="envscaler-bfcl-") as staging:
+            runs = run_gold(save_bundle(Bundle(spec=spec, scenarios=scripted), staging), gold_timeout_s, states=True)
+    except InfraError as e:
+        report.left_out += [LeftOut(item=s.task_id, reason=f"the gold calls could not be played: {e}") for s in scripted]
+        return None
     scenarios = []
-    outcomes = run_gold(spec, runs, gold_timeout_s) if runs else []
-    for run, outcome in zip(runs, outcomes, strict=True):
-        if outcome.error is not None:
-            report.left_out.append(LeftOut(item=run.task_id, reason=f"the gold calls could not be played: {outcome.error}"))
+    for scenario in scripted:
+        run = runs.get(scenario.task_id) or GoldRun(task_id=scenario.task_id, error="the gold run reported nothing for it")
+        if run.error is not None:
+            report.left_out.append(LeftOut(item=run.task_id, reason=f"the gold calls could not be played: {run.error}"))
             continue
-        failed = next(((number, turn.env_errors[0]) for number, turn in enumerate(outcome.turns, start=1) if turn.env_errors), None)
+        failed = next(((number, call.error) for number, turn in enumerate(run.turns, start=1)
+                       for call in turn.calls if call.env_fault), None)
         if failed is not None:
             report.left_out.append(LeftOut(item=run.task_id, reason=f"a gold call of turn {failed[0]} fails in BFCL's own code: {failed[1]}"))
             continue
-        scenarios.append(_scenario(spec, by_id[run.task_id], run, outcome))
+        scenarios.append(_checked(scenario, run))
     if not scenarios:
         return None
     # The code analysis cannot see a write through another object's method (a file system's tree): what the
     # gold calls did decides for the tools they called.
-    kept = {scenario.task_id for scenario in scenarios}
-    writers = sorted({name for outcome in outcomes if outcome.task_id in kept for turn in outcome.turns for name in turn.changed_by})
+    writers = sorted({call.name for scenario in scenarios for call in runs[scenario.task_id].calls if call.changed})
     spec.tool_annotations = {name: ToolAnnotations(readOnlyHint=False) for name in writers} or None
     return Bundle(spec=spec, scenarios=scenarios)
 
@@ -341,16 +353,17 @@ def _spec(checkout: BfclCheckout, classes: tuple[str, ...], long_context: bool) 
     )
 
 
-def _scenario(spec: EnvSpec, task: BfclTask, run: GoldRun, outcome: GoldOutcome) -> Scenario:
+def _checked(scenario: Scenario, run: GoldRun) -> Scenario:
+    """``scenario`` with each turn's checks: the state and the results its gold calls left in ``run``."""
     turns = []
-    for number, (message, calls, gold) in enumerate(zip(task.turns, run.turns, outcome.turns, strict=True), start=1):
-        if not calls:
+    for number, (turn, gold) in enumerate(zip(scenario.turns or [], run.turns, strict=True), start=1):
+        if not turn.reference_solution:
             checks = [CheckItem(check_item=f"turn {number}: no function is called (the request cannot be done as asked)",
                                 check_func="def check_func(final_state):\n    return not turn_results\n")]
         else:
             checks = [CheckItem(check_item=f"turn {number}: {part}'s state is the gold run's (BFCL state check)",
                                 check_func=f"def check_func(final_state):\n    return final_state.get({part!r}) == {state!r}\n")
-                      for part, state in gold.state.items() if state]
+                      for part, state in (gold.state or {}).items() if state]
             expected = [(call.result, call.error) for call in gold.calls]
             checks.append(CheckItem(
                 check_item=f"turn {number}: the gold calls' results are among the turn's results (BFCL response check)",
@@ -361,9 +374,8 @@ def _scenario(spec: EnvSpec, task: BfclTask, run: GoldRun, outcome: GoldOutcome)
                             "            return False\n"
                             "        answered.remove(result)\n"
                             "    return True\n")))
-        turns.append(Turn(message=message, checklist_with_func=checks, reference_solution=calls))
-    return Scenario(task_id=task.id, env_id=spec.env_id, env_class_name=spec.env_class_name, init_config=run.init_config,
-                    task=task.turns[0], turns=turns, bfcl_category=task.category)
+        turns.append(turn.model_copy(update={"checklist_with_func": checks}))
+    return scenario.model_copy(update={"turns": turns})
 
 
 def _benchmark_module(node: ast.Import | ast.ImportFrom) -> str | None:

@@ -1,9 +1,12 @@
-"""Gold final states: a bundle's reference solutions run in a limited child, what each changed comes back as a digest.
+"""Gold runs: a bundle's reference solutions played turn by turn in a limited child, what they did reported back.
 
-Benchmarks score by comparing the data after the agent with the data after the gold actions
-(tau-bench). The importer cannot run the benchmark's tool code itself (it is untrusted), so it
-writes the bundle, runs ``python -m envscaler.importers.gold_worker BUNDLE_DIR`` through the sandbox
-(``envscaler.sandbox.run_module``) and reads one :class:`GoldRun` per scenario.
+An importer that reproduces a benchmark's scoring needs what the benchmark's gold calls do before it
+writes the checks: tau-bench compares the data after the agent with the data after the gold actions,
+BFCL compares each turn's state and results with the gold calls'. Computing that runs the benchmark's
+code, which never happens in the importer's process: the importer writes the bundle (data files
+included), and :func:`run_gold` runs ``python -m envscaler.importers.gold_worker BUNDLE_DIR`` through
+the sandbox (``envscaler.sandbox.run_module``), which plays every scenario on a fresh episode through
+the runtime's guards and prints one :class:`GoldRun` per scenario.
 
 Two states that grew from the same initial state are equal exactly when they changed it in the same
 places to the same values, so the digest is of the change set (:data:`CHANGES_CODE`, over
@@ -23,6 +26,7 @@ from typing import Any
 from pydantic import BaseModel, Field, ValidationError
 
 from envscaler.errors import InfraError
+from envscaler.models import CallResult
 from envscaler.sandbox import run_module
 
 CHANGES_CODE = '''
@@ -55,39 +59,57 @@ NO_CHANGE = changes_digest({}, {})
 """The digest of a state that changed nothing."""
 
 
-class GoldCall(BaseModel):
-    """One reference call as the worker ran it."""
+class GoldCall(CallResult):
+    """One reference call as the worker played it: what check functions see of it, and how it went."""
 
-    name: str
-    error: str | None = None
     error_kind: str | None = None
     changed: bool = False
     read_only: bool | None = None
     """The tool's readOnlyHint, as the runtime serves it."""
 
+    @property
+    def env_fault(self) -> bool:
+        """True when it failed by the environment's fault (its code raised an undeclared exception, changed
+        what every episode shares, or ran out of time): a reference no agent could be held to."""
+        return self.error_kind in ("env", "timeout")
+
+
+class GoldTurn(BaseModel):
+    """One turn's reference calls as played, and the state they left (only when the run asked for states)."""
+
+    calls: list[GoldCall] = Field(default_factory=list)
+    state: dict[str, Any] | None = None
+
 
 class GoldRun(BaseModel):
-    """One scenario's reference solution run on its initial state: the digest of what it changed, or why there is none."""
+    """One scenario's reference solution played on its initial state, turn by turn, or why it could not be."""
 
     task_id: str
+    error: str | None = None
+    turns: list[GoldTurn] = Field(default_factory=list)
+    """One per scenario turn; a single-turn scenario has one."""
     digest: str | None = None
     """``changes_digest(initial state, final state)``: :data:`NO_CHANGE` when the calls changed nothing."""
-    error: str | None = None
-    calls: list[GoldCall] = Field(default_factory=list)
+
+    @property
+    def calls(self) -> list[GoldCall]:
+        """Every turn's calls, in the order they ran."""
+        return [call for turn in self.turns for call in turn.calls]
 
 
-def run_gold(bundle_dir: Path, timeout_s: float) -> dict[str, GoldRun]:
+def run_gold(bundle_dir: Path, timeout_s: float, *, states: bool = False) -> dict[str, GoldRun]:
     """Each scenario's GoldRun (task_id -> run) for the bundle at ``bundle_dir``, from a sandboxed child.
 
+    ``states``: report the state after each turn too (a benchmark's data can be megabytes per turn).
     Raises InfraError, naming the environment (the bundle folder's name), when the child fails as a whole
     (the environment does not load, it dies or it runs past ``timeout_s``).
     """
     try:
-        done = run_module("envscaler.importers.gold_worker", [str(bundle_dir)], timeout_s=timeout_s,
-                          memory_mb=GOLD_MEMORY_MB, readable=[bundle_dir])
+        done = run_module("envscaler.importers.gold_worker", [str(bundle_dir), *(["--states"] if states else [])],
+                          timeout_s=timeout_s, memory_mb=GOLD_MEMORY_MB, readable=[bundle_dir])
     except TimeoutExpired:
-        raise InfraError(f"{bundle_dir.name}: running the gold actions took longer than {timeout_s:g} s "
-                         "(raise --timeout, or import fewer tasks with --split)") from None
+        raise InfraError(f"{bundle_dir.name}: running the gold calls took longer than {timeout_s:g} s "
+                         "(raise --gold-timeout, or import fewer tasks)") from None
     runs: dict[str, GoldRun] = {}
     # Split on "\n" only: a message can hold U+2028 and the like, which splitlines() breaks on.
     for line in done.stdout.strip().split("\n"):

@@ -449,7 +449,7 @@ def _gold_problem(task: TauTask, run: GoldRun) -> str | None:
     if run.error is not None or run.digest is None:
         return f"its gold actions could not run: {run.error}"
     for number, call in enumerate(run.calls, start=1):
-        if call.error_kind in ("env", "timeout"):
+        if call.env_fault:
             return f"gold action {number} ({call.name}) fails in the tool's own code ({call.error})"
         if call.error is not None and call.changed:
             return (f"gold action {number} ({call.name}) changes the data, then fails ({call.error}): the reference "
