@@ -330,13 +330,22 @@ class WorkerProcess:
     on the loop, when a request finds the last one gone. ``new_processes``: its sandbox lets it fork
     (a zygote that runs no untrusted code itself, see ``envscaler.sandbox.sandboxed``). ``queue_wait_s``:
     how long the child may keep a request waiting (for a call thread) while it answers others.
+    ``idle_s`` (with ``lazy``: a child that holds nothing its next request needs): a child with nothing in
+    flight for that long is stopped, and the next request starts another. That is no loss: ``on_lost`` is
+    not called and :attr:`restarts` does not count it.
     """
 
     def __init__(self, module: str, settings: BaseModel, *, role: str, sandbox: bool, on_lost: Callable[[str], None],
                  mark: RunningMarks | None = None, lazy: bool = False, new_processes: bool = False, env_id: str = "",
                  group: ChildGroup | None = None, tasks: int = CHILD_TASKS, readable: tuple[Path, ...] = (),
-                 queue_wait_s: float = 0.0) -> None:
+                 queue_wait_s: float = 0.0, idle_s: float | None = None) -> None:
+        if idle_s is not None and not lazy:
+            raise ValueError("idle_s needs lazy: a child that is stopped when idle is started by the next request")
         self.module = module
+        self.idle_s = idle_s
+        # When the current child last had something in flight (time.monotonic()), and the timer that stops it once idle.
+        self._used = 0.0
+        self._idle_timer: asyncio.TimerHandle | None = None
         self.readable = readable
         self.queue_wait_s = queue_wait_s
         # When the current child last answered anything (time.monotonic()): a child that answers is not frozen.
@@ -422,6 +431,7 @@ class WorkerProcess:
         request_id = self._next_id
         self._next_id = request_id + 1 if request_id < 0xFFFF_FFFF else HELLO_ID + 1
         child.send(frame(request_id, request))
+        self._used = time.monotonic()
         status, payload = await self._wait(request_id, limit_s + GRACE_S, limit_s, what, subject, again, _HOLDING.get())
         if status == FAILED:
             try:
@@ -473,6 +483,8 @@ class WorkerProcess:
 
     def close(self) -> None:
         """Stop the child (the server is shutting down)."""
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
         if self._child is not None and not self._child.gone:
             self._child.kill()
 
@@ -575,12 +587,31 @@ class WorkerProcess:
         return turns
 
     def answered(self, request_id: int, status: int, payload: bytes) -> None:
-        self._heard = time.monotonic()
+        self._heard = self._used = time.monotonic()
         pending = self._pending.pop(request_id, None)
         if pending is not None and not pending.future.done():
             pending.future.set_result((status, payload))
         if not self._pending and self._turns:
             self._wake()  # a turn alone may wait for the child to have nothing in flight
+        if not self._pending and self.idle_s is not None and self._idle_timer is None:
+            self._idle_timer = asyncio.get_running_loop().call_later(self.idle_s, self._stop_if_idle)
+
+    def _stop_if_idle(self) -> None:
+        """Stop the child once it has had nothing in flight for ``idle_s``; else look again when it may have."""
+        self._idle_timer = None
+        assert self.idle_s is not None
+        child = self._child
+        starting = self._starting is not None and not self._starting.done()
+        if child is None or child.gone or starting or self._pending:
+            return  # gone already, or busy: its next answer with nothing left in flight sets the timer again
+        left = self._used + self.idle_s - time.monotonic()
+        if left > 0:
+            self._idle_timer = asyncio.get_running_loop().call_later(left, self._stop_if_idle)
+            return
+        child.kill()
+        self._child = None  # the next request starts a child, and that is no restart
+        log.info(f"{self.role} stopped: idle for {self.idle_s:g} s; the next request starts it again",
+                 extra={"env": self.env_id, "serial": child.serial})
 
     def _supervise(self) -> None:
         now = time.monotonic()

@@ -65,6 +65,13 @@ log = logging.getLogger("envscaler.server")
 T = TypeVar("T")
 
 ROLE = "environment worker"
+CHECK_IDLE_S = 30.0
+"""How long the check worker may sit idle before it is stopped (the next validation starts it again).
+
+A start costs about a second of one core (an interpreter, the checker's imports, the data files) and
+the worker about 25 MB: a harness validates each episode once, after minutes of tool calls, so between
+validations an environment holds nothing for checks, while a burst of validations (a batch ending, a
+trainer's group of rollouts) finishes on the worker the first one started."""
 # How many times a request is asked in all, at most, when the worker keeps falling under it without blaming it.
 CAUGHT_UP_TRIES = 4
 
@@ -84,7 +91,7 @@ class WorkerEpisodeStore(EpisodeRegistry):
     """Episodes whose state lives in a worker process (see the module's doc)."""
 
     def __init__(self, bundle: Bundle, settings: WorkerSettings, *, sandbox: bool, group: GroupLimits | None = None,
-                 **limits: Any) -> None:
+                 check_idle_s: float = CHECK_IDLE_S, **limits: Any) -> None:
         super().__init__(bundle, **limits)
         mark = RunningMarks()
         self.settings = settings = settings.model_copy(update={"mark_fd": mark.fd})
@@ -108,7 +115,8 @@ class WorkerEpisodeStore(EpisodeRegistry):
                                            bundle_dir=bundle.directory,
                                            data_files=sorted({name for s in bundle.scenarios for name in references(s.init_config).values()}))
         self.checker = WorkerProcess("servers.workers.check_worker", checker_settings, role="check worker", on_lost=self._checker_lost,
-                                     mark=check_mark, lazy=True, new_processes=True, group=self.groups[1], **shared)
+                                     mark=check_mark, lazy=True, idle_s=check_idle_s, new_processes=True, group=self.groups[1],
+                                     **shared)
         self._checking = asyncio.Lock()
         hello = decode(WorkerHello, self.worker.hello)
         self._tools, self._annotations = hello.tools, hello.annotations
