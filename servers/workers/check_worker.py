@@ -43,7 +43,7 @@ from envscaler.seccomp import seccomp_policy
 from envscaler.state import apply_changes
 from servers.transport.asgi import json_bytes
 from servers.episodes.store import checks_limit_s
-from servers.workers.process import child_main
+from servers.workers.child import child_main
 from servers.workers.wire import (
     FAILED,
     HEADER,

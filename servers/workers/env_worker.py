@@ -34,7 +34,7 @@ from servers.episodes.store import EpisodeStore, LiveEpisode
 from servers.transport.event_loop import loop_factory
 from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, Overloaded, UnknownEpisode, UnknownScenario
 from servers.memory import memory_status
-from servers.workers.process import child_main
+from servers.workers.child import child_main
 from servers.workers.wire import (
     EXIT_FOREIGN_THREAD,
     FAILED,

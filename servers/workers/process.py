@@ -66,10 +66,10 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from envscaler import EnvCodeError, logs
+from envscaler import EnvCodeError
 from envscaler.cgroups import ChildGroup
 from envscaler.errors import BundleError, ChecklistError
-from envscaler.sandbox import CHILD_TASKS, Launch, clean_environment, confined_uid, die_with_parent, make_undumpable, sandboxed
+from envscaler.sandbox import CHILD_TASKS, Launch, clean_environment, confined_uid, make_undumpable, sandboxed
 from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, Overloaded, UnknownEpisode, UnknownScenario
 from servers.memory import oom_kills
 from servers.workers.wire import (
@@ -97,6 +97,11 @@ _KILLED = (-signal.SIGKILL, 128 + signal.SIGKILL)
 OUTPUT_BYTES = 256 * 1024
 """How much of one child's output is logged; the rest is counted, not kept."""
 OUTPUT_LINE_CHARS = 4000
+# What a child's interpreter is told unless the server's own environment says otherwise. Two malloc arenas at most: each
+# call thread that allocates gets an arena of its own, which keeps what it once held (16 busy threads: 1.3 to 1.9 MB more
+# than with two, benchmarks/worker_imports.py). No pydantic plugins: the search for them reads every installed
+# distribution's metadata into each child (0.5 MB), and a plugin is code the child needs no more than the server does.
+CHILD_ENVIRONMENT = {"MALLOC_ARENA_MAX": "2", "PYDANTIC_DISABLE_PLUGINS": "1"}
 OUT_OF_MEMORY = "out of memory: the kernel killed it"
 """Why a child that the kernel's OOM killer killed is gone."""
 _ERRORS: dict[str, type[Exception]] = {
@@ -245,7 +250,8 @@ class _Child:
             launch = (stack.enter_context(sandboxed(command, readable=readable, placed=placed, tasks=tasks, new_processes=new_processes,
                                                     memfd=group is not None))
                       if sandbox else Launch(command))
-            self.process = subprocess.Popen(launch.argv, pass_fds=[theirs.fileno(), *inherited, *launch.fds], env=clean_environment(),
+            self.process = subprocess.Popen(launch.argv, pass_fds=[theirs.fileno(), *inherited, *launch.fds],
+                                            env={**CHILD_ENVIRONMENT, **clean_environment()},
                                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                             preexec_fn=functools.partial(_enter_child, group, launch))
         theirs.close()
@@ -650,20 +656,6 @@ class WorkerProcess:
                 if isinstance(gone, WorkerGone) and gone.turn is not None:
                     self._end(gone.turn)
             raise
-
-
-def child_main(module: str, serve: Callable[[socket.socket], None], argv: list[str] | None = None) -> int:
-    """A child's entry point, ``python -m module FD``: ``serve`` the server's end of the socket pair at FD."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1 or not args[0].isdigit():
-        print(f"usage: python -m {module} FD  (started by an environment server, not by hand)", file=sys.stderr)
-        return 2
-    die_with_parent(signal.SIGKILL)  # even stuck in a C loop that would not notice its socket close
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_IGN)  # sent to the server's group: the server stops us once it has stopped
-    logs.configure("warning")
-    serve(socket.socket(fileno=int(args[0])))
-    return 0
 
 
 class _Pending:
