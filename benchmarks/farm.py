@@ -6,7 +6,9 @@ for). Then each environment validates one episode of its first scenario (which s
 worker), and memory is read from /proc/PID/smaps_rollup: of each server process (for docker: the
 container's main process), and of each environment as a whole (the server, its environment worker and
 its check worker, with bubblewrap's processes when sandboxed): USS (private pages, what one more
-costs), PSS (shared pages split among their users) and RSS. The daemon's CPU while the farm is idle
+costs), PSS (shared pages split among their users) and RSS. An environment's memory is read three
+times: before any validation, after one, and ``--reap-wait`` seconds after it, once its check worker
+has stopped (idle for the server's ``--check-idle``). The daemon's CPU while the farm is idle
 is read from /proc/PID/stat over 10 s, and given per environment too.
 
 With ``--load``, a busy process runs on every core from before the validations to the end of the
@@ -18,12 +20,14 @@ each server as its own interpreter (``ENVSCALER_SPAWNER=popen``).
 Image builds (docker): one environment image cold (its tag absent) and cached (a no-op).
 
     python benchmarks/farm.py [--envs 50] [--backend process|docker|both] [--spawner sandbox|zygote|popen|all] [--load]
+                              [--reap-wait 35]
 
 Targets: process: all healthy within 30 s up to 200 environments, 60 s up to 1,000 (issue 13: on a
 machine with at least 16 cores) with servers forked from the zygote (the popen run's times are shown
 for comparison); docker: 50 healthy within 60 s; USS <= 12 MB per forked server; RSS <= 45 MB per
-server; the idle daemon under 2% of a core (issue 34: at 1,000 environments); 0 restarts. Exits 1 when one is missed (docker is skipped, and says
-so, when no engine answers).
+server; the idle daemon under 2% of a core (issue 34: at 1,000 environments); 0 restarts; process:
+USS <= 15 MB per environment after a validation, its check worker stopped (issue 34). Exits 1 when one
+is missed (docker is skipped, and says so, when no engine answers).
 """
 
 from __future__ import annotations
