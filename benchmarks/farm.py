@@ -6,7 +6,9 @@ for). Then each environment validates one episode of its first scenario (which s
 worker), and memory is read from /proc/PID/smaps_rollup: of each server process (for docker: the
 container's main process), and of each environment as a whole (the server, its environment worker and
 its check worker, with bubblewrap's processes when sandboxed): USS (private pages, what one more
-costs), PSS (shared pages split among their users) and RSS. The daemon's CPU while the farm is idle
+costs), PSS (shared pages split among their users) and RSS. An environment's memory is read three
+times: before any validation, after one, and ``--reap-wait`` seconds after it, once its check worker
+has stopped (idle for the server's ``--check-idle``). The daemon's CPU while the farm is idle
 is read from /proc/PID/stat over 10 s, and given per environment too.
 
 With ``--load``, a busy process runs on every core from before the validations to the end of the
@@ -18,12 +20,14 @@ each server as its own interpreter (``ENVSCALER_SPAWNER=popen``).
 Image builds (docker): one environment image cold (its tag absent) and cached (a no-op).
 
     python benchmarks/farm.py [--envs 50] [--backend process|docker|both] [--spawner sandbox|zygote|popen|all] [--load]
+                              [--reap-wait 35]
 
 Targets: process: all healthy within 30 s up to 200 environments, 60 s up to 1,000 (issue 13: on a
 machine with at least 16 cores) with servers forked from the zygote (the popen run's times are shown
 for comparison); docker: 50 healthy within 60 s; USS <= 12 MB per forked server; RSS <= 45 MB per
-server; the idle daemon under 2% of a core (issue 34: at 1,000 environments); 0 restarts. Exits 1 when one is missed (docker is skipped, and says
-so, when no engine answers).
+server; the idle daemon under 2% of a core (issue 34: at 1,000 environments); 0 restarts; process:
+USS <= 15 MB per environment after a validation, its check worker stopped (issue 34). Exits 1 when one
+is missed (docker is skipped, and says so, when no engine answers).
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ RSS_TARGET_MB = 45.0
 USS_TARGET_MB = 12.0
 IDLE_CPU_TARGET = 0.02
 IDLE_WINDOW_S = 10.0
+# Issue 34: what one environment (server, environment worker, check capacity) may hold once it has validated.
+ENV_USS_TARGET_MB = 15.0
 # Validations at once: a few, so that the farm is busy but not the client.
 _VALIDATING = 8
 
@@ -149,7 +155,9 @@ def restarts(catalog: Path) -> tuple[int, int]:
 class Measured(NamedTuple):
     seconds: float
     memory: list[Memory]
+    idle: list[Memory]
     environments: list[Memory]
+    reaped: list[Memory]
     daemon_cpu: float
     daemon_startup_cpu_s: float
     validated: int
@@ -158,7 +166,7 @@ class Measured(NamedTuple):
     loaded_cores: int
 
 
-def measure(backend: str, bundle_root: Path, scratch: Path, count: int, spawner: str | None, load: bool) -> Measured:
+def measure(backend: str, bundle_root: Path, scratch: Path, count: int, spawner: str | None, load: bool, reap_wait_s: float) -> Measured:
     catalog = scratch / f"{backend}-{spawner}.json"
     unboxed = ["--no-sandbox"] if spawner in ("zygote", "popen") else []
     seconds = timed("farm", "up", str(bundle_root), "--backend", backend, "--catalog", str(catalog), "--timeout", "900",
@@ -166,18 +174,23 @@ def measure(backend: str, bundle_root: Path, scratch: Path, count: int, spawner:
     try:
         daemon = farm_state(catalog)["daemon_pid"]
         startup_cpu_s = cpu_seconds([daemon])
+        servers = server_pids(catalog, backend)
+        idle = [tree_memory(pid) for pid in servers] if backend == "process" else [memory(pid) for pid in servers]
         with busy_cores() if load else contextlib.nullcontext(0) as loaded_cores:
             validated = validate_each(catalog, bundle_root)
             time.sleep(2.0)  # let every server finish its allocations, the daemon its start-up work
-            servers = server_pids(catalog, backend)
             used = [memory(pid) for pid in servers]
             environments = [tree_memory(pid) for pid in servers] if backend == "process" else used
             daemon_cpu = idle_cpu(daemon, IDLE_WINDOW_S)
+            # The check workers stop once idle for the server's --check-idle: what an environment holds between validations.
+            time.sleep(max(0.0, reap_wait_s - IDLE_WINDOW_S - 2.0))
+            reaped = [tree_memory(pid) for pid in servers] if backend == "process" else [memory(pid) for pid in servers]
             server_restarts, worker_restarts = restarts(catalog)
     finally:
         envscaler("farm", "down", "--catalog", str(catalog))
     assert len(used) == count
-    return Measured(seconds, used, environments, daemon_cpu, startup_cpu_s, validated, server_restarts, worker_restarts, loaded_cores)
+    return Measured(seconds, used, idle, environments, reaped, daemon_cpu, startup_cpu_s, validated, server_restarts, worker_restarts,
+                    loaded_cores)
 
 
 def describe(backend: str, spawner: str | None, result: Measured, count: int) -> list[Verdict]:
@@ -192,8 +205,10 @@ def describe(backend: str, spawner: str | None, result: Measured, count: int) ->
     print(f"{name}: {describe_memory(result.memory)}; all servers together: USS {sum(uss):.0f} MB, "
           f"PSS {sum(m.pss for m in result.memory):.0f} MB")
     if backend == "process":
-        print(f"{name}: per environment after one validation (server and workers): {describe_memory(result.environments)}; "
-              f"all together: USS {sum(m.uss for m in result.environments):.0f} MB, PSS {sum(m.pss for m in result.environments):.0f} MB")
+        for when, used in (("before any validation", result.idle), ("after one validation", result.environments),
+                           ("once the check workers were idle long enough to stop", result.reaped)):
+            print(f"{name}: per environment {when} (server and workers): {describe_memory(used)}; "
+                  f"all together: USS {sum(m.uss for m in used):.0f} MB, PSS {sum(m.pss for m in used):.0f} MB")
     loaded = f", {result.loaded_cores} cores busy with other processes" if result.loaded_cores else ""
     print(f"{name}: idle daemon CPU {result.daemon_cpu * 100:.2f}% of a core over {IDLE_WINDOW_S:g} s{loaded} "
           f"({result.daemon_cpu * 100 / count:.3f}% per environment)")
@@ -206,6 +221,10 @@ def describe(backend: str, spawner: str | None, result: Measured, count: int) ->
         Verdict(f"{name}: restarts{' under load' if result.loaded_cores else ''}", str(result.server_restarts + result.worker_restarts),
                 "0", result.server_restarts + result.worker_restarts == 0),
     ]
+    if backend == "process":
+        env_uss = statistics.median(m.uss for m in result.reaped)
+        verdicts.append(Verdict(f"{name}: USS per environment after a validation, its check worker idle, median", f"{env_uss:.1f} MB",
+                                f"<= {ENV_USS_TARGET_MB:g} MB", env_uss <= ENV_USS_TARGET_MB))
     # One interpreter per server is the comparison (and the fallback), not what the time and USS targets are for:
     # only a forked server can be that small.
     if spawner != "popen":
@@ -226,6 +245,9 @@ def main() -> int:
                              "or one interpreter each, or all three in one run (default: all)")
     parser.add_argument("--load", action="store_true",
                         help="keep a busy process on every core while the farm validates and idles: nothing may be restarted")
+    parser.add_argument("--reap-wait", type=float, default=35.0, metavar="SECONDS",
+                        help="seconds after the validations before memory is read a third time: the servers' --check-idle "
+                             "(30 by default) and a margin (default: 35)")
     args = parser.parse_args()
     backends = ["process", "docker"] if args.backend == "both" else [args.backend]
     verdicts: list[Verdict] = []
@@ -254,7 +276,8 @@ def main() -> int:
                       f"= {all_cold / (len(bundle_dirs) - 1):.2f} s each")
             spawners = (["sandbox", "zygote", "popen"] if args.spawner == "all" else [args.spawner]) if backend == "process" else [None]
             for spawner in spawners:
-                verdicts += describe(backend, spawner, measure(backend, bundle_root, scratch, args.envs, spawner, args.load), args.envs)
+                verdicts += describe(backend, spawner, measure(backend, bundle_root, scratch, args.envs, spawner, args.load, args.reap_wait),
+                                     args.envs)
             cores = len(os.sched_getaffinity(0))
             if backend == "process" and args.envs > 200 and cores < 16:
                 print(f"{backend}: note: issue 13's {args.envs}-environment target assumes at least 16 cores; this machine has {cores}")

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import shlex
 import sys
-from importlib.metadata import PackageNotFoundError, version
-
-from packaging.requirements import InvalidRequirement, Requirement
+from typing import TYPE_CHECKING
 
 from envscaler.errors import EnvCodeError
+
+if TYPE_CHECKING:
+    from packaging.requirements import Requirement
 
 
 class MissingRequirements(EnvCodeError):
@@ -24,6 +25,10 @@ class MissingRequirements(EnvCodeError):
 
 def parse_requirement(text: str) -> Requirement:
     """``text`` as a PEP 508 requirement; ValueError saying what is wrong with it."""
+    # Imported here: packaging (with importlib.metadata, email, zipfile) costs every worker about 2.5 MB, and few
+    # environments have requirements at all.
+    from packaging.requirements import InvalidRequirement, Requirement
+
     try:
         return Requirement(text)
     except InvalidRequirement as e:
@@ -36,6 +41,8 @@ def unmet(requires: list[str]) -> list[str]:
 
     A requirement whose marker does not apply here (``; sys_platform == 'win32'``) is met.
     """
+    from importlib.metadata import PackageNotFoundError, version  # see parse_requirement
+
     problems = []
     for text in requires:
         requirement = parse_requirement(text)

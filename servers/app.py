@@ -55,7 +55,7 @@ from servers.protocols.mcp import ROUTING_HEADERS, McpEndpoint, parse_error, par
 from servers.memory import memory_status, release_free_memory
 from servers.protocols.openenv.config import OpenEnvConfig
 from servers.protocols.sse import SseSessions
-from servers.workers.store import WorkerEpisodeStore
+from servers.workers.store import CHECK_IDLE_S, WorkerEpisodeStore
 from servers.workers.wire import WorkerSettings
 
 log = logging.getLogger("envscaler.server")
@@ -113,6 +113,8 @@ class ServerConfig(BaseModel):
     worker_memory_mb: int = Field(default=1024, ge=64)
     worker_tasks: int = Field(default=256, ge=16)
     worker_cpus: float = Field(default=1.0, gt=0, le=100)
+    # Seconds the check worker may sit idle before it is stopped (servers.workers.store.CHECK_IDLE_S).
+    check_idle_s: float = Field(default=CHECK_IDLE_S, gt=0)
 
 
 class RawJson:
@@ -134,7 +136,8 @@ def _episode_store(bundle: Bundle, config: ServerConfig) -> EpisodeRegistry:
                                   queue_wait_s=config.queue_wait_s, inline_budget_s=config.inline_budget_s,
                                   memory_reserve_mb=config.memory_reserve_mb)
         group = GroupLimits(memory_mb=config.worker_memory_mb, pids=config.worker_tasks, cpu_weight=round(config.worker_cpus * 100))
-        return WorkerEpisodeStore(bundle, settings, sandbox=config.worker_sandbox, group=group, **limits)
+        return WorkerEpisodeStore(bundle, settings, sandbox=config.worker_sandbox, group=group, check_idle_s=config.check_idle_s,
+                                  **limits)
     runtime = EnvRuntime(bundle.spec, call_timeout_s=config.call_timeout_s, check_timeout_s=config.check_timeout_s,
                          max_result_chars=config.max_result_chars, bundle_dir=bundle.directory)
     return EpisodeStore(bundle, runtime, worker_threads=config.worker_threads, queue_wait_s=config.queue_wait_s,

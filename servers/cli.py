@@ -26,6 +26,7 @@ from envscaler.sandbox import no_new_privileges, sandbox_problem, warn_unprotect
 from servers.app import ServerConfig
 from servers.episodes.calls import QUEUE_WAIT_S
 from servers.episodes.ids import new_replica_id
+from servers.workers.store import CHECK_IDLE_S
 from servers.protocols.openenv.config import OpenEnvConfig
 
 # ServerConfig field -> the flag that sets it, so that a bad value is reported in the user's words.
@@ -49,6 +50,7 @@ _FLAGS = {
     "worker_memory_mb": "--worker-memory-mb",
     "worker_tasks": "--worker-tasks",
     "worker_cpus": "--worker-cpus",
+    "check_idle_s": "--check-idle",
 }
 
 
@@ -134,6 +136,7 @@ def _config(args: argparse.Namespace, token: str) -> ServerConfig:
         worker_memory_mb=args.worker_memory_mb,
         worker_tasks=args.worker_tasks,
         worker_cpus=args.worker_cpus,
+        check_idle_s=args.check_idle,
         max_result_chars=args.max_result_chars,
         max_trajectory_chars=args.max_trajectory_chars,
         openenv=None if args.openenv_port is None else OpenEnvConfig(
@@ -171,6 +174,9 @@ def register_serve(commands: Any) -> None:
     parser.add_argument("--idle-ttl", type=float, default=3600.0, help="seconds before an unused episode is ended (default: 3600)")
     parser.add_argument("--call-timeout", type=float, default=10.0, help="seconds a tool call may run (default: 10)")
     parser.add_argument("--check-timeout", type=float, default=5.0, help="seconds one check may run (default: 5)")
+    parser.add_argument("--check-idle", type=float, default=CHECK_IDLE_S, metavar="SECONDS",
+                        help="seconds the check worker may sit idle before it is stopped, its memory freed; the next "
+                             f"validation starts it again, which adds about a second to it (default: {CHECK_IDLE_S:g})")
     parser.add_argument("--max-body", type=int, default=1_048_576, help="largest request body in bytes (default: 1 MiB)")
     parser.add_argument("--max-result-chars", type=int, default=1_000_000,
                         help="characters of one tool result the agent and the trajectory get; a longer result is cut, "

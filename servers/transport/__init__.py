@@ -7,7 +7,22 @@
 - :mod:`.event_loop`: uvloop where it is installed.
 """
 
-from servers.transport.asgi import json_bytes, parse_json
-from servers.transport.http_server import Bounds, HttpServer
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from servers.transport.asgi import json_bytes, parse_json
+    from servers.transport.http_server import Bounds, HttpServer
 
 __all__ = ["Bounds", "HttpServer", "json_bytes", "parse_json"]
+
+# Loaded when first named: the workers use .asgi alone, and the HTTP server (httptools, its parser) would cost each of them memory.
+_HOMES = {"Bounds": "http_server", "HttpServer": "http_server", "json_bytes": "asgi", "parse_json": "asgi"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)

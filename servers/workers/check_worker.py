@@ -43,7 +43,8 @@ from envscaler.seccomp import seccomp_policy
 from envscaler.state import apply_changes
 from servers.transport.asgi import json_bytes
 from servers.episodes.store import checks_limit_s
-from servers.workers.process import child_main
+from servers.memory import release_free_memory
+from servers.workers.child import child_main
 from servers.workers.wire import (
     FAILED,
     HEADER,
@@ -391,6 +392,7 @@ def run_checker(sock: socket.socket) -> None:
     except BundleError as e:
         sock.sendall(frame(HELLO_ID, WorkerFailure(error="BundleError", message=str(e)), FAILED))
         raise SystemExit(1) from None
+    release_free_memory()  # the start's garbage, before the children it forks inherit the pages that hold it (see env_worker)
     sock.sendall(frame(HELLO_ID, {}))
     while True:
         checker.prepare()

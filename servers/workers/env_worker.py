@@ -33,8 +33,8 @@ from servers.episodes.calls import share_the_interpreter
 from servers.episodes.store import EpisodeStore, LiveEpisode
 from servers.transport.event_loop import loop_factory
 from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, Overloaded, UnknownEpisode, UnknownScenario
-from servers.memory import memory_status
-from servers.workers.process import child_main
+from servers.memory import memory_status, release_free_memory
+from servers.workers.child import child_main
 from servers.workers.wire import (
     EXIT_FOREIGN_THREAD,
     FAILED,
@@ -291,6 +291,9 @@ def run_worker(sock: socket.socket) -> None:
                                queue_wait_s=settings.queue_wait_s, inline_budget_s=settings.inline_budget_s, memory_reserve_mb=settings.memory_reserve_mb, records=False,
                                marks=marks)
     keep_alarm_handler()
+    # What compiling the modules and loading the environment left free in the heap (1 to 2 MB where no bytecode caches
+    # exist, as in a checkout with PYTHONDONTWRITEBYTECODE) goes back to the kernel.
+    release_free_memory()
     hello = WorkerHello(tools=runtime.tool_list(), annotations=runtime.annotations)
     sock.sendall(frame(HELLO_ID, hello))
     sock.setblocking(False)

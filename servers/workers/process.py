@@ -66,10 +66,10 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from envscaler import EnvCodeError, logs
+from envscaler import EnvCodeError
 from envscaler.cgroups import ChildGroup
 from envscaler.errors import BundleError, ChecklistError
-from envscaler.sandbox import CHILD_TASKS, Launch, clean_environment, confined_uid, die_with_parent, make_undumpable, sandboxed
+from envscaler.sandbox import CHILD_TASKS, Launch, clean_environment, confined_uid, make_undumpable, sandboxed
 from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, Overloaded, UnknownEpisode, UnknownScenario
 from servers.memory import oom_kills
 from servers.workers.wire import (
@@ -97,6 +97,11 @@ _KILLED = (-signal.SIGKILL, 128 + signal.SIGKILL)
 OUTPUT_BYTES = 256 * 1024
 """How much of one child's output is logged; the rest is counted, not kept."""
 OUTPUT_LINE_CHARS = 4000
+# What a child's interpreter is told unless the server's own environment says otherwise. Two malloc arenas at most: each
+# call thread that allocates gets an arena of its own, which keeps what it once held (16 busy threads: 1.3 to 1.9 MB more
+# than with two, benchmarks/worker_imports.py). No pydantic plugins: the search for them reads every installed
+# distribution's metadata into each child (0.5 MB), and a plugin is code the child needs no more than the server does.
+CHILD_ENVIRONMENT = {"MALLOC_ARENA_MAX": "2", "PYDANTIC_DISABLE_PLUGINS": "1"}
 OUT_OF_MEMORY = "out of memory: the kernel killed it"
 """Why a child that the kernel's OOM killer killed is gone."""
 _ERRORS: dict[str, type[Exception]] = {
@@ -245,7 +250,8 @@ class _Child:
             launch = (stack.enter_context(sandboxed(command, readable=readable, placed=placed, tasks=tasks, new_processes=new_processes,
                                                     memfd=group is not None))
                       if sandbox else Launch(command))
-            self.process = subprocess.Popen(launch.argv, pass_fds=[theirs.fileno(), *inherited, *launch.fds], env=clean_environment(),
+            self.process = subprocess.Popen(launch.argv, pass_fds=[theirs.fileno(), *inherited, *launch.fds],
+                                            env={**CHILD_ENVIRONMENT, **clean_environment()},
                                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                             preexec_fn=functools.partial(_enter_child, group, launch))
         theirs.close()
@@ -331,13 +337,22 @@ class WorkerProcess:
     on the loop, when a request finds the last one gone. ``new_processes``: its sandbox lets it fork
     (a zygote that runs no untrusted code itself, see ``envscaler.sandbox.sandboxed``). ``queue_wait_s``:
     how long the child may keep a request waiting (for a call thread) while it answers others.
+    ``idle_s`` (with ``lazy``: a child that holds nothing its next request needs): a child with nothing in
+    flight for that long is stopped, and the next request starts another. That is no loss: ``on_lost`` is
+    not called and :attr:`restarts` does not count it.
     """
 
     def __init__(self, module: str, settings: BaseModel, *, role: str, sandbox: bool, on_lost: Callable[[str], None],
                  mark: RunningMarks | None = None, lazy: bool = False, new_processes: bool = False, env_id: str = "",
                  group: ChildGroup | None = None, tasks: int = CHILD_TASKS, readable: tuple[Path, ...] = (),
-                 queue_wait_s: float = 0.0, start_timeout_s: float = START_TIMEOUT_S) -> None:
+                 queue_wait_s: float = 0.0, start_timeout_s: float = START_TIMEOUT_S, idle_s: float | None = None) -> None:
+        if idle_s is not None and not lazy:
+            raise ValueError("idle_s needs lazy: a child that is stopped when idle is started by the next request")
         self.module = module
+        self.idle_s = idle_s
+        # When the current child last had something in flight (time.monotonic()), and the timer that stops it once idle.
+        self._used = 0.0
+        self._idle_timer: asyncio.TimerHandle | None = None
         self.readable = readable
         self.queue_wait_s = queue_wait_s
         self.start_timeout_s = start_timeout_s
@@ -424,6 +439,7 @@ class WorkerProcess:
         request_id = self._next_id
         self._next_id = request_id + 1 if request_id < 0xFFFF_FFFF else HELLO_ID + 1
         child.send(frame(request_id, request))
+        self._used = time.monotonic()
         status, payload = await self._wait(request_id, limit_s + GRACE_S, limit_s, what, subject, again, _HOLDING.get())
         if status == FAILED:
             try:
@@ -475,6 +491,8 @@ class WorkerProcess:
 
     def close(self) -> None:
         """Stop the child (the server is shutting down)."""
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
         if self._child is not None and not self._child.gone:
             self._child.kill()
 
@@ -577,12 +595,31 @@ class WorkerProcess:
         return turns
 
     def answered(self, request_id: int, status: int, payload: bytes) -> None:
-        self._heard = time.monotonic()
+        self._heard = self._used = time.monotonic()
         pending = self._pending.pop(request_id, None)
         if pending is not None and not pending.future.done():
             pending.future.set_result((status, payload))
         if not self._pending and self._turns:
             self._wake()  # a turn alone may wait for the child to have nothing in flight
+        if not self._pending and self.idle_s is not None and self._idle_timer is None:
+            self._idle_timer = asyncio.get_running_loop().call_later(self.idle_s, self._stop_if_idle)
+
+    def _stop_if_idle(self) -> None:
+        """Stop the child once it has had nothing in flight for ``idle_s``; else look again when it may have."""
+        self._idle_timer = None
+        assert self.idle_s is not None
+        child = self._child
+        starting = self._starting is not None and not self._starting.done()
+        if child is None or child.gone or starting or self._pending:
+            return  # gone already, or busy: its next answer with nothing left in flight sets the timer again
+        left = self._used + self.idle_s - time.monotonic()
+        if left > 0:
+            self._idle_timer = asyncio.get_running_loop().call_later(left, self._stop_if_idle)
+            return
+        child.kill()
+        self._child = None  # the next request starts a child, and that is no restart
+        log.info(f"{self.role} stopped: idle for {self.idle_s:g} s; the next request starts it again",
+                 extra={"env": self.env_id, "serial": child.serial})
 
     def _supervise(self) -> None:
         now = time.monotonic()
@@ -621,20 +658,6 @@ class WorkerProcess:
                 if isinstance(gone, WorkerGone) and gone.turn is not None:
                     self._end(gone.turn)
             raise
-
-
-def child_main(module: str, serve: Callable[[socket.socket], None], argv: list[str] | None = None) -> int:
-    """A child's entry point, ``python -m module FD``: ``serve`` the server's end of the socket pair at FD."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1 or not args[0].isdigit():
-        print(f"usage: python -m {module} FD  (started by an environment server, not by hand)", file=sys.stderr)
-        return 2
-    die_with_parent(signal.SIGKILL)  # even stuck in a C loop that would not notice its socket close
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_IGN)  # sent to the server's group: the server stops us once it has stopped
-    logs.configure("warning")
-    serve(socket.socket(fileno=int(args[0])))
-    return 0
 
 
 class _Pending:

@@ -67,6 +67,15 @@ T = TypeVar("T")
 ROLE = "environment worker"
 # Each worker loads (and the environment worker hashes) the data files at its start: a second more per MB to say hello.
 START_S_PER_DATA_MB = 1.0
+
+CHECK_IDLE_S = 30.0
+"""How long the check worker may sit idle before it is stopped (the next validation starts it again).
+
+A start adds about 0.8 s to the validation that needs it (an interpreter, the checker's imports, the
+data files; 0.02 s warm, on 2 busy cores), and the worker holds about 25 MB (PSS, with the children it
+forks ahead): a harness validates each episode once, after minutes of tool calls, so between
+validations an environment holds nothing for checks, while a burst of validations (a batch ending, a
+trainer's group of rollouts) finishes on the worker the first one started."""
 # How many times a request is asked in all, at most, when the worker keeps falling under it without blaming it.
 CAUGHT_UP_TRIES = 4
 
@@ -86,7 +95,7 @@ class WorkerEpisodeStore(EpisodeRegistry):
     """Episodes whose state lives in a worker process (see the module's doc)."""
 
     def __init__(self, bundle: Bundle, settings: WorkerSettings, *, sandbox: bool, group: GroupLimits | None = None,
-                 **limits: Any) -> None:
+                 check_idle_s: float = CHECK_IDLE_S, **limits: Any) -> None:
         super().__init__(bundle, **limits)
         mark = RunningMarks()
         self.settings = settings = settings.model_copy(update={"mark_fd": mark.fd})
@@ -111,7 +120,8 @@ class WorkerEpisodeStore(EpisodeRegistry):
                                            bundle_dir=bundle.directory,
                                            data_files=sorted({name for s in bundle.scenarios for name in references(s.init_config).values()}))
         self.checker = WorkerProcess("servers.workers.check_worker", checker_settings, role="check worker", on_lost=self._checker_lost,
-                                     mark=check_mark, lazy=True, new_processes=True, group=self.groups[1], **shared)
+                                     mark=check_mark, lazy=True, idle_s=check_idle_s, new_processes=True, group=self.groups[1],
+                                     **shared)
         self._checking = asyncio.Lock()
         hello = decode(WorkerHello, self.worker.hello)
         self._tools, self._annotations = hello.tools, hello.annotations

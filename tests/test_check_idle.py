@@ -1,0 +1,97 @@
+"""``envscaler serve --check-idle``: the check worker holds no memory while an environment is not validating.
+
+Real servers and real workers (sandboxed where bwrap works). The check worker starts at the first
+validation and stops once it has been idle for ``--check-idle`` seconds; the next validation starts it
+again and scores as the first did. A validation is never cut short by the stop, however long its
+checks run, and a stop is no worker restart in the server's counts.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.bundles import counter_bundle
+from tests.support.farm import parent_of
+from tests.support.hostile import call
+from tests.support.server import RunningServer, serve
+
+pytestmark = pytest.mark.timeout(120)
+
+IDLE_S = 1.0
+CHECK_WORKER = b"servers.workers.check_worker"
+
+
+def check_workers(server: RunningServer) -> list[int]:
+    """The processes under ``server`` that run the check worker (bubblewrap's around it, its check children)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        try:
+            if CHECK_WORKER not in (entry / "cmdline").read_bytes():
+                continue
+            parent = parent_of(pid)
+            while parent > 1 and parent != server.process.pid:
+                parent = parent_of(parent)
+        except (OSError, AttributeError):
+            continue  # gone meanwhile
+        if parent == server.process.pid:
+            found.append(pid)
+    return found
+
+
+def wait_for_no_check_worker(server: RunningServer, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while check_workers(server):
+        assert time.monotonic() < deadline, f"the check worker still runs {within_s:g} s after its last validation"
+        time.sleep(0.2)
+
+
+def new_episode(http: httpx.Client, added: int) -> str:
+    """A new episode of the counter's first scenario, ``added`` added to its item a."""
+    created = http.post("/episodes", json={"scenario_id": "counter_001"})
+    assert created.status_code == 201, created.text
+    result = call(http, created.json()["mcp_url"], "add", {"item_id": "a", "amount": added})
+    assert not result["isError"], result
+    return created.json()["episode_id"]
+
+
+def restarts(http: httpx.Client) -> int:
+    return http.get("/info").json()["worker_restarts"]
+
+
+@pytest.fixture
+def bundle(tmp_path: Path) -> Path:
+    return counter_bundle(tmp_path)
+
+
+def test_a_validation_after_the_check_worker_stopped_scores_as_before(bundle):
+    with serve(bundle, "--check-idle", f"{IDLE_S:g}") as server, server.client() as http:
+        assert check_workers(server) == []  # no check capacity before the first validation
+        passing, failing = new_episode(http, 3), new_episode(http, 1)
+        first = {episode: http.post(f"/episodes/{episode}/validate").json() for episode in (passing, failing)}
+        assert first[passing]["score"] == 1.0 and first[failing]["score"] < 1.0, first
+        assert check_workers(server)
+        for _ in range(2):  # stopped, started by a validation, stopped again
+            wait_for_no_check_worker(server, IDLE_S + 10)
+            again = {episode: http.post(f"/episodes/{episode}/validate").json() for episode in (failing, passing)}
+            assert again == first
+        assert restarts(http) == 0
+
+
+def test_the_check_worker_is_not_stopped_while_it_runs_a_validation(bundle):
+    slow = {"check_item": "slow", "check_func": "def check_func(final_state):\n    import time\n    time.sleep(3)\n"
+            "    return final_state['items']['a']['count'] == 3"}
+    with serve(bundle, "--check-idle", "0.5", "--check-timeout", "10") as server, server.client() as http:
+        episode = new_episode(http, 3)
+        for _ in range(2):  # on the first validation's worker, then on one started after it stopped
+            answer = http.post(f"/episodes/{episode}/validate", json={"checklist": [slow]})
+            assert answer.status_code == 200, answer.text
+            assert [(check["passed"], check["error"]) for check in answer.json()["checks"]] == [(True, None)], answer.text
+            wait_for_no_check_worker(server, 0.5 + 10)
+        assert restarts(http) == 0
