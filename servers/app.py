@@ -268,17 +268,11 @@ class EnvServerApp:
             return EpisodeLease(episode_id=live.episode_id, lease_s=min(live.lease_s or self.config.idle_ttl_s, self.config.idle_ttl_s))
         if action == "validate" and method == "POST":
             body = await self._body(receive, ValidationRequest)
-            try:
-                result = await self._checking(self.store.validate(live, body.checklist, body.agent_replies))
-            except ChecklistError as e:
-                raise ErrorReply(409, f"{e}; pass a checklist in the body or create the episode from a scenario") from None
+            result = await self._checking(self.store.validate(live, body.checklist, body.agent_replies))
             return EpisodeValidation(**dict(result), **live.counts())
         if action == "turn" and method == "POST":
             replies = (await self._body(receive, TurnRequest)).agent_replies
-            try:
-                return await self._checking(self.store.end_turn(live, replies))
-            except NoTurnLeft as e:
-                raise ErrorReply(409, str(e)) from None
+            return await self._checking(self.store.end_turn(live, replies))
         raise ErrorReply(405,
                          f"no route {method} /episodes/{{id}}/{action or ''}")
 
@@ -327,26 +321,26 @@ class EnvServerApp:
                 raise ErrorReply(422, str(e)) from None
 
     async def _checking(self, checks: Awaitable[T]) -> T:
-        """Await a store action that runs checks, turning the checks' and the episode's troubles into HTTP statuses."""
-        try:
-            return await checks
-        except (ChecklistError, NoTurnLeft):
-            raise
-        except CallAbandoned:
-            raise ErrorReply(504, f"the checks outlived their limit of {self.config.check_timeout_s:g} s each and were abandoned") from None
-        except EpisodeLost as e:
-            raise ErrorReply(410, str(e)) from None
-        except OutOfMemory as e:
-            raise ErrorReply(507, str(e)) from None
-        except Overloaded as e:
-            raise ErrorReply(503, f"{self.bundle.env_id}: {e}") from None
-        except EnvScalerError as e:
-            raise ErrorReply(500, f"environment error: {e}") from None
+        """Await a store action that runs checks: ``_guard``'s statuses, and the checks' own troubles."""
+
+        async def checked() -> T:
+            try:
+                return await checks
+            except ChecklistError as e:
+                raise ErrorReply(409, f"{e}; pass a checklist in the body or create the episode from a scenario") from None
+            except NoTurnLeft as e:
+                raise ErrorReply(409, str(e)) from None
+            except CallAbandoned:
+                raise ErrorReply(504, f"the checks outlived their limit of {self.config.check_timeout_s:g} s each and were abandoned") from None
+
+        return await self._guard(checked())
 
     async def _guard(self, action: Awaitable[T]) -> T:
         """Await a store action, turning its errors into HTTP statuses."""
         try:
             return await action
+        except ErrorReply:
+            raise
         except (UnknownScenario, UnknownEpisode) as e:
             raise ErrorReply(404, str(e)) from None
         except LimitReached as e:
