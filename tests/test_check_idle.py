@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.support.bundles import counter_bundle
-from tests.support.farm import parent_of
+from tests.support.farm import counter_farm, parent_of, read_state
 from tests.support.hostile import call
 from tests.support.server import RunningServer, serve
 
@@ -27,6 +27,11 @@ CHECK_WORKER = b"servers.workers.check_worker"
 
 def check_workers(server: RunningServer) -> list[int]:
     """The processes under ``server`` that run the check worker (bubblewrap's around it, its check children)."""
+    return server_check_workers(server.process.pid)
+
+
+def server_check_workers(server: int) -> list[int]:
+    """The processes under the server whose pid is ``server`` that run the check worker."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -36,11 +41,11 @@ def check_workers(server: RunningServer) -> list[int]:
             if CHECK_WORKER not in (entry / "cmdline").read_bytes():
                 continue
             parent = parent_of(pid)
-            while parent > 1 and parent != server.process.pid:
+            while parent > 1 and parent != server:
                 parent = parent_of(parent)
         except (OSError, AttributeError):
             continue  # gone meanwhile
-        if parent == server.process.pid:
+        if parent == server:
             found.append(pid)
     return found
 
@@ -95,3 +100,19 @@ def test_the_check_worker_is_not_stopped_while_it_runs_a_validation(bundle):
             assert [(check["passed"], check["error"]) for check in answer.json()["checks"]] == [(True, None)], answer.text
             wait_for_no_check_worker(server, 0.5 + 10)
         assert restarts(http) == 0
+
+
+def test_farm_up_passes_check_idle_to_its_servers(tmp_path):
+    with counter_farm(tmp_path, "--check-idle", f"{IDLE_S:g}") as catalog:
+        (env,) = catalog["envs"].values()
+        with httpx.Client(base_url=env["url"], headers={"Authorization": f"Bearer {env['token']}"}, timeout=30) as http:
+            episode = new_episode(http, 3)
+            assert http.post(f"/episodes/{episode}/validate").json()["score"] == 1.0
+            state = read_state(tmp_path / "farm.json")
+            server = next(iter(state["envs"].values()))["pid"]
+            assert server_check_workers(server), "a validation starts the server's check worker"
+            deadline = time.monotonic() + IDLE_S + 10
+            while server_check_workers(server):
+                assert time.monotonic() < deadline, "the farm's server kept its idle check worker past --check-idle"
+                time.sleep(0.2)
+            assert restarts(http) == 0

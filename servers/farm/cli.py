@@ -129,7 +129,7 @@ def farm_up(args: argparse.Namespace) -> int:
     if args.openenv:
         openenv_listener()  # the extra is missing: one line now, not a daemon's traceback later
     limits = Limits(memory_mb=args.memory_mb, cpus=args.cpus, pids=args.pids, call_timeout_s=args.call_timeout,
-                    check_timeout_s=args.check_timeout)
+                    check_timeout_s=args.check_timeout, check_idle_s=args.check_idle)
     plan = plan_farm(args.env_dirs or [str(default_catalog())], backend, paths.catalog, limits, args.gateway_port, args.openenv)
     if backend == "ray":
         _place_on_ray(args, plan)
@@ -299,6 +299,9 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
                     help="seconds a tool call may run in each server (default: the server's own, 10)")
     up.add_argument("--check-timeout", type=positive_float, metavar="SECONDS",
                     help="seconds one check may run in each server (default: the server's own, 5)")
+    up.add_argument("--check-idle", type=positive_float, metavar="SECONDS",
+                    help="seconds a server's check worker may sit idle before it is stopped, its memory given back; the "
+                         "next validation starts it again, about a second later (default: the server's own, 30)")
     up.add_argument("--connections-per-client", type=positive_int, default=1024, metavar="N",
                     help="connections one client address may hold at the gateway; past it a new one is refused at once "
                          "(a request head must also arrive within 10 s, a body within 60 s) (default: 1024)")

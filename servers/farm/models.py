@@ -33,6 +33,8 @@ class Limits(BaseModel):
     pids: int = Field(default=128, ge=16)
     call_timeout_s: float | None = Field(default=None, gt=0)
     check_timeout_s: float | None = Field(default=None, gt=0)
+    # How long a server's check worker may sit idle before it is stopped (None: the server's default, 30 s).
+    check_idle_s: float | None = Field(default=None, gt=0)
 
     def serve_flags(self) -> list[str]:
         """The ``envscaler serve`` flags that give a server these time limits, and its sandboxed workers
@@ -42,6 +44,8 @@ class Limits(BaseModel):
             flags += ["--call-timeout", f"{self.call_timeout_s:g}"]
         if self.check_timeout_s is not None:
             flags += ["--check-timeout", f"{self.check_timeout_s:g}"]
+        if self.check_idle_s is not None:
+            flags += ["--check-idle", f"{self.check_idle_s:g}"]
         return flags
 
 
