@@ -20,7 +20,6 @@ the whole state as JSON (a back-link written as ``{"$ref": ...}``, see ``envscal
 
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
 import json

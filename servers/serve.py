@@ -9,7 +9,6 @@ inherited memory file, never from its command line or environment.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import errno
 import json
 import logging

@@ -10,7 +10,6 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
-import pytest
 
 from tests.support.bundles import counter_bundle
 from tests.support.farm import counter_farm

@@ -206,7 +206,7 @@ def test_pipelined_requests_on_one_keep_alive_connection_reuse_one_upstream_conn
     # Framing is the gateway's own: a Content-Length, never the client's Host or hop-by-hop headers.
     path, headers, _ = upstream.requests[0]
     assert path == "/echo" and headers["content-length"] == "3" and headers["host"] == upstream.url.removeprefix("http://")
-    assert headers["x-envscaler-base-url"] == f"http://x/envs/echoer"
+    assert headers["x-envscaler-base-url"] == "http://x/envs/echoer"
 
 
 def test_large_and_chunked_request_bodies(upstream):

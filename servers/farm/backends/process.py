@@ -15,16 +15,13 @@ which asks the backend to ``kill`` them; the restart then takes the usual path.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Collection
 from pathlib import Path
-from typing import Protocol
 
 import anyio
 
