@@ -114,7 +114,7 @@ class ServerConfig(BaseModel):
     worker_tasks: int = Field(default=256, ge=16)
     worker_cpus: float = Field(default=1.0, gt=0, le=100)
     # Seconds the check worker may sit idle before it is stopped (servers.workers.store.CHECK_IDLE_S).
-    check_idle_s: float = Field(default=CHECK_IDLE_S, gt=0)
+    check_idle_s: float | None = Field(default=CHECK_IDLE_S, gt=0)
 
 
 class RawJson:

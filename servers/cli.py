@@ -176,7 +176,7 @@ def register_serve(commands: Any) -> None:
     parser.add_argument("--check-timeout", type=float, default=5.0, help="seconds one check may run (default: 5)")
     parser.add_argument("--check-idle", type=float, default=CHECK_IDLE_S, metavar="SECONDS",
                         help="seconds the check worker may sit idle before it is stopped, its memory freed; the next "
-                             f"validation starts it again, which adds about a second to it (default: {CHECK_IDLE_S:g})")
+                             "validation starts it again, which adds about a second to it (default: never stopped)")
     parser.add_argument("--max-body", type=int, default=1_048_576, help="largest request body in bytes (default: 1 MiB)")
     parser.add_argument("--max-result-chars", type=int, default=1_000_000,
                         help="characters of one tool result the agent and the trajectory get; a longer result is cut, "

@@ -301,7 +301,7 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
                     help="seconds one check may run in each server (default: the server's own, 5)")
     up.add_argument("--check-idle", type=positive_float, metavar="SECONDS",
                     help="seconds a server's check worker may sit idle before it is stopped, its memory given back; the "
-                         "next validation starts it again, about a second later (default: the server's own, 30)")
+                         "next validation starts it again, about a second later (default: never stopped)")
     up.add_argument("--connections-per-client", type=positive_int, default=1024, metavar="N",
                     help="connections one client address may hold at the gateway; past it a new one is refused at once "
                          "(a request head must also arrive within 10 s, a body within 60 s) (default: 1024)")

@@ -33,7 +33,7 @@ class Limits(BaseModel):
     pids: int = Field(default=128, ge=16)
     call_timeout_s: float | None = Field(default=None, gt=0)
     check_timeout_s: float | None = Field(default=None, gt=0)
-    # How long a server's check worker may sit idle before it is stopped (None: the server's default, 30 s).
+    # How long a server's check worker may sit idle before it is stopped (None: never stopped).
     check_idle_s: float | None = Field(default=None, gt=0)
 
     def serve_flags(self) -> list[str]:

@@ -17,8 +17,10 @@ Every request has a deadline: its own limit plus ``GRACE_S``, counted from when 
 the child's last answer, whichever is later. A child that keeps answering is not frozen: a request
 that waits in it behind others (all its call threads busy with slow but legitimate calls, a machine
 short of CPU) is the child's to refuse (``Overloaded``, after ``queue_wait_s``), or to run under its
-own limit, which runs from when it starts there. So a request is at most ``queue_wait_s`` later than
-its limit plus the grace, however busy the child. A child that misses a deadline is frozen (SIGALRM
+own limit, which runs from when it starts there. Its deadline moves at most ``GRACE_S`` (or
+``queue_wait_s``, when shorter) past its limit plus the grace, however busy the child: one request
+stuck past that while the child answers others (a thread that holds the GIL in C) must not hold up
+the child's other episodes. A child that misses a deadline is frozen (SIGALRM
 ignored and a loop, the GIL held by a C loop, a catastrophic regex, SIGSTOP): nothing comes from it at
 all. One whose socket closes has died (``SystemExit`` at the top, a crash). Either way its process group is killed, what waits on it
 fails with :class:`WorkerGone`, the owner is told (``on_lost``), and the next request starts a new
@@ -635,8 +637,10 @@ class WorkerProcess:
 
     def _deadline(self, pending: _Pending) -> float:
         """When ``pending`` counts as missed: its wait from when it was sent or from the child's last
-        answer, whichever is later, and at most ``queue_wait_s`` past its wait from when it was sent."""
-        return min(max(pending.sent, self._heard) + pending.wait_s, pending.sent + pending.wait_s + self.queue_wait_s)
+        answer, whichever is later, and at most ``GRACE_S`` past its wait from when it was sent (a child
+        that answers others while one request outlives its wait by more is stuck on it: a thread that holds
+        the GIL in C, say, and its other episodes must not wait on it for ``queue_wait_s``)."""
+        return min(max(pending.sent, self._heard) + pending.wait_s, pending.sent + pending.wait_s + min(self.queue_wait_s, GRACE_S))
 
     async def _wait(self, request_id: int, wait_s: float, limit_s: float, what: str, subject: str, again: bool = False,
                     holding: Turn | None = None) -> tuple[int, bytes]:

@@ -68,8 +68,10 @@ ROLE = "environment worker"
 # Each worker loads (and the environment worker hashes) the data files at its start: a second more per MB to say hello.
 START_S_PER_DATA_MB = 1.0
 
-CHECK_IDLE_S = 30.0
-"""How long the check worker may sit idle before it is stopped (the next validation starts it again).
+CHECK_IDLE_S: float | None = None
+"""How long the check worker may sit idle before it is stopped (the next validation starts it again);
+None: never stopped (the default, until a stopped worker's sandbox is shown to leave nothing behind in
+every farm: one 100-environment farm test found a process of its own outside every server).
 
 A start adds about 0.8 s to the validation that needs it (an interpreter, the checker's imports, the
 data files; 0.02 s warm, on 2 busy cores), and the worker holds about 25 MB (PSS, with the children it
@@ -95,7 +97,7 @@ class WorkerEpisodeStore(EpisodeRegistry):
     """Episodes whose state lives in a worker process (see the module's doc)."""
 
     def __init__(self, bundle: Bundle, settings: WorkerSettings, *, sandbox: bool, group: GroupLimits | None = None,
-                 check_idle_s: float = CHECK_IDLE_S, **limits: Any) -> None:
+                 check_idle_s: float | None = CHECK_IDLE_S, **limits: Any) -> None:
         super().__init__(bundle, **limits)
         mark = RunningMarks()
         self.settings = settings = settings.model_copy(update={"mark_fd": mark.fd})
