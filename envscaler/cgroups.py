@@ -48,7 +48,6 @@ class ChildGroup:
     def __init__(self, version: str, paths: dict[str, Path]) -> None:
         self.version = version
         self.paths = paths
-        # Opened now, written in the child between fork and exec: no path lookup or allocation there.
         self._procs = [str(path / "cgroup.procs") for path in dict.fromkeys(paths.values())]
 
     @classmethod
@@ -84,14 +83,10 @@ class ChildGroup:
             groups.append(cls(version, paths))
         return groups
 
-    def join(self) -> None:
-        """Move the calling process into the group (in a child before exec: as root, before any uid change)."""
-        for procs in self._procs:
-            fd = os.open(procs, os.O_WRONLY)
-            try:
-                os.write(fd, b"0")
-            finally:
-                os.close(fd)
+    @property
+    def procs_files(self) -> list[str]:
+        """The files a process writes "0" into to join the group (as root, before any uid change)."""
+        return list(self._procs)
 
     def usage(self) -> WorkerResources:
         """What the group's processes hold now."""

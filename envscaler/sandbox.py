@@ -14,7 +14,7 @@ threads) before it starts bubblewrap, and bubblewrap maps only that user into th
 knob (``/proc/sys``, ``/proc/sysrq-trigger``) belongs to the host's root, so the child cannot write
 one. That user may not be able to reach what the sandbox shows (Python under ``/root``, a bundle
 under a private folder), so the child, still root, first binds those paths in a mount namespace of
-its own at a place it can reach (:func:`_become_unprivileged`), and bubblewrap binds them from there.
+its own at a place it can reach (:func:`become_unprivileged`), and bubblewrap binds them from there.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ FARM_ID_VARIABLE = "ENVSCALER_FARM_ID"
 # address-space limit runs out of it with a few dozen threads.
 _KEPT_ENV = ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "TMPDIR", "HOME", "MALLOC_ARENA_MAX", FARM_ID_VARIABLE)
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_SET_DUMPABLE = 4
 _PR_SET_NO_NEW_PRIVS = 38
@@ -56,6 +57,8 @@ UNPROTECTED = ("environment code runs without a sandbox: unless a container hold
 # cgroup does, where there is one); /dev/shm is only for what POSIX semaphores and the like need.
 TMPFS_BYTES = 64 * 1024 * 1024
 SHM_BYTES = 1024 * 1024
+SANDBOX_ENVIRONMENT = {"TMPDIR": "/tmp", "HOME": "/tmp"}
+"""What a sandboxed process's environment says of where it may write: its private /tmp."""
 CONFINED_UID_BASE = 0x70000000
 """Where the caller is root, a sandboxed child runs as this uid plus its pid (the same for its gid).
 pids stay below 2**22, so these ids are no one else's: the range ends below 2**31."""
@@ -94,6 +97,15 @@ def die_with_parent(signum: int = signal.SIGTERM) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
     except (OSError, AttributeError):
         pass  # not Linux: the parent's own stop is all there is
+
+
+def name_process(name: str) -> None:
+    """Name the calling thread, the main one of a forked process included, as ``ps`` and /proc/PID/comm
+    show it (Linux: at most 15 bytes); a forked process is otherwise named after its parent's command."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: ps shows the command
 
 
 def adopt_orphans() -> None:
@@ -222,42 +234,91 @@ def warn_unprotected(problem: str) -> None:
     log.warning(f"{UNPROTECTED} ({problem})")
 
 
-@contextlib.contextmanager
-def sandboxed(command: Sequence[str], *, readable: Sequence[str | Path], placed: Mapping[str, Path] | None = None,
-              tasks: int = CHILD_TASKS, new_processes: bool = False, memfd: bool = True) -> Iterator[Launch]:
-    """``command`` wrapped in a bubblewrap sandbox, as a :class:`Launch`: start it with the fds it
-    names and ``enter`` as (the last step of) its ``preexec_fn``, inside this block.
+@dataclasses.dataclass(frozen=True)
+class Mount:
+    """One step of a sandbox's file system, in order: ``kind`` is bubblewrap's option without its dashes
+    (``proc``, ``tmpfs`` of ``size`` bytes, ``dev-bind``, ``ro-bind``, ``ro-bind-try``, ``symlink`` to
+    ``source``, ``remount-ro``); ``source`` is a path where the sandbox is made (see :class:`SandboxPlan`)."""
 
-    The fd (the seccomp program, which bwrap reads at start) is closed when the block ends.
-    ``readable`` paths are visible read-only at the same place, and ``placed`` ones (place inside ->
-    path here) at their place; so are Python and this project's packages (without the bundled
-    catalog, unless it is named). Where this process is root, ``enter`` makes the child an
-    unprivileged user (see the module's doc) with at most ``tasks`` threads and processes.
-    ``new_processes`` lets the command fork (``envscaler.seccomp``): only for a command that runs no
-    untrusted code itself and loads ``seccomp_policy()`` into each child before the child runs any.
-    ``memfd=False`` refuses memory files: for a child whose memory no cgroup counts.
-    """
+    kind: str
+    target: str
+    source: str = ""
+    size: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxPlan:
+    """What a sandbox holds, whichever way it is made (bubblewrap's command line, or
+    ``envscaler.confine`` in a forked child): its file system, and the paths to stage first.
+
+    ``view``: where the caller is root, the paths (and whether each is a folder) the child binds at
+    ``_VIEW/<index>`` before it gives up root (see the module's doc); the ``mounts`` then take them from
+    there. ``tasks``: its threads and processes as a user of its own (root callers only)."""
+
+    mounts: tuple[Mount, ...]
+    view: tuple[tuple[str, bool], ...] = ()
+    tasks: int = CHILD_TASKS
+
+
+def sandbox_plan(*, readable: Sequence[str | Path], placed: Mapping[str, Path] | None = None,
+                 tasks: int = CHILD_TASKS) -> SandboxPlan:
+    """The sandbox that shows ``readable`` paths read-only at the same place, and ``placed`` ones (place
+    inside -> path here) at their place, besides Python and this project's packages (without the
+    bundled catalog, unless it is named)."""
     packages = [(path, str(path)) for path in _project_paths()]
     named = [(Path(path).resolve(), str(Path(path).resolve())) for path in readable]
     named += [(Path(source), inside) for inside, source in (placed or {}).items()]
     shown = packages + named
-    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--cap-drop", "ALL"]
     sources = [str(path) for path, _ in shown]
-    enter: Callable[[], None] = _stay
+    view: tuple[tuple[str, bool], ...] = ()
     if os.geteuid() == 0:
-        argv.insert(2, "--unshare-user")  # the one user it runs as, and nobody else, inside
         sources = [f"{_VIEW}/{index}" for index in range(len(shown))]
-        enter = functools.partial(_become_unprivileged, [(str(path), path.is_dir()) for path, _ in shown], tasks, _libc())
+        view = tuple((str(path), path.is_dir()) for path, _ in shown)
     binds = list(zip(sources, (inside for _, inside in shown)))
-    argv += _filesystem(binds[:len(packages)], binds[len(packages):])
+    return SandboxPlan(tuple(_filesystem(binds[:len(packages)], binds[len(packages):])), view, tasks)
+
+
+@contextlib.contextmanager
+def sandboxed(command: Sequence[str], *, readable: Sequence[str | Path], placed: Mapping[str, Path] | None = None,
+              tasks: int = CHILD_TASKS, new_processes: bool = False, memfd: bool = True) -> Iterator[Launch]:
+    """``command`` wrapped in a bubblewrap sandbox (:func:`sandbox_plan`'s), as a :class:`Launch`: start
+    it with the fds it names and ``enter`` as (the last step of) its ``preexec_fn``, inside this block.
+
+    The fd (the seccomp program, which bwrap reads at start) is closed when the block ends. Where this
+    process is root, ``enter`` makes the child an unprivileged user (see the module's doc) with at most
+    ``tasks`` threads and processes. ``new_processes`` lets the command fork (``envscaler.seccomp``):
+    only for a command that runs no untrusted code itself and loads ``seccomp_policy()`` into each child
+    before the child runs any. ``memfd=False`` refuses memory files: for a child whose memory no cgroup counts.
+    """
+    plan = sandbox_plan(readable=readable, placed=placed, tasks=tasks)
+    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--cap-drop", "ALL"]
+    enter: Callable[[], None] = _stay
+    if plan.view:
+        argv.insert(2, "--unshare-user")  # the one user it runs as, and nobody else, inside
+        enter = functools.partial(become_unprivileged, plan.view, tasks, libc())
+    argv += _bwrap_arguments(plan.mounts)
     seccomp = os.memfd_create("envscaler-seccomp", 0)
     try:
         os.write(seccomp, seccomp_bpf(new_processes=new_processes, memfd=memfd))
         os.lseek(seccomp, 0, os.SEEK_SET)
-        argv += ["--setenv", "TMPDIR", "/tmp", "--setenv", "HOME", "/tmp", "--chdir", "/tmp", "--seccomp", str(seccomp), "--", *command]
+        for name, value in SANDBOX_ENVIRONMENT.items():
+            argv += ["--setenv", name, value]
+        argv += ["--chdir", "/tmp", "--seccomp", str(seccomp), "--", *command]
         yield Launch(argv, (seccomp,), enter)
     finally:
         os.close(seccomp)
+
+
+def _bwrap_arguments(mounts: Sequence[Mount]) -> list[str]:
+    args: list[str] = []
+    for mount in mounts:
+        if mount.size:
+            args += ["--size", str(mount.size)]
+        if mount.kind in ("proc", "tmpfs", "remount-ro"):
+            args += [f"--{mount.kind}", mount.target]
+        else:
+            args += [f"--{mount.kind}", mount.source, mount.target]
+    return args
 
 
 def confined_uid(pid: int) -> int:
@@ -266,18 +327,20 @@ def confined_uid(pid: int) -> int:
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    # Looked up here, in the parent: a forked child of a threaded process must not take the loader's lock.
-    libc.unshare, libc.mount  # noqa: B018
-    return libc
+def libc() -> ctypes.CDLL:
+    """The C library, with the functions a child calls to confine itself looked up already: a forked
+    child of a threaded process must not take the loader's lock."""
+    library = ctypes.CDLL(None, use_errno=True)
+    for name in ("unshare", "mount", "umount2", "prctl", "syscall", "fork", "waitpid", "_exit"):
+        getattr(library, name)
+    return library
 
 
 _CLONE_NEWNS = 0x00020000
 _MS_BIND, _MS_REC, _MS_PRIVATE = 0x1000, 0x4000, 0x40000
 
 
-def _become_unprivileged(shown: Sequence[tuple[str, bool]], tasks: int, libc: ctypes.CDLL) -> None:
+def become_unprivileged(shown: Sequence[tuple[str, bool]], tasks: int, library: ctypes.CDLL) -> None:
     """In the child, as root: bind the paths to show (``shown``: path and whether it is a folder, in
     order) at ``_VIEW/<index>`` in a mount namespace of its own, then become ``confined_uid`` with no
     supplementary groups and at most ``tasks`` threads and processes (its user has no others)."""
@@ -287,18 +350,18 @@ def _become_unprivileged(shown: Sequence[tuple[str, bool]], tasks: int, libc: ct
             errno = ctypes.get_errno()
             raise OSError(errno, f"{what}: {os.strerror(errno)}")
 
-    check(libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
-    check(libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "making / private")
+    check(library.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    check(library.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "making / private")
     # Opened before the view covers them (a bundle under /tmp), in this namespace (a bind takes no other's).
     fds = [os.open(source, os.O_PATH | os.O_CLOEXEC) for source, _ in shown]
-    check(libc.mount(b"tmpfs", _VIEW.encode(), b"tmpfs", 0, b"mode=0755,size=64k"), f"a tmpfs on {_VIEW}")
+    check(library.mount(b"tmpfs", _VIEW.encode(), b"tmpfs", 0, b"mode=0755,size=64k"), f"a tmpfs on {_VIEW}")
     for index, ((source, is_dir), fd) in enumerate(zip(shown, fds)):
         target = f"{_VIEW}/{index}"
         if is_dir:
             os.mkdir(target)
         else:
             os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
-        check(libc.mount(f"/proc/self/fd/{fd}".encode(), target.encode(), None, _MS_BIND | _MS_REC, None), f"binding {source}")
+        check(library.mount(f"/proc/self/fd/{fd}".encode(), target.encode(), None, _MS_BIND | _MS_REC, None), f"binding {source}")
         os.close(fd)
     uid = confined_uid(os.getpid())
     resource.setrlimit(resource.RLIMIT_NPROC, (tasks, tasks))
@@ -319,15 +382,14 @@ def innermost_process(pid: int) -> int:
         pid = int(children[0])
 
 
-def _devices() -> list[str]:
+def _devices() -> list[Mount]:
     """A /dev of the few devices Python uses, and a small /dev/shm. Not bwrap's ``--dev``: its terminals
     (devpts) need a root inside the sandbox, and so a second user namespace whose parent maps that root."""
-    args = ["--size", str(64 * 1024), "--tmpfs", "/dev"]
-    for device in _DEVICES:
-        args += ["--dev-bind", f"/dev/{device}", f"/dev/{device}"]
+    mounts = [Mount("tmpfs", "/dev", size=64 * 1024)]
+    mounts += [Mount("dev-bind", f"/dev/{device}", f"/dev/{device}") for device in _DEVICES]
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
-        args += ["--symlink", target, f"/dev/{name}"]
-    return args + ["--size", str(SHM_BYTES), "--tmpfs", "/dev/shm"]
+        mounts.append(Mount("symlink", f"/dev/{name}", target))
+    return mounts + [Mount("tmpfs", "/dev/shm", size=SHM_BYTES)]
 
 
 def _project_paths() -> list[Path]:
@@ -340,29 +402,25 @@ def _project_paths() -> list[Path]:
             if not path.is_relative_to("/usr") and not any(other != path and path.is_relative_to(other) for other in needed)]
 
 
-def _filesystem(packages: list[tuple[str, str]], readable: list[tuple[str, str]]) -> list[str]:
-    """bwrap's file system arguments; ``packages`` and ``readable`` are (source, place inside) pairs."""
+def _filesystem(packages: list[tuple[str, str]], readable: list[tuple[str, str]]) -> list[Mount]:
+    """The sandbox's file system; ``packages`` and ``readable`` are (source, place inside) pairs."""
     # /tmp first: Python or a bundle may live under the host's /tmp, and binds made before would be hidden.
-    args = ["--proc", "/proc", "--size", str(TMPFS_BYTES), "--tmpfs", "/tmp", *_devices()]
+    mounts = [Mount("proc", "/proc"), Mount("tmpfs", "/tmp", size=TMPFS_BYTES), *_devices()]
     for top in ("/usr", "/bin", "/lib", "/lib64", "/sbin"):
         path = Path(top)
         if path.is_symlink():
-            args += ["--symlink", os.readlink(path), top]
+            mounts.append(Mount("symlink", top, os.readlink(path)))
         elif path.is_dir():
-            args += ["--ro-bind", top, top]
-    for file in _HOST_FILES:
-        args += ["--ro-bind-try", file, file]
-    for source, inside in packages:
-        args += ["--ro-bind", source, inside]
+            mounts.append(Mount("ro-bind", top, top))
+    mounts += [Mount("ro-bind-try", file, file) for file in _HOST_FILES]
+    mounts += [Mount("ro-bind", inside, source) for source, inside in packages]
     catalog = Path(__file__).resolve().parent / "catalog"
     if catalog.is_dir():
-        args += ["--tmpfs", str(catalog)]  # bundles are visible only when named
-    for source, inside in readable:
-        args += ["--ro-bind", source, inside]
+        mounts.append(Mount("tmpfs", str(catalog)))  # bundles are visible only when named
+    mounts += [Mount("ro-bind", inside, source) for source, inside in readable]
     if catalog.is_dir():
-        args += ["--remount-ro", str(catalog)]
-    args += ["--remount-ro", "/"]
-    return args
+        mounts.append(Mount("remount-ro", str(catalog)))
+    return mounts + [Mount("remount-ro", "/")]
 
 
 def _package_dir(name: str) -> Path | None:

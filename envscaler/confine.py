@@ -1,0 +1,285 @@
+"""The sandbox of ``envscaler.sandbox``, made by a forked child around itself instead of by bubblewrap.
+
+A worker forked from a process that has imported everything shares those pages with its siblings;
+one started through bubblewrap is a fresh interpreter, about 25 MB of its own. So a forked child
+confines itself the way bubblewrap confines what it starts (and as browsers' and nsjail's children
+do): the same :class:`~envscaler.sandbox.SandboxPlan`, the same seccomp program, the same user.
+
+:func:`confine` runs in a single-threaded child, as root or not:
+
+1. as root: the paths to show are bound at the staging place and the child becomes a user of its own
+   (``envscaler.sandbox.become_unprivileged``), so no step below is root's on the host;
+2. new user, mount, PID, network, IPC and UTS namespaces, the user mapped to itself;
+3. a fork: the child stays outside as the *monitor* (it waits for the other, exits with its status,
+   and is what its parent kills), the grandchild is the first process of the new PID namespace and
+   dies with the monitor;
+4. in the grandchild: the plan's file system built under a new root, which replaces the old one
+   (``pivot_root``), the loopback up, every capability dropped, no new privileges, and the seccomp
+   program loaded.
+
+It returns in the grandchild, confined; the monitor never returns.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import functools
+import os
+import platform
+import re
+import signal
+import socket
+import struct
+from collections.abc import Sequence
+
+from envscaler.sandbox import (
+    SANDBOX_VARIABLE,
+    Mount,
+    SandboxPlan,
+    become_unprivileged,
+    die_with_parent,
+    libc,
+    name_process,
+    sandbox_plan,
+)
+from envscaler.seccomp import seccomp_bpf, seccomp_problem
+
+_CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+_CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
+_MS_REMOUNT, _MS_NOATIME, _MS_NODIRATIME, _MS_BIND = 0x20, 0x400, 0x800, 0x1000
+_MS_REC, _MS_PRIVATE, _MS_RELATIME = 0x4000, 0x40000, 0x200000
+_MNT_DETACH = 2
+# statvfs's flags of a mount, and mount(2)'s: a bind mount made in a user namespace keeps those it
+# came with (the kernel locks them), so remounting it read-only must repeat them.
+_KEPT_FLAGS = ((os.ST_NOSUID, _MS_NOSUID), (os.ST_NODEV, _MS_NODEV), (os.ST_NOEXEC, _MS_NOEXEC),
+               (os.ST_NOATIME, _MS_NOATIME), (os.ST_NODIRATIME, _MS_NODIRATIME), (os.ST_RELATIME, _MS_RELATIME))
+_PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _PR_CAP_AMBIENT = 4, 24, 38, 22, 47
+_PR_CAP_AMBIENT_CLEAR_ALL, _SECCOMP_MODE_FILTER = 4, 2
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
+_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
+_CAPSET = {"x86_64": 126, "aarch64": 91}
+# Where the new root is assembled: a tmpfs over /tmp, which becomes the root for a while, so that the
+# old root (with the staged paths under its /tmp, where the caller is root) is at /oldroot.
+_BASE = "/tmp"
+_OLD = "/oldroot"
+_NEW = "/newroot"
+
+
+MONITOR_NAME = "sandbox-monitor"
+"""What ``ps`` calls a monitor."""
+
+
+class ConfineError(OSError):
+    """A step of the confinement failed: the kernel refused it (no user namespaces here, say)."""
+
+
+@functools.cache
+def confine_problem() -> str | None:
+    """Why a forked worker cannot confine itself here (what failed, or what turned it off), or None when
+    it can: a child forked now tries, with nothing to show but Python. Once per process; call it while
+    the process has one thread (a forked child of a threaded one must not need a lock another thread held)."""
+    if os.environ.get(SANDBOX_VARIABLE, "").lower() in ("off", "0", "no", "false"):
+        return f"{SANDBOX_VARIABLE}={os.environ[SANDBOX_VARIABLE]} turned it off"
+    problem = seccomp_problem()
+    if problem is not None:
+        return problem
+    if platform.machine() not in _PIVOT_ROOT or not hasattr(os, "fork"):
+        return f"a forked child cannot confine itself on {platform.system()} {platform.machine()}"
+    plan, program = sandbox_plan(readable=()), seccomp_bpf()
+    told, tell = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(told)
+            confine(plan, program)
+            code = 0
+        except BaseException as e:
+            os.write(tell, str(e).encode()[:1000])
+        finally:
+            os._exit(code)
+    os.close(tell)
+    with os.fdopen(told, "rb") as said:
+        message = said.read().decode(errors="replace")
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if code == 0:
+        return None
+    return f"a forked worker cannot confine itself here: {message or f'exit status {code}'}"
+
+
+def confine(plan: SandboxPlan, seccomp_program: bytes) -> None:
+    """Confine the calling process (a forked child, single-threaded) in ``plan``'s sandbox under
+    ``seccomp_program`` (``envscaler.seccomp.seccomp_bpf``'s): see the module's doc. Returns in the
+    confined grandchild; the monitor exits with the grandchild's status. Raises ConfineError before the fork."""
+    library = libc()
+    if plan.view:
+        become_unprivileged(plan.view, plan.tasks, library)
+        # Changing user made the process undumpable, which gives its /proc files to root: it could not map itself.
+        _check(library.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0), "owning its /proc files")
+    uid, gid = os.geteuid(), os.getegid()
+    _check(library.unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS),
+           "unshare (user namespaces may be turned off here)")
+    _write("/proc/self/setgroups", "deny")
+    _write("/proc/self/uid_map", f"{uid} {uid} 1")
+    _write("/proc/self/gid_map", f"{gid} {gid} 1")
+    # The C library's fork, not os.fork: Python's hooks after a fork (locks, threads, handlers) touch objects
+    # all over the heap, and each page they write would be the monitor's own; this process is single-threaded.
+    pid = library.fork()
+    if pid < 0:
+        _check(pid, "fork")
+    if pid != 0:
+        _monitor(pid, library)
+    # Were the monitor killed before this, the server that killed it has closed this one's socket: it ends at once.
+    die_with_parent(signal.SIGKILL)
+    _build_root(plan.mounts, library)
+    _loopback_up()
+    _drop_capabilities(library)
+    _load_seccomp(seccomp_program, library)
+    os.chdir("/tmp")
+
+
+def _monitor(pid: int, libc: ctypes.CDLL) -> None:
+    """Outside the new PID namespace: wait for its first process and exit as it did (a shell's 128 + the
+    signal for one killed, as bubblewrap's monitor does). Never returns. As little Python as can be: each
+    object it touches costs it a page of its own."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+    name_process(MONITOR_NAME)
+    os.closerange(0, os.sysconf("SC_OPEN_MAX"))
+    status = ctypes.c_int()
+    while libc.waitpid(pid, ctypes.byref(status), 0) != pid:
+        pass  # interrupted
+    code = os.waitstatus_to_exitcode(status.value)
+    libc._exit(code if code >= 0 else 128 - code)
+
+
+def _build_root(mounts: Sequence[Mount], libc: ctypes.CDLL) -> None:
+    """Make ``mounts`` under a new root and switch to it; the old root is gone from this namespace."""
+    _check(libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "making / private")
+    _check(libc.mount(b"tmpfs", _BASE.encode(), b"tmpfs", _MS_NODEV | _MS_NOSUID, b"mode=0755,size=64k"), f"a tmpfs on {_BASE}")
+    os.chdir(_BASE)
+    os.mkdir("newroot", 0o755)
+    os.mkdir("oldroot", 0o755)
+    _pivot_root(".", "oldroot", libc)
+    os.chdir("/")
+    _check(libc.mount(_NEW.encode(), _NEW.encode(), None, _MS_BIND | _MS_REC, None), "binding the new root")
+    for mount in mounts:
+        _make(mount, libc)
+    _check(libc.umount2(_OLD.encode(), _MNT_DETACH), "detaching the old root")
+    os.chdir(_NEW)
+    _pivot_root(".", ".", libc)
+    _check(libc.umount2(b".", _MNT_DETACH), "detaching the assembly root")
+    os.chdir("/")
+
+
+def _make(mount: Mount, libc: ctypes.CDLL) -> None:
+    target = _NEW + mount.target
+    source = _OLD + mount.source
+    if mount.kind == "proc":
+        os.makedirs(target, exist_ok=True)
+        _check(libc.mount(b"proc", target.encode(), b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None), "mounting /proc")
+    elif mount.kind == "tmpfs":
+        os.makedirs(target, exist_ok=True)
+        options = f"mode=0755,size={mount.size}" if mount.size else "mode=0755"
+        _check(libc.mount(b"tmpfs", target.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options.encode()), f"a tmpfs on {mount.target}")
+    elif mount.kind == "symlink":
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.symlink(mount.source, target)
+    elif mount.kind == "remount-ro":
+        _remount(target, libc, read_only=True, recursive=False)
+    elif mount.kind in ("ro-bind", "ro-bind-try", "dev-bind"):
+        if not os.path.exists(source):
+            if mount.kind == "ro-bind-try":
+                return
+            raise ConfineError(2, f"{mount.source}, to show at {mount.target}, does not exist")
+        if os.path.isdir(source):
+            os.makedirs(target, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
+        _check(libc.mount(source.encode(), target.encode(), None, _MS_BIND | _MS_REC, None), f"binding {mount.source}")
+        devices = mount.kind == "dev-bind"
+        _remount(target, libc, read_only=not devices, recursive=True, devices=devices)
+    else:
+        raise ValueError(f"unknown mount kind {mount.kind!r}")
+
+
+def _remount(target: str, libc: ctypes.CDLL, *, read_only: bool, recursive: bool, devices: bool = False) -> None:
+    """Remount ``target`` (and, ``recursive``, every mount below it, which a bind does not change) with no
+    setuid programs, no devices unless ``devices``, read-only if asked, and the flags it is locked with."""
+    for path in [target, *(_mounts_below(target) if recursive else [])]:
+        kept = _MS_NOSUID | (0 if devices else _MS_NODEV) | (_MS_RDONLY if read_only else 0)
+        flags = os.statvfs(path).f_flag
+        for statvfs_flag, mount_flag in _KEPT_FLAGS:
+            if flags & statvfs_flag:
+                kept |= mount_flag
+        _check(libc.mount(None, path.encode(), None, _MS_REMOUNT | _MS_BIND | kept, None), f"making {path} read-only")
+
+
+def _mounts_below(target: str) -> list[str]:
+    below = []
+    # While the root is assembled, the new /proc (the plan's first mount) is under it, and the old one under the old root.
+    proc = _NEW + "/proc" if os.path.exists(_NEW + "/proc/self") else _OLD + "/proc"
+    with open(f"{proc}/self/mountinfo", encoding="utf-8") as mountinfo:
+        for line in mountinfo:
+            point = re.sub(r"\\([0-7]{3})", lambda escape: chr(int(escape.group(1), 8)), line.split(" ")[4])  # \040: a space
+            if point.startswith(target.rstrip("/") + "/"):
+                below.append(point)
+    return below
+
+
+def _loopback_up() -> None:
+    """Bring up the new network namespace's loopback, its only interface: code may serve itself, as it
+    can in bubblewrap's sandbox, and reach nothing else."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("16sH14x", b"lo", 0)
+        flags = struct.unpack("16sH14x", fcntl.ioctl(sock, _SIOCGIFFLAGS, request))[1]
+        fcntl.ioctl(sock, _SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | _IFF_UP))
+
+
+def _drop_capabilities(libc: ctypes.CDLL) -> None:
+    """No capability left, none to regain: the bounding set emptied, then the process's own sets."""
+    with open("/proc/sys/kernel/cap_last_cap", encoding="ascii") as last:  # the new root's /proc
+        last_cap = int(last.read())
+    for capability in range(last_cap + 1):
+        _check(libc.prctl(_PR_CAPBSET_DROP, capability, 0, 0, 0), f"dropping capability {capability}")
+    libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    header = ctypes.create_string_buffer(struct.pack("Ii", _LINUX_CAPABILITY_VERSION_3, 0))
+    data = ctypes.create_string_buffer(struct.calcsize("III") * 2)  # zero: effective, permitted, inheritable
+    _check(libc.syscall(_syscall_number(_CAPSET), header, data), "dropping capabilities")
+    _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no new privileges")
+
+
+def _load_seccomp(program: bytes, libc: ctypes.CDLL) -> None:
+    """Load a classic BPF program (8 bytes an instruction) as this process's seccomp filter."""
+    filters = ctypes.create_string_buffer(program, len(program))
+    fprog = struct.pack("HxxxxxxP", len(program) // 8, ctypes.addressof(filters))
+    _check(libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.c_char_p(fprog), 0, 0), "loading the seccomp filter")
+
+
+def _pivot_root(new_root: str, put_old: str, libc: ctypes.CDLL) -> None:
+    _check(libc.syscall(_syscall_number(_PIVOT_ROOT), new_root.encode(), put_old.encode()), f"pivot_root({new_root}, {put_old})")
+
+
+def _syscall_number(numbers: dict[str, int]) -> int:
+    machine = platform.machine()
+    if machine not in numbers:
+        raise ConfineError(38, f"a forked child cannot confine itself on {machine}")
+    return numbers[machine]
+
+
+def _write(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise ConfineError(errno, f"{what}: {os.strerror(errno)}")
