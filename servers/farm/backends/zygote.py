@@ -4,15 +4,11 @@ A server started as ``python -m servers.cli`` spends about a second of CPU impor
 about 30 MB of its own memory. Forked from a parent that has already imported everything, it starts
 in milliseconds and shares the imported code and objects copy-on-write with its siblings.
 
-Two kinds of Unix socket carry the work (SOCK_SEQPACKET: one message per send, file descriptors
-passed with SCM_RIGHTS):
-
-- the control socket, daemon -> zygote: one ``SpawnRequest`` per server, with four descriptors: the
-  server's channel, its log file, its ready pipe's write end and its environment pipe's read end; then
-  the listening sockets the daemon holds for it, if any (the server serves them at descriptors 4, 5);
-- one channel per server, zygote -> daemon: a ``SpawnReply`` (the pid, and a pidfd of the child),
-  later an ``ExitReport`` once the zygote has reaped the child, then EOF. EOF with no report means
-  the zygote died, and the server with it (PR_SET_PDEATHSIG).
+It is a forking process (``servers.forking``): the daemon sends one ``SpawnRequest`` per server on
+its control socket, with four descriptors: the server's channel, its log file, its ready pipe's
+write end and its environment pipe's read end; then the listening sockets the daemon holds for it,
+if any (the server serves them at descriptors 4, 5). Each server, before anything secret reaches it,
+forks its own spawner (``servers.workers.spawner``), which forks its workers from the same imports.
 
 The server's environment (its token among it) travels in a pipe that only the forked child reads,
 so the zygote never holds one server's secrets in memory that the next server is forked from.
@@ -29,29 +25,32 @@ import json
 import os
 import random
 import resource
-import selectors
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import anyio
 from pydantic import BaseModel
 
+from envscaler.confine import confine_problem
 from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment, die_with_parent, limit_resources
 from envscaler.seccomp import seccomp_bpf, seccomp_problem
 from servers.farm.backends.spawning import ADDRESS_SPACE_FACTOR, Listeners, read_ready_line, server_command
 from servers.farm.models import EnvPlan, FarmPlan
+from servers.forking import MESSAGE_BYTES, ExitReport, Forked, SpawnReply, exit_with, fork_available, refuse, reply, serve_forks
+from servers.workers.spawner import PRELOAD as WORKER_PRELOAD
+from servers.workers.spawner import fork_spawner
 
 # Imported before the first fork: what ``servers.cli`` needs to serve a bundle, and its event loop.
 PRELOAD = (
     "servers.cli", "servers.serve", "servers.app", "servers.transport.http_server", "servers.protocols.mcp", "uvloop",
-    "anyio._backends._asyncio", "anyio.to_thread", "encodings.idna",
+    "anyio._backends._asyncio", "anyio.to_thread", "encodings.idna", *WORKER_PRELOAD,
 )
 # Also preloaded when a server of the farm serves OpenEnv (``farm up --openenv``).
 OPENENV_PRELOAD = "servers.protocols.openenv.app"
@@ -61,7 +60,6 @@ SPAWNER_VARIABLE = "ENVSCALER_SPAWNER"
 _PASSED_FDS = 4
 # Where a forked server finds the listening sockets the daemon passed with its request (main, OpenEnv).
 _LISTEN_FDS = (4, 5)
-_MESSAGE_BYTES = 65536
 # What the zygote reports when it died before it could report an exit: its children got this signal.
 _DEATH_SIGNAL = signal.SIGKILL
 _ZYGOTE_STOP_S = 5.0
@@ -82,19 +80,6 @@ class SpawnRequest(BaseModel):
     listeners: int = 0
 
 
-class SpawnReply(BaseModel):
-    """The forked server's pid (its pidfd travels with this message), or why there is none."""
-
-    pid: int | None = None
-    error: str | None = None
-
-
-class ExitReport(BaseModel):
-    """The server's exit status in Popen.returncode's convention (negative: killed by that signal)."""
-
-    status: int
-
-
 def zygote_spawner(plan: FarmPlan) -> ZygoteSpawner | None:
     """The plan's zygote (OpenEnv preloaded when its servers serve it); None where fork is not
     available or ``ENVSCALER_SPAWNER=popen`` asks for an interpreter per server."""
@@ -103,17 +88,6 @@ def zygote_spawner(plan: FarmPlan) -> ZygoteSpawner | None:
     openenv = any(env.openenv_port is not None for env in plan.envs)
     environment = clean_environment({FARM_ID_VARIABLE: plan.farm_id, "MALLOC_ARENA_MAX": "2"})
     return ZygoteSpawner(environment, plan.server_flags(), preload=PRELOAD + ((OPENENV_PRELOAD,) if openenv else ()))
-
-
-def fork_available() -> bool:
-    """Whether this platform can run a zygote: fork, SCM_RIGHTS, PR_SET_PDEATHSIG and pidfds (Linux 5.3+)."""
-    if not (sys.platform.startswith("linux") and hasattr(os, "fork") and hasattr(os, "pidfd_open") and hasattr(socket, "send_fds")):
-        return False
-    try:
-        os.close(os.pidfd_open(os.getpid()))
-    except OSError:
-        return False  # an older kernel
-    return True
 
 
 # --- the daemon's side ---------------------------------------------------------------------------
@@ -314,7 +288,7 @@ async def _receive(sock: socket.socket) -> tuple[bytes, list[int]] | None:
     """One message and the descriptors that came with it; None at EOF."""
     while True:
         try:
-            data, fds, _, _ = socket.recv_fds(sock, _MESSAGE_BYTES, _PASSED_FDS + len(_LISTEN_FDS))
+            data, fds, _, _ = socket.recv_fds(sock, MESSAGE_BYTES, _PASSED_FDS + len(_LISTEN_FDS))
         except BlockingIOError:
             await anyio.wait_readable(sock)
             continue
@@ -343,43 +317,7 @@ def _raise_open_files_limit() -> None:
 # --- the zygote's side ---------------------------------------------------------------------------
 
 
-@dataclass
-class _Child:
-    pid: int
-    pidfd: int
-    channel: socket.socket
-
-
-def serve_requests(control: socket.socket) -> None:
-    """Fork one server per request and report each exit, until the daemon closes the control socket.
-
-    Single-threaded and without an event loop, as fork() needs: one selector over the control socket
-    and the children's pidfds.
-    """
-    selector = selectors.DefaultSelector()
-    selector.register(control, selectors.EVENT_READ)
-    children: list[_Child] = []
-    while True:
-        for key, _ in selector.select():
-            if key.data is None:
-                try:
-                    data, fds, _, _ = socket.recv_fds(control, _MESSAGE_BYTES, _PASSED_FDS + len(_LISTEN_FDS))
-                except ConnectionResetError:
-                    return
-                if not data and not fds:
-                    return  # the daemon is done with us
-                child = _fork_server(data, fds, control, children)
-                if child is not None:
-                    children.append(child)
-                    selector.register(child.pidfd, selectors.EVENT_READ, child)
-            else:
-                child = key.data
-                selector.unregister(child.pidfd)
-                children.remove(child)
-                _report_exit(child)
-
-
-def _fork_server(data: bytes, fds: list[int], control: socket.socket, children: list[_Child]) -> _Child | None:
+def _fork_server(data: bytes, fds: list[int]) -> Forked | None:
     if len(fds) < _PASSED_FDS:
         for fd in fds:
             os.close(fd)
@@ -397,36 +335,19 @@ def _fork_server(data: bytes, fds: list[int], control: socket.socket, children: 
         pid = os.fork()
         if pid == 0:
             _become_server(request, log_fd, ready_fd, environ_fd, listen_fds)
-        pidfd = os.pidfd_open(pid)
     except Exception as e:
-        _send_quietly(channel, SpawnReply(error=f"{type(e).__name__}: {e}").model_dump_json().encode(), [])
-        channel.close()
+        refuse(channel, e)
         return None
     finally:
         for fd in (log_fd, ready_fd, environ_fd, *listen_fds):
             os.close(fd)
-    _send_quietly(channel, SpawnReply(pid=pid).model_dump_json().encode(), [pidfd])
-    return _Child(pid, pidfd, channel)
+    return reply(channel, pid)
 
 
-def _report_exit(child: _Child) -> None:
-    _, status = os.waitpid(child.pid, 0)
-    os.close(child.pidfd)
-    _send_quietly(child.channel, ExitReport(status=os.waitstatus_to_exitcode(status)).model_dump_json().encode(), [])
-    child.channel.close()
-
-
-def _send_quietly(channel: socket.socket, data: bytes, fds: list[int]) -> None:
-    try:
-        socket.send_fds(channel, [data], fds)
-    except OSError:
-        pass  # the daemon stopped waiting for this server
-
-
-def _become_server(request: SpawnRequest, log_fd: int, ready_fd: int, environ_fd: int, listen_fds: list[int]) -> None:
+def _become_server(request: SpawnRequest, log_fd: int, ready_fd: int, environ_fd: int, listen_fds: list[int]) -> NoReturn:
     """In the forked child: become a fresh server process, run it, and exit with its status. Never returns."""
-    status = 1
-    try:
+
+    def run() -> int:
         zygote = os.getppid()
         os.setsid()
         die_with_parent(_DEATH_SIGNAL)
@@ -437,38 +358,31 @@ def _become_server(request: SpawnRequest, log_fd: int, ready_fd: int, environ_fd
         os.dup2(null, 0)
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
-        environment = _read_environment(environ_fd)
         # Out of the way first: a descriptor passed with the request may sit where another must go.
-        above = max(16, ready_fd, *listen_fds) + 1
-        ready_fd, *listen_fds = (fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, above) for fd in (ready_fd, *listen_fds))
-        os.dup2(ready_fd, 3, inheritable=False)
-        for fd, target in zip(listen_fds, _LISTEN_FDS):
+        above = max(16, ready_fd, environ_fd, *listen_fds) + 1
+        ready, environ, *listens = (fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, above) for fd in (ready_fd, environ_fd, *listen_fds))
+        os.dup2(ready, 3, inheritable=False)
+        for fd, target in zip(listens, _LISTEN_FDS):
             os.dup2(fd, target, inheritable=False)
+        environ = os.dup2(environ, _LISTEN_FDS[0] + len(listens), inheritable=False)
         # The zygote's sockets, the siblings' pidfds and channels.
-        os.closerange(_LISTEN_FDS[0] + len(listen_fds), os.sysconf("SC_OPEN_MAX"))
+        os.closerange(environ + 1, os.sysconf("SC_OPEN_MAX"))
+        limit_resources(request.address_space_mb)
+        # Before the environment (the token) is read: the spawner, and every worker it forks, never holds it.
+        fork_spawner()
+        environment = _read_environment(environ)
         os.environ.clear()
         os.environ.update(environment)
         from servers.serve import READY_FD_VARIABLE
 
         os.environ[READY_FD_VARIABLE] = "3"
-        limit_resources(request.address_space_mb)
         random.seed()
         sys.argv = ["servers.cli", *request.argv]
         from servers.cli import main
 
-        status = main(request.argv)
-    except SystemExit as e:
-        status = _exit_code(e.code)
-    except BaseException:
-        traceback.print_exc()
-        status = 1
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        os._exit(status)
+        return main(request.argv)
+
+    exit_with(run)
 
 
 def _default_signals() -> None:
@@ -488,23 +402,14 @@ def _read_environment(fd: int) -> dict[str, str]:
     return {str(key): str(value) for key, value in environment.items()}
 
 
-def _exit_code(code: object) -> int:
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)
-    return 1
-
-
 def _settle_sandbox() -> None:
     """Build, once before the first fork, the seccomp programs every server's workers get (libseccomp),
-    rather than again in each server. (Not the sandbox check: its bubblewrap run would leave the daemon
-    an orphan from the zygote's group, which it leaves to the zygote's owner; each server runs its own.)"""
+    and find whether a forked worker can confine itself here, rather than again in each server."""
     if seccomp_problem() is None:
         for new_processes in (False, True):
             for memfd in (False, True):
                 seccomp_bpf(new_processes=new_processes, memfd=memfd)
+    confine_problem()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -527,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     _settle_sandbox()
     print(json.dumps({"event": "zygote ready", "pid": os.getpid(), "modules": len(sys.modules),
                       "import_s": round(time.perf_counter() - started, 3)}), file=sys.stderr, flush=True)
-    serve_requests(control)
+    serve_forks(control, _fork_server, _PASSED_FDS + len(_LISTEN_FDS))
     return 0
 
 
