@@ -22,6 +22,7 @@ from envscaler.arguments import with_examples
 from envscaler.bundle import bundle_path, load_bundle
 from envscaler.loader import precheck_class
 from envscaler.requirements import require_installed
+from envscaler.confine import confine_problem
 from envscaler.sandbox import no_new_privileges, sandbox_problem, warn_unprotected
 from servers.app import ServerConfig
 from servers.episodes.calls import QUEUE_WAIT_S
@@ -75,7 +76,11 @@ def _serve(args: argparse.Namespace) -> int:
     listening = inherited_listener(args.listen_fd, "--listen-fd")
     openenv_listening = inherited_listener(args.openenv_listen_fd, "--openenv-listen-fd")
     logs.configure(args.log_level)
-    problem = sandbox_problem() if args.sandbox else "--no-sandbox"
+    if not args.sandbox:
+        problem: str | None = "--no-sandbox"
+    else:
+        # Workers confine themselves once forked (no bubblewrap needed); a server without workers runs in bubblewrap's sandbox.
+        problem = confine_problem() if config.worker_process else sandbox_problem()
     if config.worker_process:
         # This process runs no environment code: the workers it starts are what the sandbox holds.
         if problem is not None:
@@ -230,7 +235,7 @@ def register_serve(commands: Any) -> None:
                         help="run the environment's code in this server's own process: one socket hop less per call, but "
                         "a call that freezes it (a C loop) or ends it takes the server and every episode with it, and "
                         "the code shares a process with the token. By default it runs in a worker process (sandboxed "
-                        "where bwrap works) that the server kills and replaces when it must, rebuilding its episodes "
+                        "where a forked process can confine itself) that the server kills and replaces when it must, rebuilding its episodes "
                         "there from their calls, and the checks run in another one that environment code never reaches")
     parser.add_argument("--listen-fd", type=int, metavar="FD",
                         help="serve the listening TCP socket inherited at descriptor FD instead of binding --port (a "
@@ -240,8 +245,9 @@ def register_serve(commands: Any) -> None:
     parser.add_argument("--stop-when-stale", metavar="FILE",
                         help="stop once FILE has not been touched for 15 s (a farm's heartbeat: no server outlives its daemon)")
     parser.add_argument("--no-sandbox", dest="sandbox", action="store_false",
-                        help="run the environment's code without the bubblewrap sandbox (by default it runs in one where "
-                        "bwrap works: no network, a read-only view of only Python and the bundle, no new processes)")
+                        help="run the environment's code without the sandbox (by default its workers confine themselves "
+                        "where user namespaces and libseccomp work, and --in-process runs in bubblewrap's: no network, a "
+                        "read-only view of only Python and the bundle, no new processes)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.set_defaults(func=_serve)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from servers.workers.spawner import worker_name
 from tests.support.bundles import counter_bundle
 from tests.support.farm import counter_farm, parent_of, read_state
 from tests.support.hostile import call
@@ -22,11 +23,11 @@ from tests.support.server import RunningServer, serve
 pytestmark = pytest.mark.timeout(120)
 
 IDLE_S = 1.0
-CHECK_WORKER = b"servers.workers.check_worker"
+CHECK_WORKER = worker_name("servers.workers.check_worker")
 
 
 def check_workers(server: RunningServer) -> list[int]:
-    """The processes under ``server`` that run the check worker (bubblewrap's around it, its check children)."""
+    """The processes under ``server`` that run the check worker (and its check children)."""
     return server_check_workers(server.process.pid)
 
 
@@ -38,7 +39,7 @@ def server_check_workers(server: int) -> list[int]:
             continue
         pid = int(entry.name)
         try:
-            if CHECK_WORKER not in (entry / "cmdline").read_bytes():
+            if (entry / "comm").read_text().strip() != CHECK_WORKER:
                 continue
             parent = parent_of(pid)
             while parent > 1 and parent != server:

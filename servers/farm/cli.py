@@ -21,7 +21,8 @@ from envscaler.bundle import default_catalog, find_bundles, load_bundle
 from envscaler.cgroups import ChildGroup, combined
 from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from envscaler.loader import precheck_class
-from envscaler.sandbox import FARM_ID_VARIABLE, UNPROTECTED, sandbox_problem
+from envscaler.confine import confine_problem
+from envscaler.sandbox import FARM_ID_VARIABLE, UNPROTECTED
 from envscaler.wire import DEFAULT_FARM_CATALOG, FarmCatalog, WorkerResources
 from servers.errors import FarmError
 from servers.farm.backends.images import docker_answers
@@ -143,7 +144,7 @@ def farm_up(args: argparse.Namespace) -> int:
     if backend == "ray":
         plan.sandbox = args.sandbox  # each node checks its own, and refuses to run environment code unsandboxed
     if backend == "process":
-        problem = sandbox_problem() if args.sandbox else "--no-sandbox"
+        problem = confine_problem() if args.sandbox else "--no-sandbox"  # what its servers' workers need
         plan.sandbox = problem is None
         if problem is not None:
             print(f"farm: warning: {UNPROTECTED} ({problem}); the docker backend isolates every server", file=sys.stderr)
@@ -314,9 +315,9 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
                     help="each server is asked for /healthz once per this many seconds, the farm's probes spread over it; "
                          "one that misses 3 in a row is hung and is restarted (default: 10, or environments/20 when more)")
     up.add_argument("--no-sandbox", dest="sandbox", action="store_false",
-                    help="process backend: run environment code without the bubblewrap sandbox (by default each server's "
-                    "environment and check workers run in one where bwrap works: no network, nothing of your files but "
-                    "Python, no new processes)")
+                    help="process backend: run environment code without the sandbox (by default each server's "
+                    "environment and check workers confine themselves where user namespaces and libseccomp work: no "
+                    "network, nothing of your files but Python, no new processes)")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for every server to be healthy (default: 120)")
     swarm = up.add_argument_group("swarm backend")
     swarm.add_argument("--registry", metavar="HOST:PORT", help="registry the farm's images are pushed to and every node pulls from (required)")

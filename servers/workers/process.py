@@ -2,9 +2,10 @@
 
 The server keeps what has to outlive untrusted code (the HTTP and MCP surface, the token, the
 episode ids, the trajectories) and asks a :class:`WorkerProcess` for the rest: the environment's code
-(``servers.workers.env_worker``) or the checks (``servers.workers.check_worker``). The process is started in the
-server's process group (a farm that kills the server's group kills it and what it forked), in the
-bubblewrap sandbox where asked, with a clean environment; its settings arrive as its first frame,
+(``servers.workers.env_worker``) or the checks (``servers.workers.check_worker``). The process is forked by
+the server's spawner (``servers.workers.spawner``), in the server's process group (a farm that kills
+the server's group kills it and what it forked), confined in the sandbox where asked, with a clean
+environment; its settings arrive as its first frame,
 never through argv or the environment, and the server is made undumpable so that the child cannot
 read the token from the server's memory.
 
@@ -54,7 +55,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import functools
 import json
 import logging
 import os
@@ -71,9 +71,10 @@ from pydantic import BaseModel
 from envscaler import EnvCodeError
 from envscaler.cgroups import ChildGroup
 from envscaler.errors import BundleError, ChecklistError
-from envscaler.sandbox import CHILD_TASKS, Launch, clean_environment, confined_uid, make_undumpable, sandboxed
+from envscaler.sandbox import CHILD_TASKS, SANDBOX_ENVIRONMENT, clean_environment, confined_uid, make_undumpable, sandbox_plan
 from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, Overloaded, UnknownEpisode, UnknownScenario
 from servers.memory import oom_kills
+from servers.workers.spawner import ForkRequest, SpawnedWorker, spawner
 from servers.workers.wire import (
     EXIT_REASONS,
     FAILED,
@@ -242,20 +243,26 @@ class _Child:
         self.group = group
         # The OOM kills so far (its group's, else the server's): one more when it is killed means the kernel's OOM killer did it.
         self.oom_kills = self.oom_kills_now()
-        command = [sys.executable, "-m", module, str(theirs.fileno())]
-        # In the server's process group: whatever kills the server's group (a farm restarting or stopping
-        # it) takes the child and what it forked. Whatever it reads comes over the socket, but for the
-        # ``readable`` paths (a bundle's data files), shown read-only.
-        with contextlib.ExitStack() as stack:
-            # The group's memory files where the child reads its own: it refuses an episode before the kernel kills it.
+        # Forked by this server's spawner (``servers.workers.spawner``), in the server's process group: whatever
+        # kills the server's group (a farm restarting or stopping it) takes the child and what it forked.
+        # Whatever it reads comes over the socket, but for the ``readable`` paths (a bundle's data files),
+        # shown read-only, and its group's memory files, where it reads its own (it refuses an episode before
+        # the kernel kills it).
+        environment = {**CHILD_ENVIRONMENT, **clean_environment()}
+        fds = [theirs.fileno(), *inherited]
+        forker = spawner()
+        if forker is not None:
             placed = group.memory_files() if group is not None else None
-            launch = (stack.enter_context(sandboxed(command, readable=readable, placed=placed, tasks=tasks, new_processes=new_processes,
-                                                    memfd=group is not None))
-                      if sandbox else Launch(command))
-            self.process = subprocess.Popen(launch.argv, pass_fds=[theirs.fileno(), *inherited, *launch.fds],
-                                            env={**CHILD_ENVIRONMENT, **clean_environment()},
-                                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                            preexec_fn=functools.partial(_enter_child, group, launch))
+            plan = sandbox_plan(readable=readable, placed=placed, tasks=tasks) if sandbox else None
+            request = ForkRequest(module=module, fds=fds, groups=group.procs_files if group is not None else [], sandbox=plan,
+                                  new_processes=new_processes, memfd=group is not None,
+                                  environment={**environment, **SANDBOX_ENVIRONMENT} if sandbox else environment)
+            self.process: SpawnedWorker | subprocess.Popen[bytes] = forker.spawn(request, fds)
+        elif sandbox:
+            raise EnvCodeError(f"{module} cannot be sandboxed: this platform cannot fork a worker from a spawner")
+        else:
+            self.process = subprocess.Popen([sys.executable, "-m", module, str(theirs.fileno())], pass_fds=fds, env=environment,
+                                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         theirs.close()
         ours.sendall(frame(0, settings))
         self.link: _Link | None = None
@@ -302,7 +309,7 @@ class _Child:
             self.link.transport.write(data)
 
     def kill(self) -> None:
-        # In the sandbox the process is bubblewrap: its PID namespace, and all in it, dies with it.
+        # In the sandbox the process is the monitor outside its PID namespace: the namespace, and all in it, dies with it.
         self.gone = True
         try:
             os.kill(self.process.pid, signal.SIGKILL)
@@ -314,13 +321,6 @@ class _Child:
         self.sock.close()
         if self.output is None and self.process.stdout is not None:
             self.process.stdout.close()  # never read: a child killed before the event loop had it
-
-
-def _enter_child(group: ChildGroup | None, launch: Launch) -> None:
-    """Between fork and exec: into the environment's control group (as root, before any uid change), then the sandbox's step."""
-    if group is not None:
-        group.join()
-    launch.enter()
 
 
 class WorkerProcess:
@@ -537,11 +537,13 @@ class WorkerProcess:
                 self.restarts += 1
             self._child = self._spawn()  # on the loop's thread: PDEATHSIG follows the thread that forks
         child = self._child
+        # Expected before the link reads anything: a forked child may say hello before the link is even made.
+        hello = self._expect(HELLO_ID, self.start_timeout_s, self.start_timeout_s, "its start", "") if fresh else None
         _, child.link = await loop.connect_accepted_socket(lambda: _Link(self, child), sock=child.sock)
         if child.process.stdout is not None and child.output is None:
             child.output, _ = await loop.connect_read_pipe(lambda: _Output(self, child), child.process.stdout)
-        if fresh:
-            status, payload = await self._wait(HELLO_ID, self.start_timeout_s, self.start_timeout_s, "its start", "")
+        if hello is not None:
+            status, payload = await self._answer(hello)
             if status == FAILED:
                 raise EnvCodeError(decode(WorkerFailure, payload).message)
             if self.restarts:
@@ -646,13 +648,20 @@ class WorkerProcess:
                     holding: Turn | None = None) -> tuple[int, bytes]:
         """The child's answer to request ``request_id``. Until it answers or falls, the request stays in
         flight, though its caller give up: the child still runs it."""
+        return await self._answer(self._expect(request_id, wait_s, limit_s, what, subject, again, holding))
+
+    def _expect(self, request_id: int, wait_s: float, limit_s: float, what: str, subject: str, again: bool = False,
+                holding: Turn | None = None) -> _Pending:
+        """Put request ``request_id`` in flight: its answer, or its deadline, is watched from now."""
         loop = asyncio.get_running_loop()
-        now = time.monotonic()
-        pending = _Pending(loop.create_future(), now, wait_s, limit_s, what, subject, again, holding)
+        pending = _Pending(loop.create_future(), time.monotonic(), wait_s, limit_s, what, subject, again, holding)
         self._pending[request_id] = pending
         if not self._ticking:
             self._ticking = True
             loop.call_later(_TICK_S, self._supervise)
+        return pending
+
+    async def _answer(self, pending: _Pending) -> tuple[int, bytes]:
         try:
             return await pending.future
         except asyncio.CancelledError:

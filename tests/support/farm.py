@@ -86,12 +86,14 @@ def parent_of(pid: int) -> int:
 
 def farm_members(state: dict[str, Any]) -> dict[str, list[int]]:
     """Every running process of the farm (found by its farm id, as ``farm down`` finds them), by what it is:
-    the daemon, the zygote, haproxy, the servers, the processes under a server (its environment and check
-    workers, in the sandbox with bubblewrap's), and anything else (``stray``: a leak)."""
+    the daemon, the zygote, haproxy, the servers, each server's spawner (its child), the processes under a
+    spawner (the environment and check workers, each sandboxed one with its monitor), and anything else
+    (``stray``: a leak)."""
     from servers.farm.teardown import farm_processes
 
     servers = {record["pid"] for record in state["envs"].values()}
-    members: dict[str, list[int]] = {"daemon": [], "zygote": [], "haproxy": [], "server": [], "under a server": [], "stray": []}
+    members: dict[str, list[int]] = {"daemon": [], "zygote": [], "haproxy": [], "server": [], "spawner": [], "under a server": [],
+                                      "stray": []}
     for pid in farm_processes(state["farm_id"]):
         try:
             command = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -105,6 +107,8 @@ def farm_members(state: dict[str, Any]) -> dict[str, list[int]]:
             kind = "daemon"
         elif pid in servers:
             kind = "server"
+        elif ancestors and ancestors[0] in servers:
+            kind = "spawner"
         elif servers & set(ancestors):
             kind = "under a server"
         elif b"servers.farm.backends.zygote" in command:

@@ -200,6 +200,7 @@ WALL_TOOLS = '''
         import gc
         import re
         strings, seen = set(), set()
+        gc.unfreeze()  # what the spawner froze before it forked this worker (its imports) is walked too
         found = gc.get_objects()
         for holder in found:
             for value in gc.get_referents(holder):

@@ -73,7 +73,7 @@ ROGUE_TOOLS = '''
         import _thread
         import sys
         import time
-        sys.modules["__main__"].foreign_threads = lambda store: set()  # the worker runs as python -m servers.workers.env_worker
+        sys.modules["servers.workers.env_worker"].foreign_threads = lambda store: set()  # forked by the spawner, which imported it
         start = [c.cell_contents for c in _thread.start_new_thread.__closure__ if callable(c.cell_contents)][0]
         started = 0
         try:
