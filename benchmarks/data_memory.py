@@ -31,6 +31,7 @@ from common import Verdict, argument_parser, memory, process_tree, report, start
 
 import httpx
 
+from servers.workers.spawner import worker_name
 from tests.support.data_bundle import directory_bundle, users
 
 TOKEN = "bench-token"
@@ -39,22 +40,22 @@ _MB = 1024 * 1024
 
 
 def _roles(server_pid: int) -> dict[str, int]:
-    """The pids of the server's workers, by role (the outermost process that runs each module)."""
+    """The pids of the server's workers, by role (each worker's own process, not its sandbox's monitor,
+    nor a child the check worker forked for one validation)."""
     found: dict[str, int] = {}
     for pid in process_tree(server_pid)[1:]:
-        command, parent = _command(pid), _command(_parent(pid))
-        for role, module in (("env worker", b"servers.workers.env_worker"), ("check worker", b"servers.workers.check_worker")):
-            # Not bubblewrap around it, nor a child the check worker forked for one validation.
-            if module in command and command[0] != b"bwrap" and (module not in parent or parent[0] == b"bwrap"):
+        for role in ("env worker", "check worker"):
+            name = worker_name(role.replace(" ", "_"))
+            if _name(pid) == name and _name(_parent(pid)) != name:
                 found[role] = pid
     return found
 
 
-def _command(pid: int) -> list[bytes]:
+def _name(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
-        return []
+        return ""
 
 
 def _parent(pid: int) -> int:

@@ -9,7 +9,8 @@ its check worker, with bubblewrap's processes when sandboxed): USS (private page
 costs), PSS (shared pages split among their users) and RSS. An environment's memory is read three
 times: before any validation, after one, and ``--reap-wait`` seconds after it, once its check worker
 has stopped (idle for the server's ``--check-idle``). The daemon's CPU while the farm is idle
-is read from /proc/PID/stat over 10 s, and given per environment too.
+is read from /proc/PID/stat over 10 s, and given per environment too. With ``--replay``, every scenario
+of the farm is then replayed once (``envscaler run --agent replay --procs`` cores - 2): tool steps/s.
 
 With ``--load``, a busy process runs on every core from before the validations to the end of the
 measurement (a machine whose CPUs are all taken): the validations must all score, and no server and
@@ -26,7 +27,8 @@ Targets: process: all healthy within 30 s up to 200 environments, 60 s up to 1,0
 machine with at least 16 cores) with servers forked from the zygote (the popen run's times are shown
 for comparison); docker: 50 healthy within 60 s; USS <= 12 MB per forked server; RSS <= 45 MB per
 server; the idle daemon under 2% of a core (issue 34: at 1,000 environments); 0 restarts; process:
-USS <= 15 MB per environment after a validation, its check worker stopped (issue 34). Exits 1 when one
+USS <= 15 MB per environment after a validation, its check worker stopped (issue 34); with --replay, every
+scenario scores 1.0, and >= 4,000 tool steps/s on a machine with at least 16 cores (issue 34). Exits 1 when one
 is missed (docker is skipped, and says so, when no engine answers).
 """
 
@@ -49,11 +51,13 @@ import httpx
 
 from common import Memory, Verdict, argument_parser, cpu_seconds, describe_memory, envscaler, memory, report, tree_memory
 
+from agent_client.models import RecordHead
 from envscaler import load_bundle
 from servers.farm.backends.images import docker_answers
 from tests.support.farm import catalog_copies
 
 RSS_TARGET_MB = 45.0
+REPLAY_STEPS_TARGET = 4000.0
 USS_TARGET_MB = 12.0
 IDLE_CPU_TARGET = 0.02
 IDLE_WINDOW_S = 10.0
@@ -152,6 +156,32 @@ def restarts(catalog: Path) -> tuple[int, int]:
     return servers, workers
 
 
+class Replay(NamedTuple):
+    """``envscaler run --agent replay`` over every scenario of the farm: how many, how many scored 1.0, tool steps, seconds."""
+
+    episodes: int
+    perfect: int
+    steps: int
+    seconds: float
+    procs: int
+
+
+def replay_all(catalog: Path, scratch: Path) -> Replay:
+    """Replay every scenario of the farm once, with as many run processes as the cores allow."""
+    out = scratch / "replay.jsonl"
+    out.unlink(missing_ok=True)
+    procs = max(1, len(os.sched_getaffinity(0)) - 2)
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "envscaler.cli", "run", "--farm", str(catalog), "--agent", "replay", "--out", str(out),
+                           "--procs", str(procs), "--concurrency", str(64 * procs), "--quiet"], capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    records = [RecordHead.model_validate_json(line) for line in out.read_text().splitlines()] if out.exists() else []
+    if done.returncode not in (0, 1) or not records:
+        print(f"replay: run exited {done.returncode}: {done.stderr[-2000:]}")
+    steps = sum(record.steps for record in records)
+    return Replay(len(records), sum(1 for record in records if record.reward == 1.0), steps, seconds, procs)
+
+
 class Measured(NamedTuple):
     seconds: float
     memory: list[Memory]
@@ -164,9 +194,11 @@ class Measured(NamedTuple):
     server_restarts: int
     worker_restarts: int
     loaded_cores: int
+    replay: Replay | None
 
 
-def measure(backend: str, bundle_root: Path, scratch: Path, count: int, spawner: str | None, load: bool, reap_wait_s: float) -> Measured:
+def measure(backend: str, bundle_root: Path, scratch: Path, count: int, spawner: str | None, load: bool, reap_wait_s: float,
+            replay: bool = False) -> Measured:
     catalog = scratch / f"{backend}-{spawner}.json"
     unboxed = ["--no-sandbox"] if spawner in ("zygote", "popen") else []
     seconds = timed("farm", "up", str(bundle_root), "--backend", backend, "--catalog", str(catalog), "--timeout", "900",
@@ -185,12 +217,13 @@ def measure(backend: str, bundle_root: Path, scratch: Path, count: int, spawner:
             # The check workers stop once idle for the server's --check-idle: what an environment holds between validations.
             time.sleep(max(0.0, reap_wait_s - IDLE_WINDOW_S - 2.0))
             reaped = [tree_memory(pid) for pid in servers] if backend == "process" else [memory(pid) for pid in servers]
+            replayed = replay_all(catalog, scratch) if replay else None
             server_restarts, worker_restarts = restarts(catalog)
     finally:
         envscaler("farm", "down", "--catalog", str(catalog))
     assert len(used) == count
     return Measured(seconds, used, idle, environments, reaped, daemon_cpu, startup_cpu_s, validated, server_restarts, worker_restarts,
-                    loaded_cores)
+                    loaded_cores, replayed)
 
 
 def describe(backend: str, spawner: str | None, result: Measured, count: int) -> list[Verdict]:
@@ -214,6 +247,10 @@ def describe(backend: str, spawner: str | None, result: Measured, count: int) ->
           f"({result.daemon_cpu * 100 / count:.3f}% per environment)")
     print(f"{name}: {result.validated}/{count} environments validated{loaded}; restarts: {result.server_restarts} server(s), "
           f"{result.worker_restarts} worker(s)")
+    if result.replay is not None:
+        replay = result.replay
+        print(f"{name}: replay of every scenario: {replay.perfect}/{replay.episodes} scored 1.0, {replay.steps} tool steps in "
+              f"{replay.seconds:.1f} s with {replay.procs} run processes: {replay.steps / replay.seconds:.0f} steps/s")
     verdicts = [
         Verdict(f"{name}: RSS per server, max", f"{max(rss):.1f} MB", f"<= {RSS_TARGET_MB:g} MB", max(rss) <= RSS_TARGET_MB),
         Verdict(f"{name}: idle daemon CPU", f"{result.daemon_cpu * 100:.2f}%", f"<= {IDLE_CPU_TARGET * 100:g}%",
@@ -221,6 +258,13 @@ def describe(backend: str, spawner: str | None, result: Measured, count: int) ->
         Verdict(f"{name}: restarts{' under load' if result.loaded_cores else ''}", str(result.server_restarts + result.worker_restarts),
                 "0", result.server_restarts + result.worker_restarts == 0),
     ]
+    if result.replay is not None:
+        verdicts.append(Verdict(f"{name}: replay, every scenario scores 1.0", f"{result.replay.perfect}/{result.replay.episodes}",
+                                "all", result.replay.perfect == result.replay.episodes > 0))
+        if cores >= 16:
+            rate = result.replay.steps / result.replay.seconds
+            verdicts.append(Verdict(f"{name}: replay tool steps/s", f"{rate:.0f}", f">= {REPLAY_STEPS_TARGET:g}",
+                                    rate >= REPLAY_STEPS_TARGET))
     if backend == "process":
         env_uss = statistics.median(m.uss for m in result.reaped)
         verdicts.append(Verdict(f"{name}: USS per environment after a validation, its check worker idle, median", f"{env_uss:.1f} MB",
@@ -245,6 +289,8 @@ def main() -> int:
                              "or one interpreter each, or all three in one run (default: all)")
     parser.add_argument("--load", action="store_true",
                         help="keep a busy process on every core while the farm validates and idles: nothing may be restarted")
+    parser.add_argument("--replay", action="store_true",
+                        help="also replay every scenario on the farm with 'envscaler run --procs' (cores - 2): tool steps/s")
     parser.add_argument("--reap-wait", type=float, default=35.0, metavar="SECONDS",
                         help="seconds after the validations before memory is read a third time: the servers' --check-idle "
                              "(30 by default) and a margin (default: 35)")
@@ -276,7 +322,8 @@ def main() -> int:
                       f"= {all_cold / (len(bundle_dirs) - 1):.2f} s each")
             spawners = (["sandbox", "zygote", "popen"] if args.spawner == "all" else [args.spawner]) if backend == "process" else [None]
             for spawner in spawners:
-                verdicts += describe(backend, spawner, measure(backend, bundle_root, scratch, args.envs, spawner, args.load, args.reap_wait),
+                verdicts += describe(backend, spawner, measure(backend, bundle_root, scratch, args.envs, spawner, args.load, args.reap_wait,
+                                                             args.replay),
                                      args.envs)
             cores = len(os.sched_getaffinity(0))
             if backend == "process" and args.envs > 200 and cores < 16:
