@@ -177,7 +177,7 @@ def _build_root(mounts: Sequence[Mount], libc: ctypes.CDLL) -> None:
 
 def _make(mount: Mount, libc: ctypes.CDLL) -> None:
     target = _NEW + mount.target
-    source = _OLD + mount.source
+    source = _in_old_root(mount.source)
     if mount.kind == "proc":
         os.makedirs(target, exist_ok=True)
         _check(libc.mount(b"proc", target.encode(), b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None), "mounting /proc")
@@ -205,6 +205,18 @@ def _make(mount: Mount, libc: ctypes.CDLL) -> None:
         _remount(target, libc, read_only=not devices, recursive=True, devices=devices)
     else:
         raise ValueError(f"unknown mount kind {mount.kind!r}")
+
+
+def _in_old_root(path: str) -> str:
+    """Where ``path`` of the old root is now, its symbolic links followed there (an absolute link, such as
+    /etc/localtime's, would otherwise be followed from the assembly root)."""
+    place = _OLD + path
+    for _ in range(40):  # the kernel's own limit on links followed
+        if not os.path.islink(place):
+            break
+        link = os.readlink(place)
+        place = _OLD + link if link.startswith("/") else os.path.join(os.path.dirname(place), link)
+    return place
 
 
 def _remount(target: str, libc: ctypes.CDLL, *, read_only: bool, recursive: bool, devices: bool = False) -> None:
