@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from envscaler import EnvScalerError, logs
-from envscaler.arguments import with_examples
+from envscaler.arguments import non_negative_float, with_examples
 from envscaler.bundle import bundle_path, load_bundle
 from envscaler.loader import precheck_class
 from envscaler.requirements import require_installed
@@ -141,7 +141,7 @@ def _config(args: argparse.Namespace, token: str) -> ServerConfig:
         worker_memory_mb=args.worker_memory_mb,
         worker_tasks=args.worker_tasks,
         worker_cpus=args.worker_cpus,
-        check_idle_s=args.check_idle,
+        check_idle_s=args.check_idle or None,
         max_result_chars=args.max_result_chars,
         max_trajectory_chars=args.max_trajectory_chars,
         openenv=None if args.openenv_port is None else OpenEnvConfig(
@@ -179,9 +179,9 @@ def register_serve(commands: Any) -> None:
     parser.add_argument("--idle-ttl", type=float, default=3600.0, help="seconds before an unused episode is ended (default: 3600)")
     parser.add_argument("--call-timeout", type=float, default=10.0, help="seconds a tool call may run (default: 10)")
     parser.add_argument("--check-timeout", type=float, default=5.0, help="seconds one check may run (default: 5)")
-    parser.add_argument("--check-idle", type=float, default=CHECK_IDLE_S, metavar="SECONDS",
+    parser.add_argument("--check-idle", type=non_negative_float, default=CHECK_IDLE_S, metavar="SECONDS",
                         help="seconds the check worker may sit idle before it is stopped, its memory freed; the next "
-                             "validation starts it again, which adds about a second to it (default: never stopped)")
+                             f"validation starts it again (a fork, milliseconds); 0: never stopped (default: {CHECK_IDLE_S:g})")
     parser.add_argument("--max-body", type=int, default=1_048_576, help="largest request body in bytes (default: 1 MiB)")
     parser.add_argument("--max-result-chars", type=int, default=1_000_000,
                         help="characters of one tool result the agent and the trajectory get; a longer result is cut, "

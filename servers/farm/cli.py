@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from envscaler.arguments import positive_float, positive_int, with_examples
+from envscaler.arguments import non_negative_float, positive_float, positive_int, with_examples
 from envscaler.bundle import default_catalog, find_bundles, load_bundle
 from envscaler.cgroups import ChildGroup, combined
 from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
@@ -300,9 +300,9 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
                     help="seconds a tool call may run in each server (default: the server's own, 10)")
     up.add_argument("--check-timeout", type=positive_float, metavar="SECONDS",
                     help="seconds one check may run in each server (default: the server's own, 5)")
-    up.add_argument("--check-idle", type=positive_float, metavar="SECONDS",
+    up.add_argument("--check-idle", type=non_negative_float, metavar="SECONDS",
                     help="seconds a server's check worker may sit idle before it is stopped, its memory given back; the "
-                         "next validation starts it again, about a second later (default: never stopped)")
+                         "next validation starts it again (a fork, milliseconds); 0: never stopped (default: the server's own, 30)")
     up.add_argument("--connections-per-client", type=positive_int, default=1024, metavar="N",
                     help="connections one client address may hold at the gateway; past it a new one is refused at once "
                          "(a request head must also arrive within 10 s, a body within 60 s) (default: 1024)")

@@ -33,8 +33,8 @@ class Limits(BaseModel):
     pids: int = Field(default=128, ge=16)
     call_timeout_s: float | None = Field(default=None, gt=0)
     check_timeout_s: float | None = Field(default=None, gt=0)
-    # How long a server's check worker may sit idle before it is stopped (None: never stopped).
-    check_idle_s: float | None = Field(default=None, gt=0)
+    # How long a server's check worker may sit idle before it is stopped (None: the server's own default; 0: never stopped).
+    check_idle_s: float | None = Field(default=None, ge=0)
 
     def serve_flags(self) -> list[str]:
         """The ``envscaler serve`` flags that give a server these time limits, and its sandboxed workers

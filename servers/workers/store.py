@@ -68,16 +68,14 @@ ROLE = "environment worker"
 # Each worker loads (and the environment worker hashes) the data files at its start: a second more per MB to say hello.
 START_S_PER_DATA_MB = 1.0
 
-CHECK_IDLE_S: float | None = None
-"""How long the check worker may sit idle before it is stopped (the next validation starts it again);
-None: never stopped (the default, until a stopped worker's sandbox is shown to leave nothing behind in
-every farm: one 100-environment farm test found a process of its own outside every server).
+CHECK_IDLE_S = 30.0
+"""How long the check worker may sit idle before it is stopped (the next validation starts it again).
 
-A start adds about 0.8 s to the validation that needs it (an interpreter, the checker's imports, the
-data files; 0.02 s warm, on 2 busy cores), and the worker holds about 25 MB (PSS, with the children it
-forks ahead): a harness validates each episode once, after minutes of tool calls, so between
-validations an environment holds nothing for checks, while a burst of validations (a batch ending, a
-trainer's group of rollouts) finishes on the worker the first one started."""
+A harness validates each episode once, after minutes of tool calls, so between validations an
+environment holds nothing for checks (the worker, the children it forks ahead and its sandbox's
+monitor: about 7 MB), while a burst of validations (a batch ending, a trainer's group of rollouts)
+finishes on the worker the first one started. A start is a fork from the server's spawner: it adds
+milliseconds to the validation that needs it, and the data files' loading where there are some."""
 # How many times a request is asked in all, at most, when the worker keeps falling under it without blaming it.
 CAUGHT_UP_TRIES = 4
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -84,11 +85,16 @@ def parent_of(pid: int) -> int:
     return int(re.search(r"^PPid:\s+(\d+)", status, re.MULTILINE).group(1))
 
 
+# Long enough for a process killed with its sandbox to be gone.
+_DYING_S = 1.0
+
+
 def farm_members(state: dict[str, Any]) -> dict[str, list[int]]:
     """Every running process of the farm (found by its farm id, as ``farm down`` finds them), by what it is:
     the daemon, the zygote, haproxy, the servers, each server's spawner (its child), the processes under a
     spawner (the environment and check workers, each sandboxed one with its monitor), and anything else
-    (``stray``: a leak)."""
+    that is still there a second later (``stray``: a leak; not a sandboxed worker whose monitor was just
+    killed, which the kernel kills with it)."""
     from servers.farm.teardown import farm_processes
 
     servers = {record["pid"] for record in state["envs"].values()}
@@ -118,6 +124,9 @@ def farm_members(state: dict[str, Any]) -> dict[str, list[int]]:
         else:
             kind = "stray"
         members[kind].append(pid)
+    if members["stray"]:
+        time.sleep(_DYING_S)
+        members["stray"] = sorted(set(members["stray"]) & set(farm_processes(state["farm_id"])))
     return members
 
 
