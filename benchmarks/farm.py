@@ -5,7 +5,7 @@ backend, the time runs from ``envscaler farm up`` to every server answering (wha
 for). Then each environment validates one episode of its first scenario (which starts its check
 worker), and memory is read from /proc/PID/smaps_rollup: of each server process (for docker: the
 container's main process), and of each environment as a whole (the server, its environment worker and
-its check worker, with bubblewrap's processes when sandboxed): USS (private pages, what one more
+its check worker, their spawner and sandboxes' monitors): USS (private pages, what one more
 costs), PSS (shared pages split among their users) and RSS. An environment's memory is read three
 times: before any validation, after one, and ``--reap-wait`` seconds after it, once its check worker
 has stopped (idle for the server's ``--check-idle``). The daemon's CPU while the farm is idle
@@ -15,8 +15,8 @@ of the farm is then replayed once (``envscaler run --agent replay --procs`` core
 With ``--load``, a busy process runs on every core from before the validations to the end of the
 measurement (a machine whose CPUs are all taken): the validations must all score, and no server and
 no worker may be restarted (a slow machine is not a stuck one). Restarts are reported either way. The process backend runs
-three ways in one run: the default (servers forked from the zygote, their workers in bubblewrap
-sandboxes where bwrap works), and without the sandbox (``--no-sandbox``) forked from the zygote or
+three ways in one run: the default (servers forked from the zygote, their workers forked and
+confined where they can be), and without the sandbox (``--no-sandbox``) forked from the zygote or
 each server as its own interpreter (``ENVSCALER_SPAWNER=popen``).
 Image builds (docker): one environment image cold (its tag absent) and cached (a no-op).
 

@@ -2,7 +2,7 @@
 
 - ours: ``envscaler serve`` (episodes, guards, trajectories, validator), tools at
   ``/episodes/{id}/mcp``; by default with the environment's code in a worker process (sandboxed where
-  bwrap works) and the checks in a check worker, and with ``--in-process`` as it ran before: in the
+  a forked worker can confine itself) and the checks in a check worker, and with ``--in-process`` as it ran before: in the
   server's own process, in its bubblewrap sandbox (``envscaler.sandbox``) and without it;
 - baseline: what a user would otherwise write, a plain ``mcp`` ``MCPServer`` with the same tools
   (bound methods of one shared instance: no episodes, no reset, no guards) at ``/mcp`` with the SDK's

@@ -1,6 +1,6 @@
 """``envscaler serve --check-idle``: the check worker holds no memory while an environment is not validating.
 
-Real servers and real workers (sandboxed where bwrap works). The check worker starts at the first
+Real servers and real workers (sandboxed where they can confine themselves). The check worker starts at the first
 validation and stops once it has been idle for ``--check-idle`` seconds; the next validation starts it
 again and scores as the first did. A validation is never cut short by the stop, however long its
 checks run, and a stop is no worker restart in the server's counts.

@@ -2,7 +2,7 @@
 
 Each attack is a tool of the ``wall`` bundle (``tests/support/hostile.py``): one that gets past the
 in-process guard with the originals it keeps, or that no guard inside a process can stop (a C loop,
-a crash, a result nested a million deep). A process farm (sandboxed where bwrap works) runs it next to
+a crash, a result nested a million deep). A process farm (sandboxed where workers can confine themselves) runs it next to
 a plain counter environment, with a call and check limit of 1 s. For each attack:
 
 - the bad call gets an error within its limit plus the grace, twice over when other calls were in

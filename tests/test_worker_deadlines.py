@@ -2,7 +2,7 @@
 calls gets its whole limit once it starts, and its worker is not replaced; a call that really hangs
 still is; a call that waits too long for a thread is refused, never run, and says so.
 
-Real servers and real workers (sandboxed where bwrap works); ``--workers 1`` gives the worker one call
+Real servers and real workers (sandboxed where they can confine themselves); ``--workers 1`` gives the worker one call
 thread, so that calls queue behind each other as they do behind many on a busy server.
 """
 

@@ -1,6 +1,6 @@
 """``envscaler serve``: environment code in a worker process that the server kills.
 
-Real servers and real workers (sandboxed where bwrap works). A tool that holds the GIL in a C loop
+Real servers and real workers (sandboxed where they can confine themselves). A tool that holds the GIL in a C loop
 (the cooperative time limit cannot stop it), that ends its process, or whose thread cannot be
 stopped costs only its own call: the call gets an error and is undone (within its limit plus the
 grace when it ran alone; when other calls were in flight, it is run again alone before it is
