@@ -34,7 +34,6 @@ import struct
 from collections.abc import Sequence
 
 from envscaler.sandbox import (
-    SANDBOX_VARIABLE,
     Mount,
     SandboxPlan,
     become_unprivileged,
@@ -42,6 +41,7 @@ from envscaler.sandbox import (
     libc,
     name_process,
     sandbox_plan,
+    switched_off,
 )
 from envscaler.seccomp import seccomp_bpf, seccomp_problem
 
@@ -81,9 +81,7 @@ def confine_problem() -> str | None:
     """Why a forked worker cannot confine itself here (what failed, or what turned it off), or None when
     it can: a child forked now tries, with nothing to show but Python. Once per process; call it while
     the process has one thread (a forked child of a threaded one must not need a lock another thread held)."""
-    if os.environ.get(SANDBOX_VARIABLE, "").lower() in ("off", "0", "no", "false"):
-        return f"{SANDBOX_VARIABLE}={os.environ[SANDBOX_VARIABLE]} turned it off"
-    problem = seccomp_problem()
+    problem = switched_off() or seccomp_problem()
     if problem is not None:
         return problem
     if platform.machine() not in _PIVOT_ROOT or not hasattr(os, "fork"):

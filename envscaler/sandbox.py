@@ -205,9 +205,14 @@ def _maybe_sandboxed(command: list[str], readable: Sequence[str | Path]) -> Iter
 
 def sandbox_problem() -> str | None:
     """Why processes cannot be sandboxed here (what to install, or what failed), or None when they can."""
+    return switched_off() or _bwrap_problem()
+
+
+def switched_off() -> str | None:
+    """What says that no sandbox is wanted here (``ENVSCALER_SANDBOX=off``), or None."""
     if os.environ.get(SANDBOX_VARIABLE, "").lower() in ("off", "0", "no", "false"):
         return f"{SANDBOX_VARIABLE}={os.environ[SANDBOX_VARIABLE]} turned it off"
-    return _bwrap_problem()
+    return None
 
 
 @functools.cache
