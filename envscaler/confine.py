@@ -114,8 +114,13 @@ def confine(plan: SandboxPlan, seccomp_program: bytes) -> None:
     confined grandchild; the monitor exits with the grandchild's status. Raises ConfineError before the fork."""
     library = libc()
     if plan.view:
+        parent = os.getppid()
         become_unprivileged(plan.view, plan.tasks, library)
-        # Changing user made the process undumpable, which gives its /proc files to root: it could not map itself.
+        # Changing user cleared the signal it gets when its parent dies: armed again, or it would outlive its spawner.
+        die_with_parent(signal.SIGKILL)
+        if os.getppid() != parent:
+            os._exit(1)  # the parent died meanwhile
+        # It also made the process undumpable, which gives its /proc files to root: it could not map itself.
         _check(library.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0), "owning its /proc files")
     uid, gid = os.geteuid(), os.getegid()
     _check(library.unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS),
