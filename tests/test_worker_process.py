@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -278,6 +281,25 @@ def test_a_worker_that_exits_costs_only_its_call_and_the_server_keeps_serving(bu
         assert worker_pid(http, first) != before
         assert count_of(http, bystander) == 1
         assert server.process.poll() is None
+
+
+def test_a_server_whose_spawner_was_killed_starts_its_next_worker_from_a_new_one(bundle):
+    with serve(bundle, "--call-timeout", str(CALL_TIMEOUT_S)) as server, server.client() as http:
+        episode = new_episode(http)
+        assert not call(http, episode, "add", {"item_id": "a"})["isError"]
+        spawners = [pid for pid in children(server.process.pid) if Path(f"/proc/{pid}/comm").read_text().strip() == "spawner"]
+        assert len(spawners) == 1, spawners
+        # Its workers die with it. The next call finds its worker gone, and a new spawner forks another,
+        # where the episode is rebuilt from its calls: the call answers as before.
+        os.kill(spawners[0], signal.SIGKILL)
+        time.sleep(0.5)
+        assert count_of(http, episode) == 1
+        assert server.process.poll() is None
+        assert [pid for pid in children(server.process.pid) if pid != spawners[0]], "no new spawner"
+
+
+def children(pid: int) -> list[int]:
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 def test_a_call_whose_thread_cannot_be_stopped_is_undone_with_its_worker(bundle):

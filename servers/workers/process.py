@@ -158,6 +158,8 @@ class _Link(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        if self.child.gone:
+            transport.abort()  # killed while the link was being made: the transport owns the socket, and closes it
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -267,6 +269,8 @@ class _Child:
         ours.sendall(frame(0, settings))
         self.link: _Link | None = None
         self.output: asyncio.BaseTransport | None = None
+        # Whether its output pipe is (being) read by a transport, which then closes it.
+        self.reading = False
         self.gone = False
         self.serial = 0  # set by its WorkerProcess: which of its children this is
         # Frames to send at the end of this event-loop iteration: under load, one write carries many.
@@ -311,15 +315,17 @@ class _Child:
     def kill(self) -> None:
         # In the sandbox the process is the monitor outside its PID namespace: the namespace, and all in it, dies with it.
         self.gone = True
-        try:
-            os.kill(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        self.process.kill()
         self.process.wait()
-        if self.link is not None and self.link.transport is not None:
-            self.link.transport.abort()
-        self.sock.close()
-        if self.output is None and self.process.stdout is not None:
+        if self.link is not None:
+            # The transport closes the socket (uvloop's on a later turn of the loop; one still being made, once
+            # made): closing it here as well could close a descriptor that a new connection got meanwhile, under
+            # the loop's feet (it aborts).
+            if self.link.transport is not None:
+                self.link.transport.abort()
+        else:
+            self.sock.close()
+        if not self.reading and self.process.stdout is not None:
             self.process.stdout.close()  # never read: a child killed before the event loop had it
 
 
@@ -521,13 +527,18 @@ class WorkerProcess:
         woken.set()
 
     async def _ready(self) -> _Child:
-        child = self._child
-        if child is not None and child.link is not None and not child.gone:
-            return child
-        starting = self._starting
-        if starting is None or (starting.done() and (starting.cancelled() or starting.exception() is not None or starting.result().gone)):
-            self._starting = starting = asyncio.ensure_future(self._attach())
-        return await asyncio.shield(starting)
+        while True:
+            child = self._child
+            if child is not None and child.link is not None and child.link.transport is not None and not child.gone:
+                return child
+            starting = self._starting
+            if starting is None or (starting.done() and (starting.cancelled() or starting.exception() is not None
+                                                         or starting.result().gone)):
+                self._starting = starting = asyncio.ensure_future(self._attach())
+            child = await asyncio.shield(starting)
+            if not child.gone:
+                return child
+            # It fell while its link was being made (it had died before): the next turn starts another.
 
     async def _attach(self) -> _Child:
         loop = asyncio.get_running_loop()
@@ -539,8 +550,11 @@ class WorkerProcess:
         child = self._child
         # Expected before the link reads anything: a forked child may say hello before the link is even made.
         hello = self._expect(HELLO_ID, self.start_timeout_s, self.start_timeout_s, "its start", "") if fresh else None
-        _, child.link = await loop.connect_accepted_socket(lambda: _Link(self, child), sock=child.sock)
-        if child.process.stdout is not None and child.output is None:
+        # The link is the child's before it is made: a child lost meanwhile leaves its socket to the transport.
+        link = child.link = _Link(self, child)
+        await loop.connect_accepted_socket(lambda: link, sock=child.sock)
+        if child.process.stdout is not None and child.output is None and not child.gone:
+            child.reading = True  # the pipe is the transport's from now on, though the child be lost meanwhile
             child.output, _ = await loop.connect_read_pipe(lambda: _Output(self, child), child.process.stdout)
         if hello is not None:
             status, payload = await self._answer(hello)

@@ -123,12 +123,24 @@ class SpawnedWorker:
 
 
 class Spawner:
-    """This server's side of its spawner's control socket."""
+    """This server's side of its spawner's control socket: ``process`` when it runs as an interpreter of
+    its own, else ``pid``, a child forked from this process."""
 
-    def __init__(self, control: socket.socket, process: subprocess.Popen[bytes] | None = None) -> None:
+    def __init__(self, control: socket.socket, process: subprocess.Popen[bytes] | None = None, pid: int | None = None) -> None:
         self.control = control
-        self.process = process  # when it runs as an interpreter of its own; else it is this process's child
+        self.process = process
+        self.pid = pid
         self._lock = threading.Lock()
+
+    @property
+    def alive(self) -> bool:
+        """Whether it still runs (a forked one is reaped here once it has ended)."""
+        if self.process is not None:
+            return self.process.poll() is None
+        try:
+            return self.pid is not None and os.waitpid(self.pid, os.WNOHANG) == (0, 0)
+        except ChildProcessError:
+            return False
 
     def spawn(self, request: ForkRequest, fds: list[int]) -> SpawnedWorker:
         """Fork a worker (``fds``: the descriptors that go at ``request.fds``, in order). Blocks for the fork only."""
@@ -167,10 +179,10 @@ _SPAWNER: Spawner | None = None
 
 
 def spawner() -> Spawner | None:
-    """This process's spawner: the one forked for it at its start (:func:`fork_spawner`), else one started
-    now as an interpreter of its own (once); None where this platform cannot fork one."""
+    """This process's spawner: the one forked for it at its start (:func:`fork_spawner`), else (or once that
+    one has ended) one started now as an interpreter of its own; None where this platform cannot fork one."""
     global _SPAWNER
-    if _SPAWNER is None or (_SPAWNER.process is not None and _SPAWNER.process.poll() is not None):
+    if _SPAWNER is None or not _SPAWNER.alive:
         if not fork_available():
             return None
         control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -199,7 +211,7 @@ def fork_spawner() -> None:
         finally:
             os._exit(0)
     theirs.close()
-    _SPAWNER = Spawner(control)
+    _SPAWNER = Spawner(control, pid=pid)
 
 
 def _serve(control: socket.socket, parent: int) -> None:
