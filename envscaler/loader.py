@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import ast
 import hashlib
+import inspect
 import linecache
 import sys
 import types
@@ -14,6 +14,8 @@ from envscaler.guard import running_env_code
 from envscaler.models import EnvSpec
 
 _CLASSES: dict[str, type] = {}
+# Code digest -> the classes its module defines: a farm of replicas compiles each class once.
+_DEFINED_CLASSES: dict[str, tuple[str, ...]] = {}
 
 
 def code_filename(env_id: str) -> str:
@@ -31,11 +33,20 @@ def _compile(spec: EnvSpec) -> types.CodeType:
 def precheck_class(spec: EnvSpec) -> None:
     """EnvCodeError when the code cannot compile or defines no top-level ``env_class_name``; runs none of it.
 
-    Safe in any process, and cheap: commands that start servers or build images (``farm up``,
-    ``build``) call it first, so a broken class fails at once with its cause, not in a crash loop.
+    Safe in any process, and cheap (one compile per distinct code): commands that start servers or
+    build images (``farm up``, ``build``) call it first, so a broken class fails at once with its
+    cause, not in a crash loop.
     """
-    _compile(spec)  # a syntax error, named by its line
-    names = [node.name for node in ast.parse(spec.env_class_code).body if isinstance(node, ast.ClassDef)]
+    digest = hashlib.sha256(spec.env_class_code.encode()).hexdigest()
+    names = _DEFINED_CLASSES.get(digest)
+    if names is None:
+        # A class statement's body is compiled to a code object of its own, kept among the module's constants,
+        # and named for the class; unlike a function's body, it is not optimized (its names live in a dict).
+        code = _compile(spec)  # a syntax error, named by its line
+        names = _DEFINED_CLASSES[digest] = tuple(
+            constant.co_name for constant in code.co_consts
+            if isinstance(constant, types.CodeType) and not constant.co_flags & inspect.CO_OPTIMIZED
+        )
     wanted = [part.class_name for part in spec.classes] if spec.classes else [spec.env_class_name]
     for class_name in wanted:
         if class_name not in names:
