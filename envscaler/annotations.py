@@ -13,7 +13,10 @@ reference-run call changed the state.
 from __future__ import annotations
 
 import ast
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from envscaler.composite import part_classes
 from envscaler.models import EnvSpec, ToolAnnotations
@@ -52,6 +55,8 @@ class _MethodScan(ast.NodeVisitor):
     self_name: str
     parameters: set[str]
     aliases: dict[str, int] = field(default_factory=dict)
+    # The least that each name read had among the aliases when it was read (see :func:`_body_scan`).
+    read_as: dict[str, int] = field(default_factory=dict)
     calls_own: set[str] = field(default_factory=set)
     # Own methods called with a state object among their arguments.
     hands_state_to: set[str] = field(default_factory=set)
@@ -59,10 +64,32 @@ class _MethodScan(ast.NodeVisitor):
     removes_or_replaces: bool = False
     accumulates: bool = False
 
+    def visit(self, node: ast.AST) -> None:
+        # ast.NodeVisitor looks its method up by name for every node, and walks the fields through two generators:
+        # this table and loop scan a class in half the time, which a worker spends before its first call.
+        method = _VISITS.get(type(node))
+        if method is None:
+            method = _VISITS[type(node)] = getattr(_MethodScan, f"visit_{type(node).__name__}", _MethodScan.generic_visit)
+        method(self, node)
+
+    def generic_visit(self, node: ast.AST) -> None:
+        for name in node._fields:
+            value = getattr(node, name, None)
+            if isinstance(value, list):
+                for item in value:
+                    if isinstance(item, ast.AST):
+                        self.visit(item)
+            elif isinstance(value, ast.AST):
+                self.visit(value)
+
     def _level(self, node: ast.AST | None) -> int:
         """What ``node`` may evaluate to: :data:`_STATE`, a :data:`_HOLDER` of state objects, or neither (0)."""
         if isinstance(node, ast.Name):
-            return _STATE if node.id == self.self_name else self.aliases.get(node.id, 0)
+            if node.id == self.self_name:
+                return _STATE
+            level = self.aliases.get(node.id, 0)
+            self.read_as[node.id] = min(level, self.read_as.get(node.id, level))
+            return level
         if isinstance(node, (ast.Attribute, ast.Subscript, ast.Starred, ast.Await, ast.NamedExpr)):
             return _STATE if self._level(node.value) else 0  # an element of a holder is state
         if isinstance(node, ast.Call):
@@ -186,14 +213,31 @@ class _MethodScan(ast.NodeVisitor):
         self.generic_visit(node)
 
 
-@dataclass(frozen=True)
+# Node class -> the _MethodScan method that visits it.
+_VISITS: dict[type, Callable[[_MethodScan, Any], None]] = {}
+
+
 class _MethodFacts:
     """One method's own writes to ``self``'s state, its writes to its arguments, and the own methods it calls."""
 
-    own: _Writes
-    to_arguments: _Writes
-    calls: frozenset[str]
-    hands_state_to: frozenset[str]
+    def __init__(self, function: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        self._function = function
+        self.own = _Writes()
+        self.calls: frozenset[str] = frozenset()
+        self.hands_state_to: frozenset[str] = frozenset()
+        if function.args.posonlyargs + function.args.args:
+            scan = _body_scan(function, arguments_are_state=False)
+            self.own = _Writes(scan.writes, scan.removes_or_replaces, scan.accumulates)
+            self.calls = frozenset(scan.calls_own)
+            self.hands_state_to = frozenset(scan.hands_state_to)
+
+    @functools.cached_property
+    def to_arguments(self) -> _Writes:
+        """What it writes through its arguments: read only for a method that another hands state to."""
+        if not (self._function.args.posonlyargs + self._function.args.args):
+            return _Writes()
+        scan = _body_scan(self._function, arguments_are_state=True)
+        return _Writes(scan.writes, scan.removes_or_replaces, scan.accumulates)
 
 
 def _body_scan(function: ast.FunctionDef | ast.AsyncFunctionDef, arguments_are_state: bool) -> _MethodScan:
@@ -203,24 +247,14 @@ def _body_scan(function: ast.FunctionDef | ast.AsyncFunctionDef, arguments_are_s
     if arguments_are_state:
         scan.self_name = ""  # only what the arguments reach counts
         scan.aliases = dict.fromkeys(names, _STATE)
-    # Aliases found late (a loop binding used above it in a while loop) are caught by a second pass.
-    for _ in range(2):
+    for statement in function.body:
+        scan.visit(statement)
+    # An alias found late (a loop binding used above it in a while loop) is caught by a second pass. Where every
+    # name read then already held what it holds now, a second pass would read the same and find nothing new.
+    if any(scan.aliases.get(name, 0) > level for name, level in scan.read_as.items()):
         for statement in function.body:
             scan.visit(statement)
     return scan
-
-
-def _scan(function: ast.FunctionDef | ast.AsyncFunctionDef) -> _MethodFacts:
-    if not (function.args.posonlyargs + function.args.args):
-        return _MethodFacts(_Writes(), _Writes(), frozenset(), frozenset())
-    scan = _body_scan(function, arguments_are_state=False)
-    through_arguments = _body_scan(function, arguments_are_state=True)
-    return _MethodFacts(
-        own=_Writes(scan.writes, scan.removes_or_replaces, scan.accumulates),
-        to_arguments=_Writes(through_arguments.writes, through_arguments.removes_or_replaces, through_arguments.accumulates),
-        calls=frozenset(scan.calls_own),
-        hands_state_to=frozenset(scan.hands_state_to),
-    )
 
 
 def _merge(a: _Writes, b: _Writes) -> _Writes:
@@ -233,7 +267,7 @@ def _method_defs(source: str, mro_names: list[str]) -> dict[str, ast.FunctionDef
         tree = ast.parse(source)
     except SyntaxError:
         return {}
-    classes = {node.name: node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+    classes = {node.name: node for node in _module_classes(tree.body)}
     methods: dict[str, ast.FunctionDef | ast.AsyncFunctionDef] = {}
     for name in reversed(mro_names):
         klass = classes.get(name)
@@ -243,6 +277,19 @@ def _method_defs(source: str, mro_names: list[str]) -> dict[str, ast.FunctionDef
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 methods[node.name] = node
     return methods
+
+
+def _module_classes(statements: list[ast.stmt]) -> Iterator[ast.ClassDef]:
+    """The classes the module defines, at its top level or under a top-level ``if``, ``try`` or ``with``: never
+    inside a function, where a walk of the whole tree would look (a tenth of a second on a large class)."""
+    for node in statements:
+        if isinstance(node, ast.ClassDef):
+            yield node
+        elif isinstance(node, (ast.If, ast.Try, ast.TryStar, ast.With)):
+            for handler in getattr(node, "handlers", []):
+                yield from _module_classes(handler.body)
+            for block in ("body", "orelse", "finalbody"):
+                yield from _module_classes(getattr(node, block, []))
 
 
 def title_of(tool_name: str) -> str:
@@ -269,7 +316,7 @@ def derive_annotations(source: str, cls: type, tool_names: list[str]) -> dict[st
 
 def _class_annotations(source: str, cls: type, tool_names: list[str]) -> dict[str, ToolAnnotations]:
     defs = _method_defs(source, [klass.__name__ for klass in cls.__mro__ if klass is not object])
-    own = {name: _scan(node) for name, node in defs.items()}
+    own = {name: _MethodFacts(node) for name, node in defs.items()}
 
     def effective(name: str, seen: frozenset[str]) -> _Writes:
         facts = own[name]
