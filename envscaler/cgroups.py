@@ -10,8 +10,8 @@ a cpu cgroup gives it one share of the CPU beside the other environments.
 group per worker role, so that an environment worker that fills its memory cannot starve the checks
 of the same environment) below this process's own group in each controller it can write: cgroup v1 (``memory``, ``pids``, ``cpu``, each
 its own hierarchy) or v2 (one hierarchy, where this process's group already delegates the
-controllers to its children). A child joins it between fork and exec (:meth:`ChildGroup.join`, as
-root, before it drops its privileges), so that everything it starts is counted from its first page.
+controllers to its children). A worker writes itself into it (:attr:`ChildGroup.procs_files`) as soon
+as it is forked, as root, before it confines itself: everything it starts is counted from its first page.
 Where no memory controller can be written it answers None, and the caller falls back to what it can
 refuse instead (see ``envscaler.sandbox``). Only groups made here are ever written or removed.
 """
@@ -180,6 +180,12 @@ def _writable_parents() -> tuple[str, dict[str, Path]]:
 
 
 _stale_removed = False
+
+
+def remove_stale_groups() -> None:
+    """Remove the groups of servers that are gone, once per process and in what it forks afterwards: a farm's
+    zygote does it before its first fork, so that a thousand servers do not each scan a thousand groups."""
+    _remove_stale(_writable_parents()[1])
 
 
 def _remove_stale(parents: dict[str, Path]) -> None:

@@ -38,6 +38,7 @@ from typing import NoReturn
 import anyio
 from pydantic import BaseModel
 
+from envscaler.cgroups import remove_stale_groups
 from envscaler.confine import confine_problem
 from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment, die_with_parent, limit_resources
 from envscaler.seccomp import seccomp_bpf, seccomp_problem
@@ -403,13 +404,15 @@ def _read_environment(fd: int) -> dict[str, str]:
 
 
 def _settle_sandbox() -> None:
-    """Build, once before the first fork, the seccomp programs every server's workers get (libseccomp),
-    and find whether a forked worker can confine itself here, rather than again in each server."""
+    """Build, once before the first fork, the seccomp programs every server's workers get (libseccomp), find
+    whether a forked worker can confine itself here, and clear the control groups of servers gone, rather than
+    again in each server."""
     if seccomp_problem() is None:
         for new_processes in (False, True):
             for memfd in (False, True):
                 seccomp_bpf(new_processes=new_processes, memfd=memfd)
     confine_problem()
+    remove_stale_groups()
 
 
 def main(argv: list[str] | None = None) -> int:
