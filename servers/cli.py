@@ -67,9 +67,11 @@ def _serve(args: argparse.Namespace) -> int:
         raise EnvScalerError(f"serve: {problems}") from None
     env_dir = str(bundle_path(args.env_dir))
     # A class that cannot compile, or whose Python requirements are not installed, is named once, here,
-    # before any process or sandbox is started for it.
+    # before any sandbox is started for it; where workers run it, the first one loads it before this server
+    # listens, and says the same (compiling it here too took a third of a farm server's start-up).
     spec = load_bundle(env_dir).spec
-    precheck_class(spec)
+    if not config.worker_process:
+        precheck_class(spec)
     require_installed(spec.env_id, spec.requires)
     if config.openenv is not None:
         openenv_listener()  # the extra is missing: said here, not by a sandboxed child's traceback
