@@ -30,7 +30,6 @@ from agent_client.summary import infra_reasons, render, render_spread, render_tu
 from envscaler.arguments import non_negative_float, non_negative_int, positive_float, positive_int, with_examples
 from envscaler.bundle import bundle_path, find_bundles
 from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
-from envscaler.llm import check_endpoint
 from envscaler.wire import DEFAULT_FARM_CATALOG
 
 
@@ -43,6 +42,8 @@ def _agent_factory(args: argparse.Namespace):
     if args.agent == "openai":
         if not args.model:
             raise HarnessError("--agent openai needs --model (and --base-url for endpoints other than OpenAI's)")
+        from envscaler.llm import check_endpoint  # with the OpenAI client: loaded only for the agents that use it
+
         check_endpoint(args.base_url, None, "--agent openai")
         endpoint = LlmEndpoint(base_url=args.base_url, model=args.model, temperature=args.temperature,
                                retries=args.retries, backoff_s=args.backoff)
@@ -59,6 +60,8 @@ def _user_endpoint(args: argparse.Namespace) -> LlmEndpoint | None:
     model = args.user_model or (args.model if args.agent == "openai" else None)
     if model is None:
         return None
+    from envscaler.llm import check_endpoint
+
     check_endpoint(args.user_base_url or args.base_url, None, "the simulated user")
     return LlmEndpoint(base_url=args.user_base_url or args.base_url, model=model, retries=args.retries, backoff_s=args.backoff)
 

@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from pydantic import ValidationError
@@ -16,12 +16,16 @@ from pydantic import ValidationError
 from envscaler.arguments import non_negative_float, non_negative_int, positive_int, with_examples
 from envscaler.bundle import describe_validation_error, find_bundles, read_json
 from envscaler.errors import EXIT_FAILED, EXIT_OK, LlmUnavailable
-from envscaler.llm import check_endpoint
 from envscaler.logs import configure
 from synth.errors import SynthError
+from synth.corpus import bundled_seeds, load_seeds
 from synth.models import RunReport, SynthConfig
-from synth.pipeline import REPORT_FILE, Synthesis, bundled_seeds, load_seeds, synthesis
 from synth.prompts import STAGES
+
+if TYPE_CHECKING:
+    from synth.pipeline import Synthesis
+
+REPORT_FILE = "synth_report.json"
 
 
 def _logs(level: str) -> None:
@@ -50,6 +54,8 @@ def config_from(args: argparse.Namespace) -> SynthConfig:
         config = SynthConfig.model_validate(values)
     except ValidationError as e:
         raise SynthError(f"invalid synthesis settings: {describe_validation_error(e)}") from None
+    from envscaler.llm import check_endpoint
+
     for stage in STAGES:
         check_endpoint(config.stage(stage).base_url, config.api_key, f"stage {stage!r}")
     return config
@@ -164,6 +170,9 @@ def _all(args: argparse.Namespace) -> int:
 
 def _execute(config: SynthConfig, cache: Path, report_path: Path, main: Any) -> int:
     """Run ``main(synthesis)``, print the report; exit 0 when it says everything asked for was made."""
+    # The pipeline and its OpenAI client load here, not with the command line: they take most of a second.
+    from synth.pipeline import synthesis
+
     async def run() -> tuple[bool, RunReport]:
         async with synthesis(config, cache, report_path) as current:
             ok = await main(current)

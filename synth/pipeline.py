@@ -9,7 +9,7 @@ from pathlib import Path
 
 import anyio
 
-from envscaler.bundle import ENV_FILE, load_bundle, parse_model, read_jsonl, save_bundle
+from envscaler.bundle import ENV_FILE, load_bundle, save_bundle
 from envscaler.errors import EnvScalerError
 from envscaler.gate_workers import check_isolated
 from envscaler.models import Bundle, EnvSpec, Scenario
@@ -24,27 +24,7 @@ from synth.scenarios import ScenGenerator, write_scenarios
 from synth.skeleton import SkelBuilder, env_id_for
 
 log = logging.getLogger("synth.pipeline")
-REPORT_FILE = "synth_report.json"
 CATALOG_CHECK_TIMEOUT_S = 300.0
-
-
-def bundled_seeds() -> Path:
-    """The seed-task corpus shipped with the package."""
-    return Path(__file__).parent / "seeds"
-
-
-def load_seeds(path: str | Path) -> list[SeedTask]:
-    """Seed tasks from a JSONL file, or from every ``*.jsonl`` in a folder (in name order)."""
-    path = Path(path)
-    files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
-    if not files or not all(f.is_file() for f in files):
-        raise SynthError(f"{path}: no seed tasks (give a JSONL file or a folder of them)")
-    seeds = [parse_model(SeedTask, item, f"{f}:{n}") for f in files for n, item in read_jsonl(f)]
-    ids = [s.task_id for s in seeds]
-    duplicated = sorted({i for i in ids if ids.count(i) > 1})
-    if duplicated:
-        raise SynthError(f"{path}: task_id must be unique; repeated: {', '.join(duplicated)}")
-    return seeds
 
 
 class Synthesis:
