@@ -69,7 +69,8 @@ def _serve(args: argparse.Namespace) -> int:
     # A class that cannot compile, or whose Python requirements are not installed, is named once, here,
     # before any sandbox is started for it; where workers run it, the first one loads it before this server
     # listens, and says the same (compiling it here too took a third of a farm server's start-up).
-    spec = load_bundle(env_dir).spec
+    bundle = load_bundle(env_dir)
+    spec = bundle.spec
     if not config.worker_process:
         precheck_class(spec)
     require_installed(spec.env_id, spec.requires)
@@ -87,14 +88,14 @@ def _serve(args: argparse.Namespace) -> int:
         # This process runs no environment code: the workers it starts are what the sandbox holds.
         if problem is not None:
             warn_unprotected(problem)
-        serve(env_dir, args.host, args.port, config.model_copy(update={"worker_sandbox": problem is None}),
+        serve(bundle, args.host, args.port, config.model_copy(update={"worker_sandbox": problem is None}),
               announce_token=generated, heartbeat=args.stop_when_stale, listening=listening, openenv_listening=openenv_listening)
         return 0
     if problem is None:
         serve_in_sandbox(env_dir, args.host, args.port, config, announce_token=generated, heartbeat=args.stop_when_stale,
                          log_level=args.log_level, listening=listening, openenv_listening=openenv_listening)
     warn_unprotected(problem)
-    serve(env_dir, args.host, args.port, config, announce_token=generated, heartbeat=args.stop_when_stale, listening=listening,
+    serve(bundle, args.host, args.port, config, announce_token=generated, heartbeat=args.stop_when_stale, listening=listening,
           openenv_listening=openenv_listening)
     return 0
 

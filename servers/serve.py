@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from envscaler import EnvScalerError, load_bundle, logs
+from envscaler import Bundle, EnvScalerError, load_bundle, logs
 from envscaler.guard import keep_alarm_handler, protect_time_limits
 from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment, sandboxed
 from servers.app import EnvServerApp, ServerConfig
@@ -115,10 +115,10 @@ def serve_in_sandbox(
 
 
 def serve(
-    bundle_dir: str, host: str, port: int, config: ServerConfig, *, announce_token: bool, heartbeat: str | None = None,
+    bundle: Bundle, host: str, port: int, config: ServerConfig, *, announce_token: bool, heartbeat: str | None = None,
     listening: socket.socket | None = None, openenv_listening: socket.socket | None = None,
 ) -> None:
-    """Serve ``bundle_dir`` until stopped. Prints one JSON line with the URL once listening.
+    """Serve ``bundle`` until stopped. Prints one JSON line with the URL once listening.
 
     With ``heartbeat`` (a file its supervisor touches), the server stops itself once the file has not
     been touched for ``HEARTBEAT_STALE_S``: a farm's servers never outlive its daemon. ``listening``
@@ -126,7 +126,6 @@ def serve(
     """
     protect_time_limits()
     share_the_interpreter()  # for environment code run in this process (--in-process)
-    bundle = load_bundle(bundle_dir)
     if heartbeat is not None:
         threading.Thread(target=_stop_when_stale, args=(Path(heartbeat),), name="heartbeat", daemon=True).start()
     listener_class = openenv_listener() if config.openenv is not None else None
@@ -213,7 +212,7 @@ def _serve_sandboxed(settings_fd: int) -> None:
     logs.configure(settings.log_level)
     listening = socket.socket(fileno=settings.listen_fd)
     openenv_listening = socket.socket(fileno=settings.openenv_listen_fd) if settings.openenv_listen_fd is not None else None
-    serve(settings.bundle_dir, settings.host, 0, settings.config, announce_token=settings.announce_token,
+    serve(load_bundle(settings.bundle_dir), settings.host, 0, settings.config, announce_token=settings.announce_token,
           heartbeat=settings.heartbeat, listening=listening, openenv_listening=openenv_listening)
 
 
