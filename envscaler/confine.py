@@ -31,12 +31,13 @@ import re
 import signal
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from envscaler.sandbox import (
     Mount,
     SandboxPlan,
     become_unprivileged,
+    check_libc,
     die_with_parent,
     libc,
     name_process,
@@ -72,10 +73,6 @@ MONITOR_NAME = "sandbox-monitor"
 """What ``ps`` calls a monitor."""
 
 
-class ConfineError(OSError):
-    """A step of the confinement failed: the kernel refused it (no user namespaces here, say)."""
-
-
 @functools.cache
 def confine_problem() -> str | None:
     """Why a forked worker cannot confine itself here (what failed, or what turned it off), or None when
@@ -86,32 +83,39 @@ def confine_problem() -> str | None:
         return problem
     if platform.machine() not in _PIVOT_ROOT or not hasattr(os, "fork"):
         return f"a forked child cannot confine itself on {platform.system()} {platform.machine()}"
-    plan, program = sandbox_plan(readable=()), seccomp_bpf()
+    code, said = run_confined(sandbox_plan(readable=()), seccomp_bpf(), str)
+    if code == 0:
+        return None
+    return f"a forked worker cannot confine itself here: {said or f'exit status {code}'}"
+
+
+def run_confined(plan: SandboxPlan, seccomp_program: bytes, probe: Callable[[], str]) -> tuple[int, str]:
+    """Run ``probe`` in a child forked now and confined in ``plan``: its exit status, and what ``probe``
+    returned (status 0) or the error that stopped it (status 1). Call it while the process has one thread."""
     told, tell = os.pipe()
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
             os.close(told)
-            confine(plan, program)
-            code = 0
-        except BaseException as e:
-            os.write(tell, str(e).encode()[:1000])
+            try:
+                confine(plan, seccomp_program)
+                said, code = probe(), 0
+            except BaseException as e:  # noqa: BLE001 - whatever stopped it is what the caller is told
+                said = str(e)
+            os.write(tell, said.encode())
         finally:
             os._exit(code)
     os.close(tell)
     with os.fdopen(told, "rb") as said:
-        message = said.read().decode(errors="replace")
-    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    if code == 0:
-        return None
-    return f"a forked worker cannot confine itself here: {message or f'exit status {code}'}"
+        text = said.read().decode(errors="replace")
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), text
 
 
 def confine(plan: SandboxPlan, seccomp_program: bytes) -> None:
     """Confine the calling process (a forked child, single-threaded) in ``plan``'s sandbox under
     ``seccomp_program`` (``envscaler.seccomp.seccomp_bpf``'s): see the module's doc. Returns in the
-    confined grandchild; the monitor exits with the grandchild's status. Raises ConfineError before the fork."""
+    confined grandchild; the monitor exits with the grandchild's status. Raises OSError (the step the kernel refused) before the fork."""
     library = libc()
     if plan.view:
         parent = os.getppid()
@@ -121,9 +125,9 @@ def confine(plan: SandboxPlan, seccomp_program: bytes) -> None:
         if os.getppid() != parent:
             os._exit(1)  # the parent died meanwhile
         # It also made the process undumpable, which gives its /proc files to root: it could not map itself.
-        _check(library.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0), "owning its /proc files")
+        check_libc(library.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0), "owning its /proc files")
     uid, gid = os.geteuid(), os.getegid()
-    _check(library.unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS),
+    check_libc(library.unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS),
            "unshare (user namespaces may be turned off here)")
     _write("/proc/self/setgroups", "deny")
     _write("/proc/self/uid_map", f"{uid} {uid} 1")
@@ -132,7 +136,7 @@ def confine(plan: SandboxPlan, seccomp_program: bytes) -> None:
     # all over the heap, and each page they write would be the monitor's own; this process is single-threaded.
     pid = library.fork()
     if pid < 0:
-        _check(pid, "fork")
+        check_libc(pid, "fork")
     if pid != 0:
         _monitor(pid, library)
     # Were the monitor killed before this, the server that killed it has closed this one's socket: it ends at once.
@@ -161,20 +165,20 @@ def _monitor(pid: int, libc: ctypes.CDLL) -> None:
 
 def _build_root(mounts: Sequence[Mount], libc: ctypes.CDLL) -> None:
     """Make ``mounts`` under a new root and switch to it; the old root is gone from this namespace."""
-    _check(libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "making / private")
-    _check(libc.mount(b"tmpfs", _BASE.encode(), b"tmpfs", _MS_NODEV | _MS_NOSUID, b"mode=0755,size=64k"), f"a tmpfs on {_BASE}")
+    check_libc(libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "making / private")
+    check_libc(libc.mount(b"tmpfs", _BASE.encode(), b"tmpfs", _MS_NODEV | _MS_NOSUID, b"mode=0755,size=64k"), f"a tmpfs on {_BASE}")
     os.chdir(_BASE)
     os.mkdir("newroot", 0o755)
     os.mkdir("oldroot", 0o755)
     _pivot_root(".", "oldroot", libc)
     os.chdir("/")
-    _check(libc.mount(_NEW.encode(), _NEW.encode(), None, _MS_BIND | _MS_REC, None), "binding the new root")
+    check_libc(libc.mount(_NEW.encode(), _NEW.encode(), None, _MS_BIND | _MS_REC, None), "binding the new root")
     for mount in mounts:
         _make(mount, libc)
-    _check(libc.umount2(_OLD.encode(), _MNT_DETACH), "detaching the old root")
+    check_libc(libc.umount2(_OLD.encode(), _MNT_DETACH), "detaching the old root")
     os.chdir(_NEW)
     _pivot_root(".", ".", libc)
-    _check(libc.umount2(b".", _MNT_DETACH), "detaching the assembly root")
+    check_libc(libc.umount2(b".", _MNT_DETACH), "detaching the assembly root")
     os.chdir("/")
 
 
@@ -183,11 +187,11 @@ def _make(mount: Mount, libc: ctypes.CDLL) -> None:
     source = _in_old_root(mount.source)
     if mount.kind == "proc":
         os.makedirs(target, exist_ok=True)
-        _check(libc.mount(b"proc", target.encode(), b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None), "mounting /proc")
+        check_libc(libc.mount(b"proc", target.encode(), b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None), "mounting /proc")
     elif mount.kind == "tmpfs":
         os.makedirs(target, exist_ok=True)
         options = f"mode=0755,size={mount.size}" if mount.size else "mode=0755"
-        _check(libc.mount(b"tmpfs", target.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options.encode()), f"a tmpfs on {mount.target}")
+        check_libc(libc.mount(b"tmpfs", target.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options.encode()), f"a tmpfs on {mount.target}")
     elif mount.kind == "symlink":
         os.makedirs(os.path.dirname(target), exist_ok=True)
         os.symlink(mount.source, target)
@@ -197,13 +201,13 @@ def _make(mount: Mount, libc: ctypes.CDLL) -> None:
         if not os.path.exists(source):
             if mount.kind == "ro-bind-try":
                 return
-            raise ConfineError(2, f"{mount.source}, to show at {mount.target}, does not exist")
+            raise OSError(2, f"{mount.source}, to show at {mount.target}, does not exist")
         if os.path.isdir(source):
             os.makedirs(target, exist_ok=True)
         else:
             os.makedirs(os.path.dirname(target), exist_ok=True)
             os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
-        _check(libc.mount(source.encode(), target.encode(), None, _MS_BIND | _MS_REC, None), f"binding {mount.source}")
+        check_libc(libc.mount(source.encode(), target.encode(), None, _MS_BIND | _MS_REC, None), f"binding {mount.source}")
         devices = mount.kind == "dev-bind"
         _remount(target, libc, read_only=not devices, recursive=True, devices=devices)
     else:
@@ -231,7 +235,7 @@ def _remount(target: str, libc: ctypes.CDLL, *, read_only: bool, recursive: bool
         for statvfs_flag, mount_flag in _KEPT_FLAGS:
             if flags & statvfs_flag:
                 kept |= mount_flag
-        _check(libc.mount(None, path.encode(), None, _MS_REMOUNT | _MS_BIND | kept, None), f"making {path} read-only")
+        check_libc(libc.mount(None, path.encode(), None, _MS_REMOUNT | _MS_BIND | kept, None), f"making {path} read-only")
 
 
 def _mounts_below(target: str) -> list[str]:
@@ -260,29 +264,29 @@ def _drop_capabilities(libc: ctypes.CDLL) -> None:
     with open("/proc/sys/kernel/cap_last_cap", encoding="ascii") as last:  # the new root's /proc
         last_cap = int(last.read())
     for capability in range(last_cap + 1):
-        _check(libc.prctl(_PR_CAPBSET_DROP, capability, 0, 0, 0), f"dropping capability {capability}")
+        check_libc(libc.prctl(_PR_CAPBSET_DROP, capability, 0, 0, 0), f"dropping capability {capability}")
     libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
     header = ctypes.create_string_buffer(struct.pack("Ii", _LINUX_CAPABILITY_VERSION_3, 0))
     data = ctypes.create_string_buffer(struct.calcsize("III") * 2)  # zero: effective, permitted, inheritable
-    _check(libc.syscall(_syscall_number(_CAPSET), header, data), "dropping capabilities")
-    _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no new privileges")
+    check_libc(libc.syscall(_syscall_number(_CAPSET), header, data), "dropping capabilities")
+    check_libc(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no new privileges")
 
 
 def _load_seccomp(program: bytes, libc: ctypes.CDLL) -> None:
     """Load a classic BPF program (8 bytes an instruction) as this process's seccomp filter."""
     filters = ctypes.create_string_buffer(program, len(program))
     fprog = struct.pack("HxxxxxxP", len(program) // 8, ctypes.addressof(filters))
-    _check(libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.c_char_p(fprog), 0, 0), "loading the seccomp filter")
+    check_libc(libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.c_char_p(fprog), 0, 0), "loading the seccomp filter")
 
 
 def _pivot_root(new_root: str, put_old: str, libc: ctypes.CDLL) -> None:
-    _check(libc.syscall(_syscall_number(_PIVOT_ROOT), new_root.encode(), put_old.encode()), f"pivot_root({new_root}, {put_old})")
+    check_libc(libc.syscall(_syscall_number(_PIVOT_ROOT), new_root.encode(), put_old.encode()), f"pivot_root({new_root}, {put_old})")
 
 
 def _syscall_number(numbers: dict[str, int]) -> int:
     machine = platform.machine()
     if machine not in numbers:
-        raise ConfineError(38, f"a forked child cannot confine itself on {machine}")
+        raise OSError(38, f"a forked child cannot confine itself on {machine}")
     return numbers[machine]
 
 
@@ -292,9 +296,3 @@ def _write(path: str, text: str) -> None:
         os.write(fd, text.encode())
     finally:
         os.close(fd)
-
-
-def _check(result: int, what: str) -> None:
-    if result != 0:
-        errno = ctypes.get_errno()
-        raise ConfineError(errno, f"{what}: {os.strerror(errno)}")

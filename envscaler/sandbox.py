@@ -341,6 +341,13 @@ def libc() -> ctypes.CDLL:
     return library
 
 
+def check_libc(result: int, what: str) -> None:
+    """OSError, its errno and text after ``what``, when a call into :func:`libc` returned non-zero."""
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+
 _CLONE_NEWNS = 0x00020000
 _MS_BIND, _MS_REC, _MS_PRIVATE = 0x1000, 0x4000, 0x40000
 
@@ -349,24 +356,18 @@ def become_unprivileged(shown: Sequence[tuple[str, bool]], tasks: int, library: 
     """In the child, as root: bind the paths to show (``shown``: path and whether it is a folder, in
     order) at ``_VIEW/<index>`` in a mount namespace of its own, then become ``confined_uid`` with no
     supplementary groups and at most ``tasks`` threads and processes (its user has no others)."""
-
-    def check(result: int, what: str) -> None:
-        if result != 0:
-            errno = ctypes.get_errno()
-            raise OSError(errno, f"{what}: {os.strerror(errno)}")
-
-    check(library.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
-    check(library.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "making / private")
+    check_libc(library.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    check_libc(library.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "making / private")
     # Opened before the view covers them (a bundle under /tmp), in this namespace (a bind takes no other's).
     fds = [os.open(source, os.O_PATH | os.O_CLOEXEC) for source, _ in shown]
-    check(library.mount(b"tmpfs", _VIEW.encode(), b"tmpfs", 0, b"mode=0755,size=64k"), f"a tmpfs on {_VIEW}")
+    check_libc(library.mount(b"tmpfs", _VIEW.encode(), b"tmpfs", 0, b"mode=0755,size=64k"), f"a tmpfs on {_VIEW}")
     for index, ((source, is_dir), fd) in enumerate(zip(shown, fds)):
         target = f"{_VIEW}/{index}"
         if is_dir:
             os.mkdir(target)
         else:
             os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
-        check(library.mount(f"/proc/self/fd/{fd}".encode(), target.encode(), None, _MS_BIND | _MS_REC, None), f"binding {source}")
+        check_libc(library.mount(f"/proc/self/fd/{fd}".encode(), target.encode(), None, _MS_BIND | _MS_REC, None), f"binding {source}")
         os.close(fd)
     uid = confined_uid(os.getpid())
     resource.setrlimit(resource.RLIMIT_NPROC, (tasks, tasks))

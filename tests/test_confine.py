@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from envscaler.confine import MONITOR_NAME, confine, confine_problem
+from envscaler.confine import MONITOR_NAME, confine, confine_problem, run_confined
 from envscaler.sandbox import CONFINED_UID_BASE, sandbox_plan
 from envscaler.seccomp import seccomp_bpf
 
@@ -26,23 +26,8 @@ needs_confinement = pytest.mark.skipif(confine_problem() is not None, reason=f"n
 
 def confined(probe: Callable[[], dict[str, Any]], readable: tuple[Path, ...] = ()) -> tuple[dict[str, Any], int]:
     """What ``probe`` returns in a child confined with ``readable`` shown, and the monitor's exit status."""
-    plan, program = sandbox_plan(readable=readable), seccomp_bpf()
-    told, tell = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(told)
-            confine(plan, program)
-            os.write(tell, json.dumps(probe()).encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(tell)
-    with os.fdopen(told, "rb") as said:
-        seen = said.read()
-    _, status = os.waitpid(pid, 0)
-    return json.loads(seen or b"{}"), os.waitstatus_to_exitcode(status)
+    status, said = run_confined(sandbox_plan(readable=readable), seccomp_bpf(), lambda: json.dumps(probe()))
+    return (json.loads(said) if status == 0 else {"error": said}), status
 
 
 def attempt(action: Callable[[], object]) -> str:
