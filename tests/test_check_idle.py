@@ -103,6 +103,17 @@ def test_the_check_worker_is_not_stopped_while_it_runs_a_validation(bundle):
         assert restarts(http) == 0
 
 
+def test_check_idle_zero_never_stops_the_check_worker(bundle):
+    with serve(bundle, "--check-idle", "0") as server, server.client() as http:
+        episode = new_episode(http, 3)
+        assert http.post(f"/episodes/{episode}/validate").json()["score"] == 1.0
+        # The worker itself, not the check children it forks (a used one is replaced by a new one).
+        (worker,) = [pid for pid in check_workers(server) if parent_of(pid) not in check_workers(server)]
+        time.sleep(3 * IDLE_S)  # 0 is "never", not "at once": the same worker is still there
+        assert worker in check_workers(server)
+        assert http.post(f"/episodes/{episode}/validate").json()["score"] == 1.0 and restarts(http) == 0
+
+
 def test_farm_up_passes_check_idle_to_its_servers(tmp_path):
     with counter_farm(tmp_path, "--check-idle", f"{IDLE_S:g}") as catalog:
         (env,) = catalog["envs"].values()

@@ -50,6 +50,10 @@ def test_bad_numbers_of_other_commands_are_refused(tmp_path):
     assert_usage_error(envscaler("catalog", "check", "--timeout", "-5"), "--timeout")
     assert_usage_error(envscaler("demo", "--concurrency", "0"), "--concurrency")
     assert_usage_error(envscaler("synth", "all", "--out", str(tmp_path), "--concurrency", "0"), "--concurrency")
+    assert_usage_error(envscaler("serve", "counter", "--check-idle", "-1"), "--check-idle", "at least 0")
+    assert_usage_error(envscaler("farm", "up", "--backend", "process", "--catalog", str(tmp_path / "f.json"), "--check-idle", "-1"),
+                       "--check-idle", "at least 0")
+    assert not (tmp_path / "f.json").exists()
 
 
 def test_run_out_that_is_a_folder(tmp_path):
