@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import ast
 import functools
-from collections.abc import Callable, Iterator
+import inspect
+import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -218,10 +220,15 @@ _VISITS: dict[type, Callable[[_MethodScan, Any], None]] = {}
 
 
 class _MethodFacts:
-    """One method's own writes to ``self``'s state, its writes to its arguments, and the own methods it calls."""
+    """One method's own writes to ``self``'s state, its writes to its arguments, and the own methods it calls.
 
-    def __init__(self, function: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
-        self._function = function
+    It keeps the method's code, not its syntax tree: parsed again in the rare case its writes through its
+    arguments are asked for, so that only one method's tree is in memory at a time (all of a class's
+    trees at once are megabytes that, freed, stay scattered through a worker's heap)."""
+
+    def __init__(self, function: ast.FunctionDef | ast.AsyncFunctionDef, code: types.CodeType, lines: list[str]) -> None:
+        self._code = code
+        self._lines = lines
         self.own = _Writes()
         self.calls: frozenset[str] = frozenset()
         self.hands_state_to: frozenset[str] = frozenset()
@@ -231,12 +238,20 @@ class _MethodFacts:
             self.calls = frozenset(scan.calls_own)
             self.hands_state_to = frozenset(scan.hands_state_to)
 
+    @classmethod
+    def read(cls, code: types.CodeType, lines: list[str]) -> _MethodFacts | None:
+        """The facts of the method compiled to ``code``, from the ``lines`` of its source; None where they
+        hold no definition of its own."""
+        function = _parse_function(code, lines)
+        return None if function is None else cls(function, code, lines)
+
     @functools.cached_property
     def to_arguments(self) -> _Writes:
         """What it writes through its arguments: read only for a method that another hands state to."""
-        if not (self._function.args.posonlyargs + self._function.args.args):
+        function = _parse_function(self._code, self._lines)
+        if function is None or not (function.args.posonlyargs + function.args.args):
             return _Writes()
-        scan = _body_scan(self._function, arguments_are_state=True)
+        scan = _body_scan(function, arguments_are_state=True)
         return _Writes(scan.writes, scan.removes_or_replaces, scan.accumulates)
 
 
@@ -261,35 +276,39 @@ def _merge(a: _Writes, b: _Writes) -> _Writes:
     return _Writes(a.writes or b.writes, a.removes_or_replaces or b.removes_or_replaces, a.accumulates or b.accumulates)
 
 
-def _method_defs(source: str, mro_names: list[str]) -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef]:
-    """Method name -> its definition in ``source``, the most derived class winning (``mro_names``: base last)."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return {}
-    classes = {node.name: node for node in _module_classes(tree.body)}
-    methods: dict[str, ast.FunctionDef | ast.AsyncFunctionDef] = {}
-    for name in reversed(mro_names):
-        klass = classes.get(name)
-        if klass is None:
-            continue
-        for node in klass.body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                methods[node.name] = node
+def _method_codes(classes: list[type]) -> dict[str, types.CodeType]:
+    """Method name -> its code, for the functions ``classes`` (the most derived first) define, the most
+    derived class winning."""
+    methods: dict[str, types.CodeType] = {}
+    for klass in reversed(classes):
+        for value in vars(klass).values():
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            if inspect.isfunction(value):
+                code = inspect.unwrap(value).__code__
+                methods[code.co_name] = code
     return methods
 
 
-def _module_classes(statements: list[ast.stmt]) -> Iterator[ast.ClassDef]:
-    """The classes the module defines, at its top level or under a top-level ``if``, ``try`` or ``with``: never
-    inside a function, where a walk of the whole tree would look (a tenth of a second on a large class)."""
-    for node in statements:
-        if isinstance(node, ast.ClassDef):
-            yield node
-        elif isinstance(node, (ast.If, ast.Try, ast.TryStar, ast.With)):
-            for handler in getattr(node, "handlers", []):
-                yield from _module_classes(handler.body)
-            for block in ("body", "orelse", "finalbody"):
-                yield from _module_classes(getattr(node, block, []))
+def _parse_function(code: types.CodeType, lines: list[str]) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """The definition of the function compiled to ``code`` (its decorators' lines first), read from ``lines``."""
+    # Under an `if` of its own, an indented definition parses as it stands (a string's lines may start anywhere).
+    segment = "if 1:\n" + "".join(lines[code.co_firstlineno - 1:_last_line(code)])
+    try:
+        statement = ast.parse(segment).body[0]
+    except (SyntaxError, IndexError):
+        return None  # not a definition of its own in the source (made by another function, say)
+    node = statement.body[0] if isinstance(statement, ast.If) and statement.body else None
+    return node if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+
+
+def _last_line(code: types.CodeType) -> int:
+    """The last line of the source that ``code`` and the functions defined in it span."""
+    last = max((end for _, end, _, _ in code.co_positions() if end is not None), default=code.co_firstlineno)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            last = max(last, _last_line(constant))
+    return last
 
 
 def title_of(tool_name: str) -> str:
@@ -315,26 +334,31 @@ def derive_annotations(source: str, cls: type, tool_names: list[str]) -> dict[st
 
 
 def _class_annotations(source: str, cls: type, tool_names: list[str]) -> dict[str, ToolAnnotations]:
-    defs = _method_defs(source, [klass.__name__ for klass in cls.__mro__ if klass is not object])
-    own = {name: _MethodFacts(node) for name, node in defs.items()}
-
-    def effective(name: str, seen: frozenset[str]) -> _Writes:
-        facts = own[name]
-        writes = facts.own
-        for callee in facts.calls - seen:
-            if callee in own:
-                writes = _merge(writes, effective(callee, seen | {callee}))
-                if callee in facts.hands_state_to:
-                    writes = _merge(writes, own[callee].to_arguments)
-        return writes
-
+    lines = source.splitlines(keepends=True)
+    codes = _method_codes([klass for klass in cls.__mro__ if klass.__module__ == cls.__module__])
+    own = {name: facts for name, code in codes.items() if (facts := _MethodFacts.read(code, lines)) is not None}
     annotations: dict[str, ToolAnnotations] = {}
     for name in tool_names:
         if name not in own:
             annotations[name] = ToolAnnotations(title=title_of(name), openWorldHint=False)
             continue
-        annotations[name] = _hints(name, effective(name, frozenset({name})))
+        annotations[name] = _hints(name, _effective(own, name, frozenset({name})))
     return annotations
+
+
+def _effective(own: dict[str, _MethodFacts], name: str, seen: frozenset[str]) -> _Writes:
+    """What method ``name`` writes, itself or through the own methods it calls (``seen``: those on the way).
+
+    A function of the module, not one nested in the caller that calls itself: that cycle kept every
+    method's syntax tree alive until the collector's next full pass."""
+    facts = own[name]
+    writes = facts.own
+    for callee in facts.calls - seen:
+        if callee in own:
+            writes = _merge(writes, _effective(own, callee, seen | {callee}))
+            if callee in facts.hands_state_to:
+                writes = _merge(writes, own[callee].to_arguments)
+    return writes
 
 
 def state_function_annotations(function: ast.FunctionDef | ast.AsyncFunctionDef, tool_name: str) -> ToolAnnotations:
