@@ -284,9 +284,16 @@ def _method_codes(classes: list[type]) -> dict[str, types.CodeType]:
         for value in vars(klass).values():
             if isinstance(value, (staticmethod, classmethod)):
                 value = value.__func__
-            if inspect.isfunction(value):
-                code = inspect.unwrap(value).__code__
-                methods[code.co_name] = code
+            if not inspect.isfunction(value):
+                continue
+            try:
+                wrapped = inspect.unwrap(value)  # a decorated method: the code its decorator wrapped
+            except ValueError:
+                wrapped = value  # a cycle of __wrapped__
+            code = getattr(wrapped, "__code__", None)
+            if not isinstance(code, types.CodeType):
+                code = value.__code__  # it wraps something with no code of its own (a builtin)
+            methods[code.co_name] = code
     return methods
 
 

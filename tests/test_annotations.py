@@ -94,6 +94,50 @@ def test_hints_follow_writes_through_aliases_helpers_and_loops():
     assert runtime.annotations["view"].openWorldHint is False
 
 
+DECORATED_CODE = '''
+import functools
+
+def logged(method):
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        self.calls += 1
+        return method(self, *args, **kwargs)
+    return wrapper
+
+class Decorated:
+    def __init__(self, init_config: dict):
+        self.items, self.calls = {}, 0
+
+    @logged
+    def read(self, key: str) -> dict:
+        return {"data": self.items.get(key)}
+
+    @staticmethod
+    def echo(text: str) -> dict:
+        return {"data": text}
+
+    @functools.wraps(len)
+    def count(self) -> dict:
+        return {"data": len(self.items)}
+
+    def drop(self, key: str) -> dict:
+        note = """a string whose lines
+start anywhere"""
+        self.items.pop(key, None)
+        return {"data": note}
+'''
+
+
+def test_hints_read_each_method_as_written_under_its_decorators():
+    runtime = EnvRuntime(EnvSpec(env_id="decorated", env_class_name="Decorated", env_class_code=DECORATED_CODE))
+    assert hints(runtime) == {
+        "read": (True, False, True),  # the method the decorator wraps, not the wrapper's own counting
+        "echo": (True, False, True),
+        "count": (True, False, True),  # wraps a builtin: read as itself
+        "drop": (False, True, False),  # a multi-line string out of the method's indentation still parses
+    }
+
+
 STATE_FUNCTIONS = '''
 def lookup(data, key):
     return data["records"].get(key)
