@@ -361,7 +361,7 @@ def test_ctrl_c_while_a_command_starts_is_one_line(after_s):
     # catalog check runs for a while (a busy machine cannot finish it before the signal, as it could catalog
     # list); what it printed of its progress stays, and Ctrl-C adds one line.
     process = subprocess.Popen([sys.executable, "-m", "envscaler.cli", "catalog", "check"], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
     time.sleep(after_s)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=60)
