@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import threading
-import time
 
 import httpx
 import pytest
@@ -23,6 +22,7 @@ from tests.support.cli import envscaler
 from tests.support.farm import read_state
 from tests.support.gateway import replay_through_gateway
 from tests.support.hostile import HOSTILE_CODE, attack, common_attacks
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.docker
 
@@ -43,13 +43,6 @@ HOG_CODE = HOSTILE_CODE.replace(
 # Building the runtime image after a code change takes minutes.
 DOCKER_TIMEOUT_S = 300
 
-
-
-def wait_until(predicate, timeout_s=60.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")

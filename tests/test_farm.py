@@ -20,6 +20,7 @@ from tests.support.bundles import counter_scenario, counter_spec, write_bundle
 from tests.support.cli import envscaler
 from tests.support.farm import bundled_farm, farm_members, read_state, two_counters_up
 from tests.support.gateway import replay_through_gateway
+from tests.support.waiting import wait_until
 
 ENVS = ["library_circulation", "online_retail", "it_helpdesk"]
 
@@ -29,13 +30,6 @@ ENVS = ["library_circulation", "online_retail", "it_helpdesk"]
 def farm(tmp_path):
     with bundled_farm(tmp_path, ENVS) as catalog:
         yield catalog
-
-
-def wait_until(predicate, timeout_s=20.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.1)
 
 
 def test_up_writes_the_catalog_and_status_reports_health(farm):

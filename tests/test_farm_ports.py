@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -20,13 +19,7 @@ from servers.farm.plan import plan_farm
 from tests.support.bundles import counter_bundle
 from tests.support.cli import envscaler
 from tests.support.farm import read_state
-
-
-def wait_until(predicate, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.1)
+from tests.support.waiting import wait_until
 
 
 def taken(port: int) -> socket.socket:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 
 import httpx
 import pytest
@@ -14,18 +13,12 @@ import pytest
 from servers.farm.teardown import farm_processes
 from tests.support.cli import envscaler
 from tests.support.farm import catalog_copies, farm_members, gateway_only_catalog, read_state
+from tests.support.waiting import wait_until
 
 ENVS = 100
 # Each server is probed every 2 s; three misses in a row make it hung.
 PROBE_PERIOD_S = 2.0
 
-
-
-def wait_until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
-        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from servers.farm.gateway.routing import ReplicaRouter
 from servers.transport.http_server import HttpServer
 from servers.serve import bind
 from tests.support.server import TOKEN, RunningServer, serve
+from tests.support.waiting import wait_until
 
 ENV = "library_circulation"
 BUNDLE = default_catalog() / ENV
@@ -71,13 +72,6 @@ def gateway(addresses: dict[str, list[str]], *, poll_s: float = 0.2) -> Iterator
 def replicas(*replica_ids: str) -> Iterator[list[RunningServer]]:
     with ExitStack() as stack:
         yield [stack.enter_context(serve(BUNDLE, "--replica-id", replica_id)) for replica_id in replica_ids]
-
-
-def wait_until(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def seen_replicas(base: str) -> int:

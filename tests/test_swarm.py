@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from envscaler import default_catalog, load_bundle
 from servers.episodes.ids import replica_of
 from servers.farm.backends.images import LABEL_ENV, LABEL_FARM
 from tests.support.swarm import Swarm, find_swarm, kill_node, restore_nodes
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.swarm
 
@@ -40,13 +40,6 @@ HEALTH = "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:
 def envscaler(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "envscaler.cli", *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "DOCKER_HOST": SWARM.manager})
-
-
-def wait_until(predicate, timeout_s: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} not reached within {timeout_s:g} s"
-        time.sleep(0.5)
 
 
 def read_records(path: Path) -> list[dict]:
@@ -233,7 +226,7 @@ def test_a_dead_worker_leaves_every_episode_finished_or_an_infra_error_and_a_rer
                    "--repeats", "8", "--concurrency", "8", "--quiet"]
         run = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
-            wait_until(lambda: out.exists() and len(out.read_text().splitlines()) >= 40, 120, "40 records")
+            wait_until(lambda: out.exists() and len(out.read_text().splitlines()) >= 40, 120, "40 records", poll_s=0.5)
             assert run.poll() is None, "the run ended before the node could be killed; make it longer"
             kill_node(victim)
             _, errors = run.communicate(timeout=300)
@@ -257,9 +250,9 @@ def test_a_dead_worker_leaves_every_episode_finished_or_an_infra_error_and_a_rer
                 placement = running_tasks(swarm, farm)
                 return all(len(nodes) == 2 and victim not in nodes for nodes in placement.values()) and len(placement) == len(ENVS)
 
-            wait_until(rescheduled, 120, "every environment back at 2 replicas on the nodes left")
+            wait_until(rescheduled, 120, "every environment back at 2 replicas on the nodes left", poll_s=0.5)
             wait_until(lambda: httpx.get(catalog["gateway"] + "/healthz").json()["replicas"] == {e: 2 for e in ENVS}, 60,
-                       "the gateway seeing every new replica")
+                       "the gateway seeing every new replica", poll_s=0.5)
             rerun = envscaler("run", "--farm", str(farm), "--agent", "replay", "--out", str(out), "--repeats", "8", "--quiet")
             assert rerun.returncode == 0, rerun.stderr
             if infra:
@@ -294,4 +287,4 @@ def test_down_leaves_nothing_on_any_node_or_the_manager(farm, swarm):
         return True
 
     # The nodes remove their stopped containers a moment after the manager forgot their tasks.
-    wait_until(nodes_clean, 30, "every node without the farm's containers and networks")
+    wait_until(nodes_clean, 30, "every node without the farm's containers and networks", poll_s=0.5)

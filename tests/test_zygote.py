@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import socket
-import time
 from pathlib import Path
 
 import httpx
@@ -24,6 +23,7 @@ from servers.farm.backends.zygote import ZygoteSpawner
 from tests.support.bundles import counter_scenario, counter_spec, write_bundle
 from tests.support.cli import envscaler
 from tests.support.farm import farm_members, parent_of
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -58,13 +58,6 @@ def plan(bundle_dir: Path | str, env_id: str, token: str) -> EnvPlan:
 
 def environment(token: str, **extra: str) -> dict[str, str]:
     return clean_environment({"ENVSCALER_TOKEN": token, FARM_ID_VARIABLE: FARM_ID, **extra})
-
-
-def wait_until(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 @pytest.fixture
