@@ -21,6 +21,7 @@ each server as its own interpreter (``ENVSCALER_SPAWNER=popen``).
 Image builds (docker): one environment image cold (its tag absent) and cached (a no-op).
 
     python benchmarks/farm.py [--envs 50] [--backend process|docker|both] [--spawner sandbox|zygote|popen|all] [--load]
+                              [--envs-per-server N]
                               [--reap-wait 35]
 
 Targets: process: all healthy within 30 s up to 200 environments, 60 s up to 1,000 (issue 13: on a
@@ -34,6 +35,7 @@ is missed (docker is skipped, and says so, when no engine answers).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -42,7 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
@@ -94,6 +96,8 @@ def farm_state(catalog: Path) -> dict:
 
 
 def server_pids(catalog: Path, backend: str) -> list[int]:
+    """The pid of each environment's server (for docker: its container's main process); a server that
+    serves several environments is named for each."""
     state = farm_state(catalog)
     if backend == "process":
         return [record["pid"] for record in state["envs"].values()]
@@ -108,6 +112,14 @@ def remove_images(client, bundle_dirs: list[Path]) -> None:
     for directory in bundle_dirs:
         for image in client.images.list(filters={"label": f"envscaler.env_id={directory.name}"}):
             client.images.remove(image.id, force=True)
+
+
+def per_environment(pids: list[int], read: Callable[[int], Memory]) -> list[Memory]:
+    """``read`` (``memory`` or ``tree_memory``) of each server, shared out equally among the environments it
+    serves (``farm up --envs-per-server``): one entry per environment, in ``pids``' order."""
+    served = collections.Counter(pids)
+    shares = {pid: read(pid) for pid in served}
+    return [Memory(*(value / served[pid] for value in shares[pid])) for pid in pids]
 
 
 @contextlib.contextmanager
@@ -199,25 +211,27 @@ class Measured(NamedTuple):
 
 
 def measure(backend: str, bundle_root: Path, scratch: Path, count: int, spawner: str | None, load: bool, reap_wait_s: float,
-            replay: bool = False) -> Measured:
+            replay: bool = False, envs_per_server: int = 1) -> Measured:
     catalog = scratch / f"{backend}-{spawner}.json"
     unboxed = ["--no-sandbox"] if spawner in ("zygote", "popen") else []
+    hosted = ["--envs-per-server", str(envs_per_server)] if backend == "process" and envs_per_server > 1 else []
     seconds = timed("farm", "up", str(bundle_root), "--backend", backend, "--catalog", str(catalog), "--timeout", "900",
-                    *unboxed, spawner=spawner)
+                    *unboxed, *hosted, spawner=spawner)
     try:
         daemon = farm_state(catalog)["daemon_pid"]
         startup_cpu_s = cpu_seconds([daemon])
         servers = server_pids(catalog, backend)
-        idle = [tree_memory(pid) for pid in servers] if backend == "process" else [memory(pid) for pid in servers]
+        whole = tree_memory if backend == "process" else memory
+        idle = per_environment(servers, whole)
         with busy_cores() if load else contextlib.nullcontext(0) as loaded_cores:
             validated = validate_each(catalog, bundle_root)
             time.sleep(2.0)  # let every server finish its allocations, the daemon its start-up work
-            used = [memory(pid) for pid in servers]
-            environments = [tree_memory(pid) for pid in servers] if backend == "process" else used
+            used = per_environment(servers, memory)
+            environments = per_environment(servers, whole)
             daemon_cpu = idle_cpu(daemon, IDLE_WINDOW_S)
             # The check workers stop once idle for the server's --check-idle: what an environment holds between validations.
             time.sleep(max(0.0, reap_wait_s - IDLE_WINDOW_S - 2.0))
-            reaped = [tree_memory(pid) for pid in servers] if backend == "process" else [memory(pid) for pid in servers]
+            reaped = per_environment(servers, whole)
             replayed = replay_all(catalog, scratch) if replay else None
             server_restarts, worker_restarts = restarts(catalog)
     finally:
@@ -292,6 +306,9 @@ def main() -> int:
                         help="keep a busy process on every core while the farm validates and idles: nothing may be restarted")
     parser.add_argument("--replay", action="store_true",
                         help="also replay every scenario on the farm with 'envscaler run --procs' (cores - 2): tool steps/s")
+    parser.add_argument("--envs-per-server", type=int, default=1, metavar="N",
+                        help="process backend: environments each server process serves (farm up --envs-per-server); "
+                             "a server's memory is then shared out among them (default: 1)")
     parser.add_argument("--reap-wait", type=float, default=35.0, metavar="SECONDS",
                         help="seconds after the validations before memory is read a third time: the servers' --check-idle "
                              "(30 by default) and a margin (default: 35)")
@@ -324,7 +341,7 @@ def main() -> int:
             spawners = (["sandbox", "zygote", "popen"] if args.spawner == "all" else [args.spawner]) if backend == "process" else [None]
             for spawner in spawners:
                 verdicts += describe(backend, spawner, measure(backend, bundle_root, scratch, args.envs, spawner, args.load, args.reap_wait,
-                                                             args.replay),
+                                                             args.replay, args.envs_per_server),
                                      args.envs)
             cores = len(os.sched_getaffinity(0))
             if backend == "process" and args.envs > 200 and cores < 16:

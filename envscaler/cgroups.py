@@ -6,10 +6,11 @@ rlimit bounds the threads of one environment. A memory cgroup charges shared mem
 to the group whose process touched them, a pids cgroup bounds its threads and processes together, and
 a cpu cgroup gives it one share of the CPU beside the other environments.
 
-:meth:`ChildGroup.create` makes ``envscaler-<pid>-<role>`` (``pid``: the server that owns it; one
-group per worker role, so that an environment worker that fills its memory cannot starve the checks
-of the same environment) below this process's own group in each controller it can write: cgroup v1 (``memory``, ``pids``, ``cpu``, each
-its own hierarchy) or v2 (one hierarchy, where this process's group already delegates the
+:meth:`ChildGroup.create` makes ``envscaler-<pid>-<env>-<role>`` (``pid``: the server that owns it;
+``env``: a digest of the environment's id, as one server may serve several; one group per worker
+role, so that an environment worker that fills its memory cannot starve the checks of the same
+environment) below this process's own group in each controller it can write: cgroup v1 (``memory``,
+``pids``, ``cpu``, each its own hierarchy) or v2 (one hierarchy, where this process's group already delegates the
 controllers to its children). A worker writes itself into it (:attr:`ChildGroup.procs_files`) as soon
 as it is forked, as root, before it confines itself: everything it starts is counted from its first page.
 Where no memory controller can be written it answers None, and the caller falls back to what it can
@@ -19,6 +20,7 @@ refuse instead (see ``envscaler.sandbox``). Only groups made here are ever writt
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 from pathlib import Path
 
@@ -51,16 +53,17 @@ class ChildGroup:
         self._procs = [str(path / "cgroup.procs") for path in dict.fromkeys(paths.values())]
 
     @classmethod
-    def create(cls, limits: GroupLimits, role: str, owner: int | None = None) -> ChildGroup | None:
-        """A new group for the ``role`` processes of server ``owner`` (this process by default), or None
-        where no memory controller can be written here (not root, no cgroup file system, v2 without delegation)."""
+    def create(cls, limits: GroupLimits, env_id: str, role: str, owner: int | None = None) -> ChildGroup | None:
+        """A new group for the ``role`` processes of environment ``env_id``'s server ``owner`` (this process by
+        default), or None where no memory controller can be written here (not root, no cgroup file system, v2
+        without delegation)."""
         version, parents = _writable_parents()
         if "memory" not in parents:
             return None
         _remove_stale(parents)
         paths = {}
         for controller, parent in parents.items():
-            path = parent / f"{_PREFIX}{os.getpid() if owner is None else owner}-{role}"
+            path = parent / f"{_PREFIX}{os.getpid() if owner is None else owner}-{_env_tag(env_id)}-{role}"
             with contextlib.suppress(OSError):
                 path.mkdir(exist_ok=True)
                 paths[controller] = path
@@ -71,14 +74,14 @@ class ChildGroup:
         return group
 
     @classmethod
-    def find(cls, owner: int) -> list[ChildGroup]:
-        """The groups that server ``owner`` made (``farm status`` reads them)."""
+    def find(cls, owner: int, env_id: str) -> list[ChildGroup]:
+        """The groups that server ``owner`` made for environment ``env_id`` (``farm status`` reads them)."""
         version, parents = _writable_parents()
         memory = parents.get("memory")
         if memory is None:
             return []
         groups = []
-        for entry in sorted(memory.glob(f"{_PREFIX}{owner}-*")):
+        for entry in sorted(memory.glob(f"{_PREFIX}{owner}-{_env_tag(env_id)}-*")):
             paths = {controller: parent / entry.name for controller, parent in parents.items() if (parent / entry.name).is_dir()}
             groups.append(cls(version, paths))
         return groups
@@ -151,6 +154,11 @@ class ChildGroup:
                 _write(path / "pids.max", str(limits.pids))
             with contextlib.suppress(OSError):
                 _write(path / "cpu.weight", str(limits.cpu_weight))
+
+
+def _env_tag(env_id: str) -> str:
+    """A short, file-name-safe stand-in for ``env_id`` in a group's name."""
+    return hashlib.sha256(env_id.encode()).hexdigest()[:12]
 
 
 def _writable_parents() -> tuple[str, dict[str, Path]]:

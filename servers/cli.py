@@ -13,11 +13,11 @@ import secrets
 import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from envscaler import EnvScalerError, logs
+from envscaler import Bundle, EnvScalerError, logs
 from envscaler.arguments import non_negative_float, with_examples
 from envscaler.bundle import bundle_path, load_bundle
 from envscaler.loader import precheck_class
@@ -29,6 +29,9 @@ from servers.episodes.calls import QUEUE_WAIT_S
 from servers.episodes.ids import new_replica_id
 from servers.workers.store import CHECK_IDLE_S
 from servers.protocols.openenv.config import OpenEnvConfig
+
+if TYPE_CHECKING:
+    from servers.serve import Serving
 
 # ServerConfig field -> the flag that sets it, so that a bad value is reported in the user's words.
 _FLAGS = {
@@ -56,20 +59,38 @@ _FLAGS = {
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from servers.serve import openenv_listener, serve, serve_in_sandbox
+    from servers.serve import serve_all, serve_in_sandbox
 
     token = args.token or _read_token_file(args.token_file) or os.environ.get("ENVSCALER_TOKEN")
-    generated = token is None
+    serving, problem = _prepare(args, token, load_bundle(str(bundle_path(args.env_dir))))
+    if serving.config.worker_process:
+        # This process runs no environment code: the workers it starts are what the sandbox holds.
+        if problem is not None:
+            warn_unprotected(problem)
+        serve_all([serving], heartbeat=args.stop_when_stale)
+        return 0
+    if problem is None:
+        serve_in_sandbox(str(serving.bundle.directory), args.host, args.port, serving.config, announce_token=serving.announce_token,
+                         heartbeat=args.stop_when_stale, log_level=args.log_level, listening=serving.listening,
+                         openenv_listening=serving.openenv_listening)
+    warn_unprotected(problem)
+    serve_all([serving], heartbeat=args.stop_when_stale)
+    return 0
+
+
+def _prepare(args: argparse.Namespace, token: str | None, bundle: Bundle) -> tuple[Serving, str | None]:
+    """What ``serve``'s arguments ask to serve (``bundle``, loaded from their ENV_DIR), checked (the token
+    generated when ``token`` is None), and why its environment code would run unprotected here (None: sandboxed)."""
+    from servers.serve import Serving, openenv_listener
+
     try:
         config = _config(args, token or secrets.token_urlsafe(24))
     except ValidationError as e:
         problems = "; ".join(f"{_FLAGS.get(str(item['loc'][0]), item['loc'][0])}: {item['msg']}" for item in e.errors())
         raise EnvScalerError(f"serve: {problems}") from None
-    env_dir = str(bundle_path(args.env_dir))
     # A class that cannot compile, or whose Python requirements are not installed, is named once, here,
     # before any sandbox is started for it; where workers run it, the first one loads it before this server
     # listens, and says the same (compiling it here too took a third of a farm server's start-up).
-    bundle = load_bundle(env_dir)
     spec = bundle.spec
     if not config.worker_process:
         precheck_class(spec)
@@ -85,19 +106,8 @@ def _serve(args: argparse.Namespace) -> int:
         # Workers confine themselves once forked (no bubblewrap needed); a server without workers runs in bubblewrap's sandbox.
         problem = confine_problem() if config.worker_process else sandbox_problem()
     if config.worker_process:
-        # This process runs no environment code: the workers it starts are what the sandbox holds.
-        if problem is not None:
-            warn_unprotected(problem)
-        serve(bundle, args.host, args.port, config.model_copy(update={"worker_sandbox": problem is None}),
-              announce_token=generated, heartbeat=args.stop_when_stale, listening=listening, openenv_listening=openenv_listening)
-        return 0
-    if problem is None:
-        serve_in_sandbox(env_dir, args.host, args.port, config, announce_token=generated, heartbeat=args.stop_when_stale,
-                         log_level=args.log_level, listening=listening, openenv_listening=openenv_listening)
-    warn_unprotected(problem)
-    serve(bundle, args.host, args.port, config, announce_token=generated, heartbeat=args.stop_when_stale, listening=listening,
-          openenv_listening=openenv_listening)
-    return 0
+        config = config.model_copy(update={"worker_sandbox": problem is None})
+    return Serving(bundle, args.host, args.port, config, token is None, listening, openenv_listening), problem
 
 
 def inherited_listener(fd: int | None, flag: str) -> socket.socket | None:
@@ -255,17 +265,56 @@ def register_serve(commands: Any) -> None:
     parser.set_defaults(func=_serve)
 
 
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="envscaler-serve")
+    register_serve(parser.add_subparsers(dest="command"))
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse ``serve`` arguments (ENV_DIR, --port, ...; the token from $ENVSCALER_TOKEN or --token-file) and serve."""
     no_new_privileges()
-    parser = argparse.ArgumentParser(prog="envscaler-serve")
-    register_serve(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    args = _parser().parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
     try:
         return args.func(args)
     except EnvScalerError as e:
         # One line and its exit code (2: the bundle cannot be served here), as from ``envscaler serve``: a
         # farm's process backend and a container's entry point start servers this way.
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+def host_main(argvs: list[list[str]], tokens: list[str]) -> int:
+    """Serve several environments from this one process (a farm's ``--envs-per-server``): ``argvs`` are
+    their ``serve`` arguments, ``tokens`` their control tokens, in the same order. Each keeps its own
+    port, token, limits and sandboxed workers; they share the event loop and this process's limits."""
+    from servers.serve import serve_all
+
+    no_new_privileges()
+    parser = _parser()
+    try:
+        servings: list[Serving] = []
+        unserved: dict[str, str] = {}
+        heartbeat = problem = None
+        for argv, token in zip(argvs, tokens, strict=True):
+            args = parser.parse_args(["serve", *argv])
+            if not token:
+                raise EnvScalerError(f"serve: no control token was passed for {args.env_dir}")
+            if args.in_process:
+                raise EnvScalerError("serve: environments that share a server process run their code in workers, not --in-process")
+            bundle = load_bundle(str(bundle_path(args.env_dir)))  # the farm loaded it before it started: it loads
+            try:
+                serving, problem = _prepare(args, token, bundle)
+            except EnvScalerError as e:  # its requirements are missing: its neighbours are served all the same
+                unserved[bundle.env_id] = str(e)
+                continue
+            servings.append(serving)
+            heartbeat = args.stop_when_stale
+        if problem is not None:
+            warn_unprotected(problem)
+        serve_all(servings, heartbeat=heartbeat, unserved=unserved)
+        return 0
+    except EnvScalerError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
 

@@ -1,4 +1,5 @@
-"""Run one environment server: bind, print where it listens, serve until SIGINT/SIGTERM.
+"""Run one environment server: bind, print where it listens, serve until SIGINT/SIGTERM; or several
+environments from one process (:func:`serve_all`: a farm's ``--envs-per-server``), each on its own port.
 
 In a sandbox (:func:`serve_in_sandbox`), the server binds its sockets here, on the host's network,
 then replaces itself with bubblewrap running ``python -m servers.serve``: inside, with no network of
@@ -18,8 +19,11 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+import anyio
 from pydantic import BaseModel
 
 from envscaler import Bundle, EnvScalerError, load_bundle, logs
@@ -30,7 +34,7 @@ from servers.episodes.calls import share_the_interpreter
 from servers.errors import CannotListen, PortTaken
 from servers.memory import release_free_memory
 from servers.transport.event_loop import loop_factory
-from servers.transport.http_server import HttpServer
+from servers.transport.http_server import Bounds, HttpServer, descriptor_room
 
 log = logging.getLogger("envscaler.server")
 
@@ -114,6 +118,20 @@ def serve_in_sandbox(
         os.execvpe(launch.argv[0], launch.argv, environment)
 
 
+@dataclass
+class Serving:
+    """One environment a server process serves: its bundle, where it listens, its limits and token."""
+
+    bundle: Bundle
+    host: str
+    port: int
+    config: ServerConfig
+    announce_token: bool = False
+    # Sockets already listening, served instead of binding ``port`` (and the OpenEnv port).
+    listening: socket.socket | None = None
+    openenv_listening: socket.socket | None = None
+
+
 def serve(
     bundle: Bundle, host: str, port: int, config: ServerConfig, *, announce_token: bool, heartbeat: str | None = None,
     listening: socket.socket | None = None, openenv_listening: socket.socket | None = None,
@@ -124,45 +142,110 @@ def serve(
     been touched for ``HEARTBEAT_STALE_S``: a farm's servers never outlive its daemon. ``listening``
     (and ``openenv_listening``) are sockets already listening, used instead of binding ``port``.
     """
+    serve_all([Serving(bundle, host, port, config, announce_token, listening, openenv_listening)], heartbeat=heartbeat)
+
+
+def serve_all(servings: list[Serving], *, heartbeat: str | None = None, unserved: dict[str, str] | None = None) -> None:
+    """Serve every environment of ``servings`` from this one process until stopped (SIGTERM/SIGINT stop
+    them all); each keeps its own port, token, limits and workers. Prints one JSON line per environment
+    once it listens, and tells a supervisor (``READY_FD_VARIABLE``) once all of them do.
+
+    Several environments share this process's event loop, descriptors and address space: each gets
+    an equal share of the connections and buffered bodies one server may hold, so that clients of one
+    cannot take what the others need. One whose code fails to load is not served, and the others are:
+    the supervisor's line names it under ``unserved``, with why (alone, it ends the process with its
+    error, as ``envscaler serve`` does). ``unserved``: environments of this process already found
+    unservable (env_id: why), named with them. ``heartbeat``: as for :func:`serve`.
+    """
     protect_time_limits()
     share_the_interpreter()  # for environment code run in this process (--in-process)
     if heartbeat is not None:
         threading.Thread(target=_stop_when_stale, args=(Path(heartbeat),), name="heartbeat", daemon=True).start()
-    listener_class = openenv_listener() if config.openenv is not None else None
-    sock = listening if listening is not None else bind(host, port)
-    actual_port = sock.getsockname()[1]
-    shown_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
-    url = f"http://{shown_host}:{actual_port}"
-    app = EnvServerApp(bundle, config)
-    keep_alarm_handler()  # tool calls on the event loop are preempted with SIGALRM
-    ready: dict[str, object] = {"event": "listening", "env_id": bundle.env_id, "url": url, "port": actual_port}
-    if announce_token:
-        ready["token"] = config.token
-    server = HttpServer(app, max_body_bytes=config.max_body_bytes)
-    listener = None
-    if listener_class is not None and config.openenv is not None:
-        openenv_sock = openenv_listening if openenv_listening is not None else bind(host, config.openenv.openenv_port)
-        ready["openenv_url"] = f"http://{shown_host}:{openenv_sock.getsockname()[1]}"
-        listener = listener_class(app, config.openenv, openenv_sock)
-
-    def announce() -> None:
-        release_free_memory()  # loading a bundle left garbage: about 1.7 MB of a farm server's 12 MB
-        # Only once SIGTERM stops us gracefully: a supervisor may stop us right after this line.
-        print(json.dumps(ready), flush=True)
-        _notify_supervisor(json.dumps({key: value for key, value in ready.items() if key != "token"}))
-
-    async def serve_all() -> None:
-        if listener is not None:
-            await listener.start()
+    served: list[_Served] = []
+    unserved = dict(unserved or {})
+    several = len(servings) + len(unserved) > 1
+    for serving in servings:
         try:
-            await server.serve(sock, on_ready=announce)
+            served.append(_Served(serving, share=len(servings)))
+        except EnvScalerError as e:
+            if not several:
+                raise
+            unserved[serving.bundle.env_id] = str(e)
+    for env_id, why in unserved.items():
+        print(json.dumps({"event": "not served", "env_id": env_id, "error": why}), flush=True)
+    if not served:
+        raise EnvScalerError("no environment of this server could start: " + "; ".join(unserved.values()))
+    keep_alarm_handler()  # tool calls on the event loop are preempted with SIGALRM
+    waiting = len(served)
+
+    def announce(one: _Served) -> None:
+        nonlocal waiting
+        # Only once SIGTERM stops us gracefully: a supervisor may stop us right after this line.
+        print(json.dumps(one.ready), flush=True)
+        waiting -= 1
+        if waiting == 0:
+            release_free_memory()  # loading a bundle left garbage: about 1.7 MB of a farm server's 12 MB
+            ready = served[0].ready
+            if several:
+                ready = {"event": "listening", "env_ids": [one.ready["env_id"] for one in served], "unserved": unserved}
+            _notify_supervisor(json.dumps({key: value for key, value in ready.items() if key != "token"}))
+
+    def stop_all() -> None:
+        for one in served:
+            one.server.stop()
+
+    async def serve_everything() -> None:
+        loop = asyncio.get_running_loop()
+        signals = (signal.SIGTERM, signal.SIGINT) if threading.current_thread() is threading.main_thread() else ()
+        for signum in signals:
+            loop.add_signal_handler(signum, stop_all)
+        try:
+            async with anyio.create_task_group() as tasks:
+                for one in served:
+                    tasks.start_soon(one.serve, announce)
         finally:
-            if listener is not None:
-                await listener.stop()
+            for signum in signals:
+                loop.remove_signal_handler(signum)
 
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        runner.run(serve_all())
+        runner.run(serve_everything())
     sys.stdout.flush()
+
+
+class _Served:
+    """One environment of a server process: its application, HTTP server, OpenEnv listener and ready line."""
+
+    def __init__(self, serving: Serving, share: int) -> None:
+        config = serving.config
+        listener_class = openenv_listener() if config.openenv is not None else None
+        self.sock = serving.listening if serving.listening is not None else bind(serving.host, serving.port)
+        actual_port = self.sock.getsockname()[1]
+        shown_host = "127.0.0.1" if serving.host in ("0.0.0.0", "") else serving.host
+        self.app = EnvServerApp(serving.bundle, config)
+        self.ready: dict[str, object] = {"event": "listening", "env_id": serving.bundle.env_id, "url": f"http://{shown_host}:{actual_port}",
+                                         "port": actual_port}
+        if serving.announce_token:
+            self.ready["token"] = config.token
+        bounds = None if share == 1 else Bounds(max_connections=max(16, descriptor_room() // share),
+                                                max_buffered_bytes=Bounds().max_buffered_bytes // share)
+        self.server = HttpServer(self.app, max_body_bytes=config.max_body_bytes, bounds=bounds)
+        self.listener = None
+        if listener_class is not None and config.openenv is not None:
+            openenv_sock = serving.openenv_listening
+            if openenv_sock is None:
+                openenv_sock = bind(serving.host, config.openenv.openenv_port)
+            self.ready["openenv_url"] = f"http://{shown_host}:{openenv_sock.getsockname()[1]}"
+            self.listener = listener_class(self.app, config.openenv, openenv_sock)
+
+    async def serve(self, announce: Callable[[_Served], None]) -> None:
+        """Serve until the HTTP server is stopped; ``announce`` this environment once it listens."""
+        if self.listener is not None:
+            await self.listener.start()
+        try:
+            await self.server.serve(self.sock, on_ready=lambda: announce(self), handle_signals=False)
+        finally:
+            if self.listener is not None:
+                await self.listener.stop()
 
 
 def _notify_supervisor(line: str) -> None:

@@ -26,7 +26,7 @@ from envscaler.sandbox import FARM_ID_VARIABLE, UNPROTECTED
 from envscaler.wire import DEFAULT_FARM_CATALOG, FarmCatalog, WorkerResources
 from servers.errors import FarmError
 from servers.farm.backends.images import docker_answers
-from servers.farm.models import Backend, FarmPaths, FarmPlan, FarmState, Limits, RayPlacement, read_json, write_json
+from servers.farm.models import MAX_ENVS_PER_SERVER, Backend, FarmPaths, FarmPlan, FarmState, Limits, RayPlacement, read_json, write_json
 from servers.farm.plan import plan_farm
 from servers.farm.backends.process import describe_exit
 from servers.farm.teardown import describe_stopped, pid_alive, tear_down
@@ -127,6 +127,12 @@ def farm_up(args: argparse.Namespace) -> int:
         raise FarmError("--ray-address, --ray-resource and --envs-per-actor are for the ray backend: add --backend ray")
     if args.openenv and backend != "process":
         raise FarmError("--openenv needs the process backend: add --backend process")
+    if args.envs_per_server != 1 and backend != "process":
+        raise FarmError("--envs-per-server is for the process backend: add --backend process")
+    if args.envs_per_server > MAX_ENVS_PER_SERVER:
+        raise FarmError(f"--envs-per-server {args.envs_per_server}: a server process serves {MAX_ENVS_PER_SERVER} environments at most")
+    if args.envs_per_server != 1 and args.openenv:
+        raise FarmError("--envs-per-server and --openenv do not go together yet: a server that serves OpenEnv serves one environment")
     if args.openenv:
         openenv_listener()  # the extra is missing: one line now, not a daemon's traceback later
     limits = Limits(memory_mb=args.memory_mb, cpus=args.cpus, pids=args.pids, call_timeout_s=args.call_timeout,
@@ -141,6 +147,7 @@ def farm_up(args: argparse.Namespace) -> int:
     if args.probe_period is not None and args.probe_period <= 0:
         raise FarmError(f"--probe-period must be more than 0 seconds, not {args.probe_period:g}")
     plan.probes.period_s = args.probe_period
+    plan.envs_per_server = args.envs_per_server
     if backend == "ray":
         plan.sandbox = args.sandbox  # each node checks its own, and refuses to run environment code unsandboxed
     if backend == "process":
@@ -249,7 +256,7 @@ def _read_resources(state: FarmState) -> None:
     """Each server's workers' use, from the cgroup the server made for them (where it could)."""
     for record in state.envs.values():
         if record.pid is not None:
-            record.resources = combined(ChildGroup.find(record.pid))
+            record.resources = combined(ChildGroup.find(record.pid, record.env_id))
 
 
 def farm_down(args: argparse.Namespace) -> int:
@@ -319,6 +326,12 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
                     "environment and check workers confine themselves where user namespaces and libseccomp work: no "
                     "network, nothing of your files but Python, no new processes)")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for every server to be healthy (default: 120)")
+    process = up.add_argument_group("process backend")
+    process.add_argument("--envs-per-server", type=positive_int, default=1, metavar="N",
+                         help=f"environments one server process serves (at most {MAX_ENVS_PER_SERVER}): each keeps its own "
+                              "port, token and sandboxed workers, and the server's memory (about 10 MB) is shared among "
+                              "them; but they share its event loop and its limits (--memory-mb times N), and a server that "
+                              "crashes or hangs is restarted with all of them (default: 1, a server per environment)")
     swarm = up.add_argument_group("swarm backend")
     swarm.add_argument("--registry", metavar="HOST:PORT", help="registry the farm's images are pushed to and every node pulls from (required)")
     swarm.add_argument("--replicas", type=int, default=1, help="servers per environment, spread over the nodes (default: 1)")

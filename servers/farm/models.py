@@ -22,6 +22,9 @@ from servers.errors import FarmError
 Backend = Literal["docker", "process", "ray", "swarm"]
 EnvStatusName = Literal["starting", "healthy", "unhealthy", "restarting", "failed"]
 
+MAX_ENVS_PER_SERVER = 64
+"""The most environments one process-backend server serves (``FarmPlan.envs_per_server``)."""
+
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -114,6 +117,9 @@ class FarmPlan(BaseModel):
     sandbox: bool = False
     # Ray backend: the cluster and what each server reserves there.
     ray: RayPlacement | None = None
+    # Process backend: environments one server process serves (each keeps its port, token and sandboxed
+    # workers; they share the server's event loop and limits, and start, stop and restart together).
+    envs_per_server: int = Field(default=1, ge=1, le=MAX_ENVS_PER_SERVER)
     envs: list[EnvPlan]
 
     def server_flags(self) -> list[str]:

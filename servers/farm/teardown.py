@@ -63,8 +63,10 @@ def tear_down(paths: FarmPaths) -> Counter[str]:
         deadline = time.monotonic() + _DAEMON_STOP_S
         while pid_alive(state.daemon_pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        # The daemon stops what it runs itself: every server, and a docker farm's network.
-        stopped["container" if backend == "docker" else "server"] += len(state.envs)
+        # The daemon stops what it runs itself: every server, and a docker farm's network. A process-backend
+        # server may serve several environments (``--envs-per-server``): counted once.
+        servers = {record.pid or record.env_id for record in state.envs.values()} if backend == "process" else state.envs
+        stopped["container" if backend == "docker" else "server"] += len(servers)
         stopped["network"] += backend == "docker"
     farm_id = (plan.farm_id if plan else None) or (state.farm_id if state else None)
     if farm_id:

@@ -101,7 +101,7 @@ class WorkerEpisodeStore(EpisodeRegistry):
         self.settings = settings = settings.model_copy(update={"mark_fd": mark.fd})
         # A control group per worker, each with the environment's limits: its memory, tasks and CPU share
         # counted, and an environment worker that fills its memory cannot starve the checks.
-        self.groups = [ChildGroup.create(group, role) for role in ("env", "checks")] if sandbox and group is not None else [None, None]
+        self.groups = [ChildGroup.create(group, self.env_id, role) for role in ("env", "checks")] if sandbox and group is not None else [None, None]
         tasks = group.pids if group is not None else CHILD_TASKS
         shared = dict(sandbox=sandbox, env_id=self.env_id, tasks=tasks, readable=data_folders(bundle),
                       start_timeout_s=START_TIMEOUT_S + START_S_PER_DATA_MB * data_megabytes(bundle))

@@ -36,10 +36,11 @@ def bundled_farm(root: Path, env_ids: list[str]) -> Iterator[Path]:
 
 
 @contextmanager
-def process_farm(root: Path, bundles: list[Path]) -> Iterator[Path]:
-    """``farm up`` (process backend) of these bundles (or folders of bundles); yields the catalog file; ``farm down`` after."""
+def process_farm(root: Path, bundles: list[Path], *flags: str) -> Iterator[Path]:
+    """``farm up`` (process backend, and ``flags``) of these bundles (or folders of bundles); yields the catalog
+    file; ``farm down`` after."""
     catalog = root / "farm.json"
-    up = envscaler("farm", "up", *map(str, bundles), "--backend", "process", "--catalog", str(catalog))
+    up = envscaler("farm", "up", *map(str, bundles), "--backend", "process", "--catalog", str(catalog), *flags)
     assert up.returncode == 0, up.stderr
     try:
         yield catalog

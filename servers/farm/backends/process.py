@@ -29,7 +29,7 @@ from envscaler.sandbox import FARM_ID_VARIABLE, adopt_orphans, clean_environment
 from servers.farm.backends.spawning import (
     ADDRESS_SPACE_FACTOR, Listeners, ServerProcess, Spawner, hold_ports, read_ready_line, server_command,
 )
-from servers.farm.backends.zygote import zygote_spawner
+from servers.farm.backends.zygote import HOSTED_TOKEN_VARIABLE, ZygoteSpawner, zygote_spawner
 from servers.errors import CannotListen
 from servers.farm.board import Board
 from servers.farm.models import EnvPlan, FarmPaths, FarmPlan
@@ -105,6 +105,7 @@ class PopenServer:
 
     def __init__(self, child: subprocess.Popen[bytes], ready_fd: int) -> None:
         self.pid = child.pid
+        self.unserved: dict[str, str] = {}
         self._child = child
         self._ready_fd: int | None = ready_fd
         self._pidfd: int | None = os.pidfd_open(child.pid)
@@ -114,7 +115,7 @@ class PopenServer:
         if self._ready_fd is None:
             return False
         fd, self._ready_fd = self._ready_fd, None
-        return await read_ready_line(fd)
+        return await read_ready_line(fd) is not None
 
     async def wait_exit(self) -> int:
         """Its exit status, in Popen.returncode's convention (negative: killed by that signal)."""
@@ -234,17 +235,22 @@ def reap_adopted(known: Collection[int] = ()) -> int:
 
 
 class ProcessBackend:
-    """Starts every server of the plan (a few at a time), restarts the ones that die, stops them all."""
+    """Starts every server of the plan (a few at a time), restarts the ones that die, stops them all.
+
+    A server serves one environment, or ``plan.envs_per_server`` of them where servers are forked from
+    the zygote: those start, stop and restart together (each keeps its port, token and workers).
+    """
 
     def __init__(self, plan: FarmPlan, paths: FarmPaths, board: Board, spawner: Spawner | None = None) -> None:
         self.plan = plan
         self.paths = paths
         self.board = board
         self.spawner = spawner or default_spawner(plan)
+        # env_id -> the server that serves it (one server for all the environments it serves).
         self.servers: dict[str, ServerProcess] = {}
         # env_id -> the listening sockets its server inherits at every start (``hold_ports``).
         self.listeners: dict[str, Listeners] = {}
-        # env_id -> why the daemon killed it (a hung server): reported instead of "killed by SIGKILL".
+        # env_id -> why the daemon killed its server (a hung one): reported instead of "killed by SIGKILL".
         self._kill_reasons: dict[str, str] = {}
         self._starting = anyio.CapacityLimiter(start_slots(self.spawner.starts_per_core))
         self._stopping = False
@@ -256,11 +262,15 @@ class ProcessBackend:
         try:
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(self._reap_adopted_forever)
+                group: list[EnvPlan] = []
                 for number, env in enumerate(self.plan.envs):
                     bound = self._hold_ports(env)
                     if bound is not None:
                         self.plan.envs[number] = bound  # the catalog gives the ports as bound
-                        tasks.start_soon(self._supervise, bound)
+                        group.append(bound)
+                    if len(group) == self._envs_per_server() or (group and number == len(self.plan.envs) - 1):
+                        tasks.start_soon(self._supervise, group)
+                        group = []
         finally:
             with anyio.CancelScope(shield=True):
                 await self.spawner.aclose()
@@ -287,67 +297,111 @@ class ProcessBackend:
             reap_adopted({server.pid for server in self.servers.values()})
             await anyio.sleep(_REAP_PERIOD_S)
 
-    def _environment(self, env: EnvPlan) -> dict[str, str]:
-        return clean_environment({"ENVSCALER_TOKEN": env.token, FARM_ID_VARIABLE: self.plan.farm_id, "MALLOC_ARENA_MAX": "2"})
+    def _envs_per_server(self) -> int:
+        """How many environments one server serves: the plan's, where the spawner can fork such servers."""
+        if self.plan.envs_per_server > 1 and not isinstance(self.spawner, ZygoteSpawner):
+            log.warning("servers are not forked from the zygote here: each serves one environment",
+                        extra={"envs_per_server": self.plan.envs_per_server})
+            self.plan.envs_per_server = 1
+        return self.plan.envs_per_server
 
-    async def _supervise(self, env: EnvPlan) -> None:
+    def _environment(self, group: list[EnvPlan]) -> dict[str, str]:
+        if len(group) == 1:
+            tokens = {"ENVSCALER_TOKEN": group[0].token}
+        else:
+            tokens = {HOSTED_TOKEN_VARIABLE.format(number): env.token for number, env in enumerate(group)}
+        return clean_environment({**tokens, FARM_ID_VARIABLE: self.plan.farm_id, "MALLOC_ARENA_MAX": "2"})
+
+    def _log_path(self, group: list[EnvPlan]) -> Path:
+        """The log file of the group's server: the first environment's; the others' name it (a symbolic link)."""
+        path = self.paths.env_log(group[0].env_id)
+        for env in group[1:]:
+            link = self.paths.env_log(env.env_id)
+            if not link.is_symlink():
+                link.symlink_to(path.name)
+        return path
+
+    async def _supervise(self, group: list[EnvPlan]) -> None:
+        """Start the server of ``group`` (one environment, or several that one server serves) and start
+        it again whenever it ends, until the farm stops or it fails to start ``_STARTUP_ATTEMPTS`` times."""
+        ids = [env.env_id for env in group]
+        named = ids[0] if len(ids) == 1 else ", ".join(ids)
         failures = 0
         backoff_s = 0.2
         while not self._stopping:
             started = time.monotonic()
             try:
-                server = await self._start(env)
+                server = await self._start(group)
             except OSError as e:  # no fork, pipe or pidfd now (out of pids, files or memory): like a crash
                 oom, exit_text = False, f"could not start: {e}"
-                log.error("could not start an environment server", extra={"env": env.env_id, "error": str(e)})
+                log.error("could not start an environment server", extra={"env": named, "error": str(e)})
             else:
                 if server is None:
                     return
                 code = await server.wait_exit()
                 server.send_signal(signal.SIGKILL)  # whatever it forked dies with it
                 await reap_group(server.pid)
-                self.servers.pop(env.env_id, None)
+                for env_id in ids:
+                    self.servers.pop(env_id, None)
                 if self._stopping:
                     return
                 oom = code == -signal.SIGKILL and killed_for_memory(server.pid, started)
-                exit_text = self._kill_reasons.pop(env.env_id, None) or ("out of memory" if oom else describe_exit(code))
-            record = self.board.env(env.env_id)
-            if record.healthy_at is None:
+                reasons = [reason for env_id in ids if (reason := self._kill_reasons.pop(env_id, None))]
+                exit_text = "; ".join(dict.fromkeys(reasons)) or ("out of memory" if oom else describe_exit(code))
+            records = [self.board.env(env_id) for env_id in ids]
+            if all(record.healthy_at is None for record in records):
                 failures += 1
                 if failures >= _STARTUP_ATTEMPTS:
-                    tail = log_tail(self.paths.env_log(env.env_id))
-                    self.board.update(env.env_id, status="failed", pid=None, last_exit=f"{exit_text}: {tail}")
-                    log.error("environment server failed to start", extra={"env": env.env_id, "exit": exit_text})
+                    tail = log_tail(self.paths.env_log(ids[0]))
+                    for env_id in ids:
+                        self.board.update(env_id, status="failed", pid=None, last_exit=f"{exit_text}: {tail}")
+                    log.error("environment server failed to start", extra={"env": named, "exit": exit_text})
                     return
             else:
                 backoff_s = 0.2
-            log.warning("environment server stopped; restarting", extra={"env": env.env_id, "exit": exit_text})
-            self.board.update(env.env_id, status="restarting", restarts=record.restarts + 1, last_exit=exit_text,
-                              oom_killed=oom or record.oom_killed, pid=None)
+            log.warning("environment server stopped; restarting", extra={"env": named, "exit": exit_text})
+            for record in records:
+                if record.status == "failed":
+                    continue  # its code did not load at the last start (``ServerProcess.unserved``): it is tried again, not counted
+                self.board.update(record.env_id, status="restarting", restarts=record.restarts + 1, last_exit=exit_text,
+                                  oom_killed=oom or record.oom_killed, pid=None)
             await anyio.sleep(backoff_s)
             backoff_s = min(backoff_s * 2, 5.0)
 
-    async def _start(self, env: EnvPlan) -> ServerProcess | None:
-        """Spawn ``env``'s server in one of the start slots, held until it listens, exits or is stuck;
+    async def _start(self, group: list[EnvPlan]) -> ServerProcess | None:
+        """Spawn the server of ``group`` in one of the start slots, held until it listens, exits or is stuck;
         None when the farm began stopping while it waited for a slot."""
         async with self._starting:
             if self._stopping:
                 return None
-            server = await self.spawner.spawn(
-                env, self._environment(env), self.paths.env_log(env.env_id), self.plan.limits.memory_mb, self.listeners[env.env_id]
-            )
-            self.servers[env.env_id] = server
-            self.board.update(env.env_id, pid=server.pid)
+            memory_mb = self.plan.limits.memory_mb * len(group)
+            listeners = [self.listeners[env.env_id] for env in group]
+            if len(group) == 1:
+                server = await self.spawner.spawn(group[0], self._environment(group), self._log_path(group), memory_mb, listeners[0])
+            else:
+                assert isinstance(self.spawner, ZygoteSpawner)
+                server = await self.spawner.spawn_host(group, self._environment(group), self._log_path(group), memory_mb, listeners)
+            for env in group:
+                self.servers[env.env_id] = server
+                self.board.update(env.env_id, pid=server.pid)
             with anyio.move_on_after(_LISTEN_TIMEOUT_S):
                 if await server.wait_ready():
-                    record = self.board.env(env.env_id)
-                    self.board.update(env.env_id, status="healthy", healthy_at=record.healthy_at or time.time())
+                    for env in group:
+                        why = server.unserved.get(env.env_id)
+                        if why is not None:
+                            # Its code does not load: its neighbours are served, and a restart would not help it.
+                            self.board.update(env.env_id, status="failed", pid=None, last_exit=why)
+                            log.error("environment failed to start; the others of its server run", extra={"env": env.env_id, "error": why})
+                            continue
+                        record = self.board.env(env.env_id)
+                        self.board.update(env.env_id, status="healthy", healthy_at=record.healthy_at or time.time())
                 return server
-            await self.kill(env.env_id, f"did not listen within {_LISTEN_TIMEOUT_S:g} s")
+            await self.kill(group[0].env_id, f"did not listen within {_LISTEN_TIMEOUT_S:g} s")
             return server
 
     async def kill(self, env_id: str, reason: str) -> None:
-        """SIGKILL ``env_id``'s server (its whole group); its restart reports ``reason``."""
+        """SIGKILL ``env_id``'s server (its whole group, and so every environment it serves); its restart
+        reports ``reason``."""
         server = self.servers.get(env_id)
         if server is None:
             return
@@ -358,12 +412,12 @@ class ProcessBackend:
     async def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM every server, then SIGKILL the groups of the ones still alive after ``grace_s``."""
         self._stopping = True
-        for server in list(self.servers.values()):
+        for server in {id(server): server for server in self.servers.values()}.values():
             server.send_signal(signal.SIGTERM)
         with anyio.move_on_after(grace_s):
             while self.servers:
                 await anyio.sleep(_STOP_POLL_S)
-        for server in list(self.servers.values()):
+        for server in {id(server): server for server in self.servers.values()}.values():
             server.send_signal(signal.SIGKILL)
         # Their exits are reaped by the supervising tasks: give them the moment it takes.
         with anyio.move_on_after(1.0):

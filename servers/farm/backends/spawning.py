@@ -88,6 +88,9 @@ class ServerProcess(Protocol):
     """One running environment server, however it was started."""
 
     pid: int
+    # Environments of a server that serves several which it could not serve (their code failed to load),
+    # with why; known once ``wait_ready`` has said it listens.
+    unserved: dict[str, str]
 
     async def wait_ready(self) -> bool:
         """True once the server listens (its ready pipe said so); False if it exited first."""
@@ -116,9 +119,9 @@ class Spawner(Protocol):
         """Stop what the spawner itself runs (not the servers: the backend stops those first)."""
 
 
-async def read_ready_line(fd: int) -> bool:
-    """Read the ready pipe ``fd`` to its first line or EOF, close it; whether the server said it
-    listens. EOF first means the server exited (or closed the pipe) before it listened."""
+async def read_ready_line(fd: int) -> dict | None:
+    """Read the ready pipe ``fd`` to its first line or EOF, close it; the server's ready line when it
+    said it listens, else None. EOF first means the server exited (or closed the pipe) before it listened."""
     data = b""
     try:
         os.set_blocking(fd, False)
@@ -133,7 +136,7 @@ async def read_ready_line(fd: int) -> bool:
             data += chunk
     finally:
         os.close(fd)
-    return listening_line(data) is not None
+    return listening_line(data)
 
 
 def listening_line(data: bytes) -> dict | None:

@@ -7,8 +7,10 @@ in milliseconds and shares the imported code and objects copy-on-write with its 
 It is a forking process (``servers.forking``): the daemon sends one ``SpawnRequest`` per server on
 its control socket, with four descriptors: the server's channel, its log file, its ready pipe's
 write end and its environment pipe's read end; then the listening sockets the daemon holds for it,
-if any (the server serves them at descriptors 4, 5). Each server, before anything secret reaches it,
-forks its own spawner (``servers.workers.spawner``), which forks its workers from the same imports.
+if any (the server serves them from descriptor 4 on). A request with several command lines forks one
+server that serves all their environments (``farm up --envs-per-server``). Each server, before anything
+secret reaches it, forks its own spawner (``servers.workers.spawner``), which forks its workers from
+the same imports.
 
 The server's environment (its token among it) travels in a pipe that only the forked child reads,
 so the zygote never holds one server's secrets in memory that the next server is forked from.
@@ -43,7 +45,7 @@ from envscaler.confine import confine_problem
 from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment, die_with_parent, limit_resources
 from envscaler.seccomp import seccomp_bpf, seccomp_problem
 from servers.farm.backends.spawning import ADDRESS_SPACE_FACTOR, Listeners, read_ready_line, server_command
-from servers.farm.models import EnvPlan, FarmPlan
+from servers.farm.models import MAX_ENVS_PER_SERVER, EnvPlan, FarmPlan
 from servers.forking import MESSAGE_BYTES, ExitReport, Forked, SpawnReply, exit_with, fork_available, refuse, reply, serve_forks
 from servers.workers.spawner import PRELOAD as WORKER_PRELOAD
 from servers.workers.spawner import fork_spawner
@@ -59,8 +61,12 @@ OPENENV_PRELOAD = "servers.protocols.openenv.app"
 SPAWNER_VARIABLE = "ENVSCALER_SPAWNER"
 
 _PASSED_FDS = 4
-# Where a forked server finds the listening sockets the daemon passed with its request (main, OpenEnv).
-_LISTEN_FDS = (4, 5)
+# Where a forked server finds the listening sockets the daemon passed with its request: each environment's
+# main socket, then its OpenEnv one if it has one, environment after environment.
+_FIRST_LISTEN_FD = 4
+_MAX_LISTENERS = MAX_ENVS_PER_SERVER
+# Where a server that serves several environments finds the i-th one's token in its environment.
+HOSTED_TOKEN_VARIABLE = "ENVSCALER_TOKEN_{}"
 # What the zygote reports when it died before it could report an exit: its children got this signal.
 _DEATH_SIGNAL = signal.SIGKILL
 _ZYGOTE_STOP_S = 5.0
@@ -73,11 +79,12 @@ class ZygoteError(OSError):
 
 
 class SpawnRequest(BaseModel):
-    """Fork one server: ``python -m servers.cli ARGV`` without the interpreter's start-up."""
+    """Fork one server: ``python -m servers.cli ARGV`` without the interpreter's start-up; with several
+    command lines, one server process that serves all their environments (``servers.cli.host_main``)."""
 
-    argv: list[str]
+    argvs: list[list[str]]
     address_space_mb: int
-    # Listening sockets that follow the four descriptors (``_LISTEN_FDS``).
+    # Listening sockets that follow the four descriptors (at ``_FIRST_LISTEN_FD`` on, in order).
     listeners: int = 0
 
 
@@ -99,6 +106,7 @@ class ZygoteServer:
 
     def __init__(self, pid: int, pidfd: int, channel: socket.socket, ready_fd: int) -> None:
         self.pid = pid
+        self.unserved: dict[str, str] = {}
         self._pidfd: int | None = pidfd
         self._channel = channel
         self._ready_fd: int | None = ready_fd
@@ -113,7 +121,9 @@ class ZygoteServer:
             if self._ready is None:
                 # Taken, not shared: read_ready_line closes it, and wait_exit no longer can.
                 fd, self._ready_fd = self._ready_fd, None
-                self._ready = fd is not None and await read_ready_line(fd)
+                line = await read_ready_line(fd) if fd is not None else None
+                self._ready = line is not None
+                self.unserved = {str(env_id): str(why) for env_id, why in (line or {}).get("unserved", {}).items()}
             return self._ready
 
     async def wait_exit(self) -> int:
@@ -192,15 +202,29 @@ class ZygoteSpawner:
         stderr appended to ``log_path``, its address space limited from ``memory_mb``, no core dumps,
         its own process group, and death when the zygote (and so the farm) goes away. With ``listeners``,
         it serves those sockets instead of binding its ports."""
-        sockets = listeners.sockets if listeners is not None else []
-        argv = server_command(env, self.flags, list(_LISTEN_FDS[:len(sockets)]))[3:]
-        request = SpawnRequest(argv=argv, address_space_mb=memory_mb * ADDRESS_SPACE_FACTOR, listeners=len(sockets))
+        return await self.spawn_host([env], environment, log_path, memory_mb, [listeners] if listeners is not None else None)
+
+    async def spawn_host(self, envs: list[EnvPlan], environment: dict[str, str], log_path: Path, memory_mb: int,
+                         listeners: list[Listeners] | None = None) -> ZygoteServer:
+        """Fork one server process for all of ``envs`` (as ``spawn`` does for one): each keeps its port,
+        its workers and its token, the i-th found in ``environment`` as ``HOSTED_TOKEN_VARIABLE`` (i) when
+        there are several. ``memory_mb`` is the whole process's; ``listeners``: one per environment."""
+        if len(envs) > MAX_ENVS_PER_SERVER:
+            raise ValueError(f"a server process serves {MAX_ENVS_PER_SERVER} environments at most, not {len(envs)}")
+        argvs, sockets = [], []
+        for env, held in zip(envs, listeners or [None] * len(envs)):
+            own = held.sockets if held is not None else []
+            fds = list(range(_FIRST_LISTEN_FD + len(sockets), _FIRST_LISTEN_FD + len(sockets) + len(own)))
+            argvs.append(server_command(env, self.flags, fds)[3:])
+            sockets += own
+        request = SpawnRequest(argvs=argvs, address_space_mb=memory_mb * ADDRESS_SPACE_FACTOR, listeners=len(sockets))
         for attempt in range(2):
             server = await self._spawn_once(request, environment, log_path, [sock.fileno() for sock in sockets])
             if server is not None:
                 return server
             # The zygote died with our request in hand: the next attempt starts a new one.
-        raise ZygoteError(f"{env.env_id}: the zygote stopped before it could start the server (its errors are in the daemon's log)")
+        names = ", ".join(env.env_id for env in envs)
+        raise ZygoteError(f"{names}: the zygote stopped before it could start the server (its errors are in the daemon's log)")
 
     async def aclose(self) -> None:
         """Stop the zygote (the backend has stopped the servers): EOF on its control socket, then SIGKILL after 5 s."""
@@ -289,7 +313,7 @@ async def _receive(sock: socket.socket) -> tuple[bytes, list[int]] | None:
     """One message and the descriptors that came with it; None at EOF."""
     while True:
         try:
-            data, fds, _, _ = socket.recv_fds(sock, MESSAGE_BYTES, _PASSED_FDS + len(_LISTEN_FDS))
+            data, fds, _, _ = socket.recv_fds(sock, MESSAGE_BYTES, _PASSED_FDS + _MAX_LISTENERS)
         except BlockingIOError:
             await anyio.wait_readable(sock)
             continue
@@ -363,25 +387,27 @@ def _become_server(request: SpawnRequest, log_fd: int, ready_fd: int, environ_fd
         above = max(16, ready_fd, environ_fd, *listen_fds) + 1
         ready, environ, *listens = (fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, above) for fd in (ready_fd, environ_fd, *listen_fds))
         os.dup2(ready, 3, inheritable=False)
-        for fd, target in zip(listens, _LISTEN_FDS):
-            os.dup2(fd, target, inheritable=False)
-        environ = os.dup2(environ, _LISTEN_FDS[0] + len(listens), inheritable=False)
+        for number, fd in enumerate(listens):
+            os.dup2(fd, _FIRST_LISTEN_FD + number, inheritable=False)
+        environ = os.dup2(environ, _FIRST_LISTEN_FD + len(listens), inheritable=False)
         # The zygote's sockets, the siblings' pidfds and channels.
         os.closerange(environ + 1, os.sysconf("SC_OPEN_MAX"))
         limit_resources(request.address_space_mb)
         # Before the environment (the token) is read: the spawner, and every worker it forks, never holds it.
         fork_spawner()
         environment = _read_environment(environ)
+        hosted = len(request.argvs) > 1
+        tokens = [environment.pop(HOSTED_TOKEN_VARIABLE.format(number), "") for number in range(len(request.argvs))] if hosted else []
         os.environ.clear()
         os.environ.update(environment)
         from servers.serve import READY_FD_VARIABLE
 
         os.environ[READY_FD_VARIABLE] = "3"
         random.seed()
-        sys.argv = ["servers.cli", *request.argv]
-        from servers.cli import main
+        sys.argv = ["servers.cli", *request.argvs[0]]
+        from servers.cli import host_main, main
 
-        return main(request.argv)
+        return host_main(request.argvs, tokens) if hosted else main(request.argvs[0])
 
     exit_with(run)
 
@@ -435,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     _settle_sandbox()
     print(json.dumps({"event": "zygote ready", "pid": os.getpid(), "modules": len(sys.modules),
                       "import_s": round(time.perf_counter() - started, 3)}), file=sys.stderr, flush=True)
-    serve_forks(control, _fork_server, _PASSED_FDS + len(_LISTEN_FDS))
+    serve_forks(control, _fork_server, _PASSED_FDS + _MAX_LISTENERS)
     return 0
 
 
