@@ -255,6 +255,34 @@ class _MethodFacts:
         return _Writes(scan.writes, scan.removes_or_replaces, scan.accumulates)
 
 
+# A method's code -> its facts, read ahead (``read_ahead``) by the process that compiled the code, and shared
+# with the processes forked from it; a method not found here is read where its annotations are derived.
+_FACTS: dict[types.CodeType, _MethodFacts | None] = {}
+
+
+def read_ahead(module_code: types.CodeType, source: str) -> None:
+    """Read the facts of every method that the top-level classes of ``module_code`` (compiled from ``source``)
+    define, running none of it: a process forked after this derives those classes' annotations without
+    parsing them (the farm's zygote calls it, where it compiles each class ahead). A method that cannot be
+    read here is left to whoever derives its annotations."""
+    lines = source.splitlines(keepends=True)
+    for body in module_code.co_consts:
+        if not isinstance(body, types.CodeType) or body.co_flags & inspect.CO_OPTIMIZED:
+            continue  # not a class statement's body
+        read: dict[str, _MethodFacts] = {}
+        for code in body.co_consts:
+            if isinstance(code, types.CodeType) and code.co_flags & inspect.CO_OPTIMIZED and code not in _FACTS:
+                try:
+                    facts = _FACTS[code] = _MethodFacts.read(code, lines)
+                except (RecursionError, MemoryError, ValueError):
+                    continue  # nested past what the parser or the scan can follow: read where it is needed
+                if facts is not None:
+                    read[code.co_name] = facts
+        for facts in read.values():
+            for callee in facts.hands_state_to & read.keys():
+                read[callee].to_arguments  # noqa: B018 - read now, where its parse is shared
+
+
 def _body_scan(function: ast.FunctionDef | ast.AsyncFunctionDef, arguments_are_state: bool) -> _MethodScan:
     arguments = function.args.posonlyargs + function.args.args
     names = {a.arg for a in arguments[1:] + function.args.kwonlyargs}
@@ -343,7 +371,8 @@ def derive_annotations(source: str, cls: type, tool_names: list[str]) -> dict[st
 def _class_annotations(source: str, cls: type, tool_names: list[str]) -> dict[str, ToolAnnotations]:
     lines = source.splitlines(keepends=True)
     codes = _method_codes([klass for klass in cls.__mro__ if klass.__module__ == cls.__module__])
-    own = {name: facts for name, code in codes.items() if (facts := _MethodFacts.read(code, lines)) is not None}
+    own = {name: facts for name, code in codes.items()
+           if (facts := _FACTS[code] if code in _FACTS else _MethodFacts.read(code, lines)) is not None}
     annotations: dict[str, ToolAnnotations] = {}
     for name in tool_names:
         if name not in own:

@@ -14,20 +14,45 @@ from envscaler.guard import running_env_code
 from envscaler.models import EnvSpec
 
 _CLASSES: dict[str, type] = {}
-# Code digest -> the classes its module defines: a farm of replicas compiles each class once.
-_DEFINED_CLASSES: dict[str, tuple[str, ...]] = {}
+# Code digest -> the code compiled: by ``precheck_class`` (a farm of replicas compiles each class once),
+# ``compile_ahead`` (a process forked after it need not compile it at all) or ``load_class``.
+_COMPILED: dict[str, types.CodeType] = {}
 
 
-def code_filename(env_id: str) -> str:
-    """The pseudo file name environment code runs under; tracebacks and errors show it."""
-    return f"<env {env_id}>"
+def code_filename(class_code: str) -> str:
+    """The pseudo file name environment code runs under; tracebacks show it. Named for the code, not for
+    an environment: environments of the same code (replicas) share it, compiled once."""
+    return f"<env code {_digest(class_code)[:12]}>"
 
 
-def _compile(spec: EnvSpec) -> types.CodeType:
+def _compile(class_code: str, env_id: str, filename: str) -> types.CodeType:
     try:
-        return compile(spec.env_class_code, code_filename(spec.env_id), "exec")
+        return compile(class_code, filename, "exec")
     except SyntaxError as e:
-        raise EnvCodeError(f"{spec.env_id}: syntax error in class code, line {e.lineno}: {e.msg}") from None
+        raise EnvCodeError(f"{env_id}: syntax error in class code, line {e.lineno}: {e.msg}") from None
+
+
+def _digest(class_code: str) -> str:
+    return hashlib.sha256(class_code.encode()).hexdigest()
+
+
+def _compiled(class_code: str, env_id: str) -> types.CodeType:
+    """``class_code`` compiled, once per process (EnvCodeError naming ``env_id`` for a syntax error)."""
+    digest = _digest(class_code)
+    code = _COMPILED.get(digest)
+    if code is None:
+        code = _COMPILED[digest] = _compile(class_code, env_id, code_filename(class_code))
+    return code
+
+
+def compile_ahead(class_code: str) -> types.CodeType | None:
+    """Compile ``class_code`` now, running none of it, and keep it: a process forked after this loads a
+    class of the same code without compiling it (the farm's zygote calls it before it forks a server).
+    The code; None for code that does not compile, left to whoever loads it to report."""
+    try:
+        return _compiled(class_code, "")
+    except EnvCodeError:
+        return None
 
 
 def precheck_class(spec: EnvSpec) -> None:
@@ -37,16 +62,11 @@ def precheck_class(spec: EnvSpec) -> None:
     build images (``farm up``, ``build``) call it first, so a broken class fails at once with its
     cause, not in a crash loop.
     """
-    digest = hashlib.sha256(spec.env_class_code.encode()).hexdigest()
-    names = _DEFINED_CLASSES.get(digest)
-    if names is None:
-        # A class statement's body is compiled to a code object of its own, kept among the module's constants,
-        # and named for the class; unlike a function's body, it is not optimized (its names live in a dict).
-        code = _compile(spec)  # a syntax error, named by its line
-        names = _DEFINED_CLASSES[digest] = tuple(
-            constant.co_name for constant in code.co_consts
-            if isinstance(constant, types.CodeType) and not constant.co_flags & inspect.CO_OPTIMIZED
-        )
+    code = _compiled(spec.env_class_code, spec.env_id)  # a syntax error, named by its line
+    # A class statement's body is compiled to a code object of its own, kept among the module's constants,
+    # and named for the class; unlike a function's body, it is not optimized (its names live in a dict).
+    names = tuple(constant.co_name for constant in code.co_consts
+                  if isinstance(constant, types.CodeType) and not constant.co_flags & inspect.CO_OPTIMIZED)
     wanted = [part.class_name for part in spec.classes] if spec.classes else [spec.env_class_name]
     for class_name in wanted:
         if class_name not in names:
@@ -61,7 +81,7 @@ def load_class(spec: EnvSpec) -> type:
     class composing those classes (``envscaler.composite``).
 
     Each distinct code gets its own module, so two environments never share globals; the same code
-    is compiled once per process. Raises EnvCodeError naming the line of a syntax error, or the
+    is compiled once per process, and not at all where it was compiled ahead (:func:`compile_ahead`). Raises EnvCodeError naming the line of a syntax error, or the
     exception the module raised while loading.
     """
     part_key = "\0".join(part.model_dump_json() for part in spec.classes or [])
@@ -69,8 +89,9 @@ def load_class(spec: EnvSpec) -> type:
     cached = _CLASSES.get(digest)
     if cached is not None:
         return cached
-    filename = code_filename(spec.env_id)
-    code = _compile(spec)
+    filename = code_filename(spec.env_class_code)
+    # Compiled ahead in the process this one was forked from, shared with it and its other children; or here.
+    code = _compiled(spec.env_class_code, spec.env_id)
     module_name = f"envscaler_env_{digest}"
     module = types.ModuleType(module_name)
     module.__file__ = filename

@@ -98,7 +98,7 @@ class EnvRuntime:
             raise SchemaError(f"{self.env_id}: " + "; ".join(problems))
         self.annotations = tool_annotations(spec, self.env_class, list(self.tools))
         self._parameters = {name: _accepted_parameters(methods[name]) for name in self.tools}
-        self._env_file = code_filename(spec.env_id)
+        self._env_file = code_filename(spec.env_class_code)
         self._shared: OrderedDict[str, SharedState | NotNative] = OrderedDict()
         self.data_files = DataFiles(bundle_dir, spec.env_id)
         # The digests of the data files' containers, for every scenario's state hashes (SharedState).

@@ -8,7 +8,9 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
 from envscaler import EnvRuntime, default_catalog, load_bundle
-from envscaler.annotations import state_function_annotations
+from envscaler import annotations
+from envscaler.annotations import read_ahead, state_function_annotations
+from envscaler.loader import compile_ahead
 from envscaler.models import EnvSpec
 from tests.support.bundles import counter_bundle, counter_scenario, counter_spec, write_bundle
 from tests.support.cli import envscaler
@@ -171,6 +173,19 @@ def test_bundled_read_tools_are_read_only_and_write_tools_are_not():
     assert {"get_order", "list_orders", "search_products", "get_customer"} <= read_only
     assert not {"cancel_order", "create_order", "issue_refund", "pay_order"} & read_only
     assert all(a.title and a.destructiveHint is not None for a in runtime.annotations.values())
+
+
+@pytest.mark.parametrize("env_id", ["library_circulation", "personal_banking"])
+def test_annotations_read_ahead_are_those_read_where_they_are_needed(monkeypatch, env_id):
+    spec = load_bundle(default_catalog() / env_id).spec
+    read_here = EnvRuntime(spec).annotations
+    read_ahead(compile_ahead(spec.env_class_code), spec.env_class_code)
+
+    def parsed_again(*args):
+        raise AssertionError("a method read ahead was parsed again")
+
+    monkeypatch.setattr(annotations, "_parse_function", parsed_again)
+    assert EnvRuntime(spec).annotations == read_here
 
 
 def test_catalog_check_fails_a_read_only_tool_whose_reference_call_changed_the_state(tmp_path):

@@ -9,7 +9,9 @@ import warnings
 import pytest
 
 from envscaler import ChecklistError, EnvCodeError, EnvRuntime, EnvSpec, default_catalog, derive_tools, load_bundle
+from envscaler import loader
 from envscaler.guard import Preempted, call_preemptibly
+from envscaler.loader import compile_ahead
 from envscaler.models import CheckItem
 from tests.support.bundles import (
     CHECK_A_IS_3,
@@ -325,6 +327,22 @@ def test_syntax_error_names_the_line():
     code = "class Broken:\n    def f(self):\n        return (\n"
     with pytest.raises(EnvCodeError, match=r"syntax error in class code, line 3"):
         EnvRuntime(EnvSpec(env_id="broken", env_class_name="Broken", env_class_code=code))
+
+
+def test_a_class_compiled_ahead_loads_without_compiling_under_its_own_name(monkeypatch):
+    code = "class Ahead:\n    def __init__(self, init_config):\n        raise ValueError('no')\n"
+    compile_ahead(code)
+
+    def compiled_again(*args):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(loader, "_compile", compiled_again)
+    for env_id in ("ahead_1", "ahead_2"):  # replicas: one code, compiled once
+        runtime = EnvRuntime(EnvSpec(env_id=env_id, env_class_name="Ahead", env_class_code=code))
+        assert runtime.env_class.__init__.__code__.co_filename == loader.code_filename(code)
+        # Its errors name the environment, and the line in its code.
+        with pytest.raises(EnvCodeError, match=rf"{env_id}: cannot instantiate: ValueError: no \(env code line 3"):
+            runtime.new_episode({})
 
 
 def test_missing_class_and_failing_module_are_reported():
