@@ -436,9 +436,12 @@ def _compile_ahead(bundle_dir: str) -> None:
         class_code = json.loads((Path(bundle_dir) / ENV_FILE).read_text(encoding="utf-8")).get("env_class_code")
     except (OSError, ValueError, AttributeError):
         return
-    code = compile_ahead(class_code) if isinstance(class_code, str) else None
-    if code is not None:
-        read_ahead(code, class_code)  # its tools' annotations: a third of a worker's start
+    try:
+        code = compile_ahead(class_code) if isinstance(class_code, str) else None
+        if code is not None:
+            read_ahead(code, class_code)  # its tools' annotations: a third of a worker's start
+    except Exception:  # noqa: BLE001 - code the compiler refuses oddly (a null byte): its server says why
+        return
 
 
 def _default_signals() -> None:
