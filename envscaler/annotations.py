@@ -66,6 +66,10 @@ class _MethodScan(ast.NodeVisitor):
     removes_or_replaces: bool = False
     accumulates: bool = False
 
+    def found(self) -> _Writes:
+        """What the walk found the body does to the state."""
+        return _Writes(self.writes, self.removes_or_replaces, self.accumulates)
+
     def visit(self, node: ast.AST) -> None:
         # ast.NodeVisitor looks its method up by name for every node, and walks the fields through two generators:
         # this table and loop scan a class in half the time, which a worker spends before its first call.
@@ -234,7 +238,7 @@ class _MethodFacts:
         self.hands_state_to: frozenset[str] = frozenset()
         if function.args.posonlyargs + function.args.args:
             scan = _body_scan(function, arguments_are_state=False)
-            self.own = _Writes(scan.writes, scan.removes_or_replaces, scan.accumulates)
+            self.own = scan.found()
             self.calls = frozenset(scan.calls_own)
             self.hands_state_to = frozenset(scan.hands_state_to)
 
@@ -252,7 +256,7 @@ class _MethodFacts:
         if function is None or not (function.args.posonlyargs + function.args.args):
             return _Writes()
         scan = _body_scan(function, arguments_are_state=True)
-        return _Writes(scan.writes, scan.removes_or_replaces, scan.accumulates)
+        return scan.found()
 
 
 # A method's code -> its facts, read ahead (``read_ahead``) by the process that compiled the code, and shared
@@ -403,7 +407,7 @@ def state_function_annotations(function: ast.FunctionDef | ast.AsyncFunctionDef,
     if not (function.args.posonlyargs + function.args.args):
         return _hints(tool_name, _Writes())
     scan = _body_scan(function, arguments_are_state=False)
-    return _hints(tool_name, _Writes(scan.writes, scan.removes_or_replaces, scan.accumulates))
+    return _hints(tool_name, scan.found())
 
 
 def _hints(name: str, writes: _Writes) -> ToolAnnotations:
