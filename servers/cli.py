@@ -70,7 +70,7 @@ def _serve(args: argparse.Namespace) -> int:
         serve_all([serving], heartbeat=args.stop_when_stale)
         return 0
     if problem is None:
-        serve_in_sandbox(str(serving.bundle.directory), args.host, args.port, serving.config, announce_token=serving.announce_token,
+        serve_in_sandbox(serving.bundle, args.host, args.port, serving.config, announce_token=serving.announce_token,
                          heartbeat=args.stop_when_stale, log_level=args.log_level, listening=serving.listening,
                          openenv_listening=serving.openenv_listening)
     warn_unprotected(problem)

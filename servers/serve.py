@@ -78,7 +78,7 @@ _SANDBOX_PASSES = (READY_FD_VARIABLE, FARM_ID_VARIABLE, "MALLOC_ARENA_MAX")
 
 
 def serve_in_sandbox(
-    bundle_dir: str, host: str, port: int, config: ServerConfig, *, announce_token: bool,
+    bundle: Bundle, host: str, port: int, config: ServerConfig, *, announce_token: bool,
     heartbeat: str | None = None, log_level: str = "info", listening: socket.socket | None = None,
     openenv_listening: socket.socket | None = None,
 ) -> None:
@@ -90,13 +90,14 @@ def serve_in_sandbox(
     with its status. SIGKILL to bwrap kills the server with it. ``listening`` (and ``openenv_listening``):
     sockets already listening, passed on instead of binding ``port``.
     """
-    load_bundle(bundle_dir)  # a bad bundle is reported here, in the user's terms, not from inside
+    if bundle.directory is None:
+        raise EnvScalerError(f"{bundle.env_id}: a sandboxed server serves a bundle from its folder; this one was not loaded from one")
     sock = listening if listening is not None else bind(host, port)
     openenv_sock = openenv_listening
     if openenv_sock is None and config.openenv is not None:
         openenv_sock = bind(host, config.openenv.openenv_port)
     settings = SandboxedServe(
-        bundle_dir=str(Path(bundle_dir).resolve()), host=host, config=config, announce_token=announce_token,
+        bundle_dir=str(bundle.directory.resolve()), host=host, config=config, announce_token=announce_token,
         heartbeat=str(Path(heartbeat).resolve()) if heartbeat else None, log_level=log_level, listen_fd=sock.fileno(),
         openenv_listen_fd=openenv_sock.fileno() if openenv_sock is not None else None,
     )
