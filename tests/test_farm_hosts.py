@@ -90,7 +90,7 @@ def test_a_shared_server_that_dies_takes_its_environments_with_it_and_they_come_
 
 @pytest.mark.parametrize(("flags", "said"), [
     (["--envs-per-server", "0"], "--envs-per-server"),
-    (["--envs-per-server", "65"], "64 environments at most"),
+    (["--envs-per-server", "65", "--backend", "process"], "64 environments at most"),
     (["--envs-per-server", "2", "--backend", "docker"], "for the process backend"),
     (["--envs-per-server", "2", "--backend", "process", "--openenv"], "do not go together"),
 ])
