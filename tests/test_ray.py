@@ -26,6 +26,7 @@ from servers.farm.backends.ray_node import NODE_FILES
 from servers.farm.teardown import farm_processes, pid_alive
 from tests.support.farm import catalog_copies, read_state
 from tests.support.ray_cluster import RayCluster, find_cluster, kill_node, restore_nodes
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.ray
 
@@ -184,6 +185,9 @@ def test_a_lost_node_s_environments_come_back_on_the_others_and_its_episodes_are
     for victim in victims:
         assert state[victim]["restarts"] >= 1
         assert f"its node {cluster.nodes[VICTIM].address}" in state[victim]["last_exit"]
+    # The gateway follows a server that moved within a moment of the daemon's seeing it healthy (haproxy is
+    # given its new address every 0.5 s); until then a request is answered 503, "not answering".
+    wait_until(lambda: httpx.get(f"{endpoint['url']}/healthz", timeout=5).status_code == 200, 10, "the gateway reaching the new server")
 
     # The episode's state went with its node: never scored, and said so.
     validated = httpx.post(f"{endpoint['url']}/episodes/{episode}/validate", json={}, headers=headers, timeout=30)
