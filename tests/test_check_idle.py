@@ -31,6 +31,19 @@ def check_workers(server: RunningServer) -> list[int]:
     return server_check_workers(server.process.pid)
 
 
+def the_check_worker(server: RunningServer) -> list[int]:
+    """The check worker itself under ``server``, not the check children it forks: a used child is replaced by a
+    new one, and one that has just ended is no longer there to ask for its parent."""
+    workers = check_workers(server)
+    parents = {}
+    for pid in workers:
+        try:
+            parents[pid] = parent_of(pid)
+        except FileNotFoundError:
+            continue
+    return [pid for pid, parent in parents.items() if parent not in workers]
+
+
 def server_check_workers(server: int) -> list[int]:
     """The processes under the server whose pid is ``server`` that run the check worker."""
     found = []
@@ -107,8 +120,7 @@ def test_check_idle_zero_never_stops_the_check_worker(bundle):
     with serve(bundle, "--check-idle", "0") as server, server.client() as http:
         episode = new_episode(http, 3)
         assert http.post(f"/episodes/{episode}/validate").json()["score"] == 1.0
-        # The worker itself, not the check children it forks (a used one is replaced by a new one).
-        (worker,) = [pid for pid in check_workers(server) if parent_of(pid) not in check_workers(server)]
+        (worker,) = the_check_worker(server)
         time.sleep(3 * IDLE_S)  # 0 is "never", not "at once": the same worker is still there
         assert worker in check_workers(server)
         assert http.post(f"/episodes/{episode}/validate").json()["score"] == 1.0 and restarts(http) == 0
