@@ -115,6 +115,19 @@ def process_tree(pid: int) -> list[int]:
     return found
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU time so far of process ``pid`` and all below it, with what their ended children
+    used: the same total before and after a child is reaped, so that a difference counts every process."""
+    ticks = 0
+    for member in process_tree(pid):
+        try:
+            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += sum(int(field) for field in fields[11:15])
+    return ticks / CLOCK_TICKS
+
+
 def cpu_seconds(pids: Iterable[int]) -> float:
     """User + system CPU time so far of processes ``pids``, each alone (one that has gone counts nothing)."""
     ticks = 0

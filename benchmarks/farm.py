@@ -9,8 +9,10 @@ its check worker, their spawner and sandboxes' monitors): USS (private pages, wh
 costs), PSS (shared pages split among their users) and RSS. An environment's memory is read three
 times: before any validation, after one, and ``--reap-wait`` seconds after it, once its check worker
 has stopped (idle for the server's ``--check-idle``). The daemon's CPU while the farm is idle
-is read from /proc/PID/stat over 10 s, and given per environment too. With ``--replay``, every scenario
-of the farm is then replayed once (``envscaler run --agent replay --procs`` cores - 2): tool steps/s.
+is read from /proc/PID/stat over 10 s, and given per environment too. With ``--replay N``, every scenario
+of the farm is then replayed N times (``envscaler run --agent replay --procs`` cores - 2; N is 2 by default:
+the first replay starts the check workers that stopped while idle, the second finds them running): tool
+steps/s, and the CPU each tool step cost the farm (every process under its daemon) and the harness.
 
 With ``--load``, a busy process runs on every core from before the validations to the end of the
 measurement (a machine whose CPUs are all taken): the validations must all score, and no server and
@@ -21,7 +23,7 @@ each server as its own interpreter (``ENVSCALER_SPAWNER=popen``).
 Image builds (docker): one environment image cold (its tag absent) and cached (a no-op).
 
     python benchmarks/farm.py [--envs 50] [--backend process|docker|both] [--spawner sandbox|zygote|popen|all] [--load]
-                              [--envs-per-server N]
+                              [--envs-per-server N] [--replay [N]]
                               [--reap-wait 35]
 
 Targets: process: all healthy within 30 s up to 200 environments, 60 s up to 1,000 (issue 13: on a
@@ -39,6 +41,7 @@ import collections
 import contextlib
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -51,7 +54,7 @@ from typing import NamedTuple
 
 import httpx
 
-from common import Memory, Verdict, argument_parser, cpu_seconds, describe_memory, envscaler, memory, report, tree_memory
+from common import Memory, Verdict, argument_parser, cpu_seconds, describe_memory, envscaler, memory, report, tree_cpu_seconds, tree_memory
 
 from agent_client.models import RecordHead
 from envscaler import load_bundle
@@ -177,6 +180,8 @@ class Replay(NamedTuple):
     steps: int
     seconds: float
     procs: int
+    farm_cpu_s: float
+    harness_cpu_s: float
 
 
 def replay_all(catalog: Path, scratch: Path) -> Replay:
@@ -184,15 +189,24 @@ def replay_all(catalog: Path, scratch: Path) -> Replay:
     out = scratch / "replay.jsonl"
     out.unlink(missing_ok=True)
     procs = max(1, len(os.sched_getaffinity(0)) - 2)
+    daemon = farm_state(catalog)["daemon_pid"]
+    farm_before, harness_before = tree_cpu_seconds(daemon), children_cpu_seconds()
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "envscaler.cli", "run", "--farm", str(catalog), "--agent", "replay", "--out", str(out),
                            "--procs", str(procs), "--concurrency", str(64 * procs), "--quiet"], capture_output=True, text=True)
     seconds = time.perf_counter() - started
+    farm_cpu_s, harness_cpu_s = tree_cpu_seconds(daemon) - farm_before, children_cpu_seconds() - harness_before
     records = [RecordHead.model_validate_json(line) for line in out.read_text().splitlines()] if out.exists() else []
     if done.returncode not in (0, 1) or not records:
         print(f"replay: run exited {done.returncode}: {done.stderr[-2000:]}")
     steps = sum(record.steps for record in records)
-    return Replay(len(records), sum(1 for record in records if record.reward == 1.0), steps, seconds, procs)
+    return Replay(len(records), sum(1 for record in records if record.reward == 1.0), steps, seconds, procs, farm_cpu_s, harness_cpu_s)
+
+
+def children_cpu_seconds() -> float:
+    """User + system CPU time of this process's ended children (``envscaler run`` and its processes)."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
 
 
 class Measured(NamedTuple):
@@ -207,11 +221,11 @@ class Measured(NamedTuple):
     server_restarts: int
     worker_restarts: int
     loaded_cores: int
-    replay: Replay | None
+    replays: list[Replay]
 
 
 def measure(backend: str, bundle_root: Path, scratch: Path, count: int, spawner: str | None, load: bool, reap_wait_s: float,
-            replay: bool = False, envs_per_server: int = 1) -> Measured:
+            replays: int = 0, envs_per_server: int = 1) -> Measured:
     catalog = scratch / f"{backend}-{spawner}.json"
     unboxed = ["--no-sandbox"] if spawner in ("zygote", "popen") else []
     hosted = ["--envs-per-server", str(envs_per_server)] if backend == "process" and envs_per_server > 1 else []
@@ -232,7 +246,7 @@ def measure(backend: str, bundle_root: Path, scratch: Path, count: int, spawner:
             # The check workers stop once idle for the server's --check-idle: what an environment holds between validations.
             time.sleep(max(0.0, reap_wait_s - IDLE_WINDOW_S - 2.0))
             reaped = per_environment(servers, whole)
-            replayed = replay_all(catalog, scratch) if replay else None
+            replayed = [replay_all(catalog, scratch) for _ in range(replays)]
             server_restarts, worker_restarts = restarts(catalog)
     finally:
         envscaler("farm", "down", "--catalog", str(catalog))
@@ -262,10 +276,11 @@ def describe(backend: str, spawner: str | None, result: Measured, count: int) ->
           f"({result.daemon_cpu * 100 / count:.3f}% per environment)")
     print(f"{name}: {result.validated}/{count} environments validated{loaded}; restarts: {result.server_restarts} server(s), "
           f"{result.worker_restarts} worker(s)")
-    if result.replay is not None:
-        replay = result.replay
-        print(f"{name}: replay of every scenario: {replay.perfect}/{replay.episodes} scored 1.0, {replay.steps} tool steps in "
-              f"{replay.seconds:.1f} s with {replay.procs} run processes: {replay.steps / replay.seconds:.0f} steps/s")
+    for number, replay in enumerate(result.replays, 1):
+        print(f"{name}: replay {number} of every scenario: {replay.perfect}/{replay.episodes} scored 1.0, {replay.steps} tool steps in "
+              f"{replay.seconds:.1f} s with {replay.procs} run processes: {replay.steps / replay.seconds:.0f} steps/s; CPU per step "
+              f"{replay.farm_cpu_s * 1000 / replay.steps:.2f} ms in the farm, {replay.harness_cpu_s * 1000 / replay.steps:.2f} ms "
+              f"in the harness; {(replay.farm_cpu_s + replay.harness_cpu_s) / replay.seconds:.1f} cores busy")
     verdicts = [
         Verdict(f"{name}: RSS per server, max", f"{max(rss):.1f} MB", f"<= {RSS_TARGET_MB:g} MB", max(rss) <= RSS_TARGET_MB),
         Verdict(f"{name}: idle daemon CPU", f"{result.daemon_cpu * 100:.2f}%", f"<= {IDLE_CPU_TARGET * 100:g}%",
@@ -273,12 +288,15 @@ def describe(backend: str, spawner: str | None, result: Measured, count: int) ->
         Verdict(f"{name}: restarts{' under load' if result.loaded_cores else ''}", str(result.server_restarts + result.worker_restarts),
                 "0", result.server_restarts + result.worker_restarts == 0),
     ]
-    if result.replay is not None:
-        verdicts.append(Verdict(f"{name}: replay, every scenario scores 1.0", f"{result.replay.perfect}/{result.replay.episodes}",
-                                "all", result.replay.perfect == result.replay.episodes > 0))
+    for number, replay in enumerate(result.replays, 1):
+        verdicts.append(Verdict(f"{name}: replay {number}, every scenario scores 1.0", f"{replay.perfect}/{replay.episodes}",
+                                "all", replay.perfect == replay.episodes > 0))
+    if result.replays:
+        # The last replay finds the check workers running: the farm's steady state.
+        last = result.replays[-1]
         if cores >= 16:
-            rate = result.replay.steps / result.replay.seconds
-            verdicts.append(Verdict(f"{name}: replay tool steps/s", f"{rate:.0f}", f">= {REPLAY_STEPS_TARGET:g}",
+            rate = last.steps / last.seconds
+            verdicts.append(Verdict(f"{name}: replay {len(result.replays)} tool steps/s", f"{rate:.0f}", f">= {REPLAY_STEPS_TARGET:g}",
                                     rate >= REPLAY_STEPS_TARGET))
     if backend == "process":
         env_uss = statistics.median(m.uss for m in result.reaped)
@@ -304,8 +322,9 @@ def main() -> int:
                              "or one interpreter each, or all three in one run (default: all)")
     parser.add_argument("--load", action="store_true",
                         help="keep a busy process on every core while the farm validates and idles: nothing may be restarted")
-    parser.add_argument("--replay", action="store_true",
-                        help="also replay every scenario on the farm with 'envscaler run --procs' (cores - 2): tool steps/s")
+    parser.add_argument("--replay", type=int, nargs="?", const=2, default=0, metavar="N",
+                        help="also replay every scenario on the farm N times (default 2: the first starts the check workers, the "
+                             "second finds them running) with 'envscaler run --procs' (cores - 2): tool steps/s, CPU per step")
     parser.add_argument("--envs-per-server", type=int, default=1, metavar="N",
                         help="process backend: environments each server process serves (farm up --envs-per-server); "
                              "a server's memory is then shared out among them (default: 1)")
