@@ -271,10 +271,9 @@ async def _run(catalog: FarmCatalog, make_agent: Callable[[], Agent], out: Path,
     done = read_done(out, identity, rerun_infra_errors=options.rerun_infra_errors)
     async with new_http_client() as http:
         controls = {env_id: EnvControl(http, env_id, endpoint) for env_id, endpoint in catalog.envs.items()}
-        listed: list[ScenarioSummary] = []
-        for control in controls.values():
-            listed += await control.scenarios()
-        jobs = [(s, r) for s in select(listed, patterns) for r in range(options.repeats) if (s.env_id, s.task_id, r) not in done]
+        listed = await _list_scenarios(controls, options.concurrency)
+        jobs = spread_over_environments(
+            [(s, r) for s in select(listed, patterns) for r in range(options.repeats) if (s.env_id, s.task_id, r) not in done])
         if len(done):
             print(f"resuming: {len(done)} record(s) already in {out}, {len(jobs)} to run", file=sys.stderr)
         fd = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -294,6 +293,45 @@ async def _run(catalog: FarmCatalog, make_agent: Callable[[], Agent], out: Path,
         raise RecordsUnwritable(f"cannot write {out}: {sink.unwritable}; {len(sink.heads)} record(s) of this run are in it, "
                                 "whole. Make room and run the same command again to finish")
     return sink.heads
+
+
+async def _list_scenarios(controls: dict[str, EnvControl], concurrency: int) -> list[ScenarioSummary]:
+    """Every environment's scenarios, in the catalog's order, asked of up to ``concurrency`` environments at once.
+    Raises what asking the first environment (in that order) that failed raised."""
+    listed: dict[str, list[ScenarioSummary] | Exception] = {}
+    limiter = anyio.Semaphore(max(1, concurrency))
+
+    async def one(env_id: str, control: EnvControl) -> None:
+        async with limiter:
+            try:
+                listed[env_id] = await control.scenarios()
+            except Exception as e:  # noqa: BLE001 - raised below, alone, as a sequential listing would
+                listed[env_id] = e
+
+    async with anyio.create_task_group() as tasks:
+        for env_id, control in controls.items():
+            tasks.start_soon(one, env_id, control)
+    scenarios: list[ScenarioSummary] = []
+    for env_id in controls:
+        answer = listed[env_id]
+        if isinstance(answer, Exception):
+            raise answer
+        scenarios += answer
+    return scenarios
+
+
+def spread_over_environments(jobs: list[tuple[ScenarioSummary, int]]) -> list[tuple[ScenarioSummary, int]]:
+    """``jobs`` taken from each environment in turn (each environment's in their order).
+
+    An environment runs its tool calls one at a time (one worker) and its checks one at a time, and
+    a farm may serve several environments from one process: episodes started in catalog order would
+    queue on a few environments while the rest of the farm idles.
+    """
+    queues: dict[str, list[tuple[ScenarioSummary, int]]] = {}
+    for job in jobs:
+        queues.setdefault(job[0].env_id, []).append(job)
+    longest = max((len(queue) for queue in queues.values()), default=0)
+    return [queue[turn] for turn in range(longest) for queue in queues.values() if turn < len(queue)]
 
 
 class RecordSink:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from agent_client.runner import spread_over_environments
+from envscaler.wire import ScenarioSummary
 from tests.support.bundles import counter_scenario, counter_spec, second_scenario, write_bundle
 from tests.support.cli import envscaler
 from tests.support.openai_replay import ReplayServer
@@ -224,6 +226,22 @@ def test_an_environment_server_that_does_not_answer_ends_the_command_with_exit_1
     new = envscaler("episode", "new", "--farm", str(catalog), "--scenario", "counter/counter_001")
     assert new.returncode == 1 and "Traceback" not in new.stderr
     assert new.stderr.startswith("error: counter:") and dead.removeprefix("http://") in new.stderr
+    # A run asks every environment for its scenarios at once; what it reports is the first environment's failure.
+    catalog.write_text(json.dumps({"envs": {name: {"url": dead, "token": "t"} for name in ("counter", "other", "third")}}))
+    ran = envscaler("run", "--farm", str(catalog), "--agent", "replay", "--out", str(tmp_path / "run.jsonl"))
+    assert ran.returncode == 1 and "Traceback" not in ran.stderr and "ExceptionGroup" not in ran.stderr
+    assert ran.stderr.startswith("error: counter:") and len(ran.stderr.strip().splitlines()) == 1
+
+
+def test_a_run_takes_each_environment_s_scenarios_in_turn():
+    listed = [ScenarioSummary(env_id=env_id, task_id=f"{env_id}_{number}") for env_id in ("a", "b", "c") for number in range(3)]
+    listed = [s for s in listed if (s.env_id, s.task_id) != ("c", "c_2")]
+    jobs = spread_over_environments([(s, repeat) for s in listed for repeat in range(2)])
+    order = [(s.task_id, repeat) for s, repeat in jobs]
+    assert order[:6] == [("a_0", 0), ("b_0", 0), ("c_0", 0), ("a_0", 1), ("b_0", 1), ("c_0", 1)]
+    assert order[-4:] == [("a_2", 0), ("b_2", 0), ("a_2", 1), ("b_2", 1)]
+    assert sorted(order) == sorted((s.task_id, repeat) for s in listed for repeat in range(2))
+    assert spread_over_environments([]) == []
 
 
 KINDS_CODE = '''
