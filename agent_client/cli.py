@@ -17,7 +17,7 @@ from urllib.parse import quote
 import anyio
 
 from agent_client.agents import CommandAgent, OpenAIAgent, RandomAgent, ReplayAgent
-from agent_client.export import export, read_records
+from agent_client.export import export, read_records, read_scores
 from agent_client.inspect_log import write_inspect_log
 from agent_client.interrupt import run_interruptible
 from agent_client.llm import LlmEndpoint
@@ -76,7 +76,7 @@ def _run(args: argparse.Namespace) -> int:
     make_agent = _agent_factory(args)
     catalog = load_farm_catalog(args.farm)
     run_interruptible(partial(run, catalog, make_agent, out, patterns=args.scenario, options=options))
-    records = read_records(out)
+    records = read_scores(out)
     print(render(summarize(records, args.repeats), f"agent {args.agent}, {len(records)} episode(s) in {out}"))
     if args.repeats > 1:
         print(render_spread(records, args.repeats))
@@ -242,7 +242,7 @@ def _demo_on_farm(args: argparse.Namespace, out_dir: Path, catalog: str) -> int:
         print(f"demo: running the {name} agent over MCP on every scenario", file=sys.stderr)
         options = RunOptions(concurrency=args.concurrency)
         run_interruptible(partial(run, farm, make_agent, path, options=options))
-        results[name] = read_records(path)
+        results[name] = read_scores(path)
         print()
         print(render(summarize(results[name], 1), f"{name} agent ({path})"))
     replay = results["replay"]

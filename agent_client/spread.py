@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
+from collections.abc import Sequence
 from itertools import combinations
 from math import ceil, comb, sqrt
 from statistics import fmean, variance
 
 from pydantic import BaseModel
 
-from agent_client.models import Record
+from agent_client.models import ScoredRecord
 
 # z for a two-sided 95% test plus z for 80% power: a difference this many standard errors wide is
 # found four times out of five.
@@ -91,11 +92,11 @@ class Comparison(BaseModel):
     per_scenario: list[ScenarioDifference]
 
 
-def _judged(records: list[Record]) -> list[Record]:
+def _judged(records: Sequence[ScoredRecord]) -> list[ScoredRecord]:
     return [r for r in records if not r.infra_failed and r.reward is not None]
 
 
-def scenario_spread(records: list[Record]) -> list[ScenarioSpread]:
+def scenario_spread(records: Sequence[ScoredRecord]) -> list[ScenarioSpread]:
     """Each scenario's success rate and reward spread over its repeats (episodes that could not be judged left out)."""
     by_task: dict[tuple[str, str], list[float]] = defaultdict(list)
     for record in _judged(records):
@@ -173,7 +174,7 @@ def _repeats_needed(diffs: list[ScenarioDifference], difference: float) -> tuple
     return needed, f"at {len(diffs)} scenarios, 80% power, 5% level"
 
 
-def compare(a: list[Record], b: list[Record], name_a: str = "A", name_b: str = "B") -> Comparison:
+def compare(a: Sequence[ScoredRecord], b: Sequence[ScoredRecord], name_a: str = "A", name_b: str = "B") -> Comparison:
     """Run ``b`` against run ``a`` on the scenarios both judged, each scenario one unit (its repeats averaged)."""
     spread_a = {(s.env_id, s.task_id): s for s in scenario_spread(a)}
     spread_b = {(s.env_id, s.task_id): s for s in scenario_spread(b)}

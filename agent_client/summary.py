@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from math import comb
 
 from pydantic import BaseModel
 
-from agent_client.models import Record
+from agent_client.models import ScoredRecord
 from agent_client.spread import run_spread, scenario_spread
 
 
@@ -25,9 +26,9 @@ class Row(BaseModel):
     infra_errors: int
 
 
-def pass_hat_k(records: list[Record], k: int) -> float:
+def pass_hat_k(records: Sequence[ScoredRecord], k: int) -> float:
     """tau-bench's pass^k: the chance that k repeats of a task all fully succeed, averaged over tasks."""
-    by_task: dict[tuple[str, str], list[Record]] = defaultdict(list)
+    by_task: dict[tuple[str, str], list[ScoredRecord]] = defaultdict(list)
     for record in records:
         by_task[(record.env_id, record.task_id)].append(record)
     values = []
@@ -39,7 +40,7 @@ def pass_hat_k(records: list[Record], k: int) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def row(name: str, records: list[Record], k: int) -> Row:
+def row(name: str, records: Sequence[ScoredRecord], k: int) -> Row:
     judged = [r for r in records if not r.infra_failed and r.reward is not None]
     return Row(
         name=name,
@@ -56,15 +57,15 @@ def row(name: str, records: list[Record], k: int) -> Row:
     )
 
 
-def infra_reasons(records: list[Record], limit: int = 5) -> list[tuple[str, int]]:
+def infra_reasons(records: Sequence[ScoredRecord], limit: int = 5) -> list[tuple[str, int]]:
     """The most common reasons of infra errors, first line of each, with their counts."""
     reasons = Counter((r.error or "no reason recorded").splitlines()[0][:200] for r in records if r.infra_failed)
     return reasons.most_common(limit)
 
 
-def summarize(records: list[Record], k: int) -> list[Row]:
+def summarize(records: Sequence[ScoredRecord], k: int) -> list[Row]:
     """One row per environment, then ``overall``."""
-    by_env: dict[str, list[Record]] = defaultdict(list)
+    by_env: dict[str, list[ScoredRecord]] = defaultdict(list)
     for record in records:
         by_env[record.env_id].append(record)
     return [row(env_id, by_env[env_id], k) for env_id in sorted(by_env)] + [row("overall", records, k)]
@@ -84,7 +85,7 @@ def render(rows: list[Row], title: str = "") -> str:
     return "\n".join(lines)
 
 
-def render_turns(records: list[Record]) -> str | None:
+def render_turns(records: Sequence[ScoredRecord]) -> str | None:
     """For episodes of scenarios with scripted user turns: per turn, how many episodes ended it and the mean
     score of its checks there (turns without checks of their own left out); None when no episode has turns."""
     scored: dict[int, list[float]] = defaultdict(list)
@@ -102,13 +103,13 @@ def render_turns(records: list[Record]) -> str | None:
     return f"scripted user turns over {len(scripted)} episode(s): " + "; ".join(parts)
 
 
-def pass_curve(records: list[Record], repeats: int) -> list[float]:
+def pass_curve(records: Sequence[ScoredRecord], repeats: int) -> list[float]:
     """pass^k for k = 1..``repeats`` over the judged episodes (the chance that k repeats all succeed)."""
     judged = [r for r in records if not r.infra_failed and r.reward is not None]
     return [pass_hat_k(judged, k) for k in range(1, repeats + 1)]
 
 
-def render_spread(records: list[Record], repeats: int, limit: int = 10) -> str:
+def render_spread(records: Sequence[ScoredRecord], repeats: int, limit: int = 10) -> str:
     """pass^k for every k, and the scenarios whose repeats disagree (at most ``limit`` of them), as text."""
     spread = scenario_spread(records)
     summary = run_spread(spread)
