@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -113,3 +115,17 @@ def test_an_environment_whose_code_fails_to_load_fails_alone_and_its_neighbour_i
     assert "broken: failed (broken: class code failed to load: RuntimeError: no table today)" in up.stderr, up.stderr
     assert "counter: " not in up.stderr.replace("counter_001", "")
     assert not catalog.exists()
+
+
+def test_a_shared_server_refuses_an_environment_without_its_token_or_in_process():
+    bundle = str(default_catalog() / ENVS[0])
+
+    def host(argv: list[str], token: str) -> subprocess.CompletedProcess:
+        # Its own process: host_main sets no_new_privs on the process that calls it.
+        return subprocess.run([sys.executable, "-c", "import sys; from servers.cli import host_main; "
+                               f"sys.exit(host_main([{argv!r}], [{token!r}]))"], capture_output=True, text=True, timeout=60)
+
+    refused = host([bundle, "--port", "0"], "")
+    assert refused.returncode == 2 and refused.stderr.strip() == f"error: serve: no control token was passed for {bundle}"
+    refused = host([bundle, "--port", "0", "--in-process"], "a-token")
+    assert refused.returncode == 2 and "run their code in workers, not --in-process" in refused.stderr

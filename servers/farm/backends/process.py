@@ -325,7 +325,7 @@ class ProcessBackend:
         """Start the server of ``group`` (one environment, or several that one server serves) and start
         it again whenever it ends, until the farm stops or it fails to start ``_STARTUP_ATTEMPTS`` times."""
         ids = [env.env_id for env in group]
-        named = ids[0] if len(ids) == 1 else ", ".join(ids)
+        named = ", ".join(ids)
         failures = 0
         backoff_s = 0.2
         while not self._stopping:
