@@ -118,26 +118,21 @@ def process_tree(pid: int) -> list[int]:
 def tree_cpu_seconds(pid: int) -> float:
     """User + system CPU time so far of process ``pid`` and all below it, with what their ended children
     used: the same total before and after a child is reaped, so that a difference counts every process."""
-    ticks = 0
-    for member in process_tree(pid):
-        try:
-            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        ticks += sum(int(field) for field in fields[11:15])
-    return ticks / CLOCK_TICKS
+    return sum(_cpu_ticks(member, with_children=True) for member in process_tree(pid)) / CLOCK_TICKS
 
 
 def cpu_seconds(pids: Iterable[int]) -> float:
     """User + system CPU time so far of processes ``pids``, each alone (one that has gone counts nothing)."""
-    ticks = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        ticks += int(fields[11]) + int(fields[12])
-    return ticks / CLOCK_TICKS
+    return sum(_cpu_ticks(pid, with_children=False) for pid in pids) / CLOCK_TICKS
+
+
+def _cpu_ticks(pid: int, with_children: bool) -> int:
+    """utime + stime of ``pid`` from /proc/PID/stat, plus cutime + cstime ``with_children``; 0 once it has gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return sum(int(field) for field in fields[11:15 if with_children else 13])
 
 
 class Memory(NamedTuple):
