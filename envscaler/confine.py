@@ -10,14 +10,18 @@ do): the same :class:`~envscaler.sandbox.SandboxPlan`, the same seccomp program,
 1. as root: the paths to show are bound at the staging place and the child becomes a user of its own
    (``envscaler.sandbox.become_unprivileged``), so no step below is root's on the host;
 2. new user, mount, PID, network, IPC and UTS namespaces, the user mapped to itself;
-3. a fork: the child stays outside as the *monitor* (it waits for the other, exits with its status,
-   and is what its parent kills), the grandchild is the first process of the new PID namespace and
-   dies with the monitor;
-4. in the grandchild: the plan's file system built under a new root, which replaces the old one
-   (``pivot_root``), the loopback up, every capability dropped, no new privileges, and the seccomp
-   program loaded.
+3. a fork: the new process is the first of the new PID namespace (killing it kills all in there). The
+   child hands it over to its own parent and exits: it writes the new process's pid to a pipe the
+   parent gave it, and the parent, a child subreaper (:func:`become_subreaper`), adopts the new process
+   when the child ends (:func:`taken_over`). No process stays outside to watch the sandbox: a monitor,
+   bubblewrap's kind, would be a copy of this Python process, and hold about 2 MB of pages of its own;
+4. in the new process, once adopted: it dies with its new parent; the plan's file system built under a
+   new root, which replaces the old one (``pivot_root``), the loopback up, every capability dropped, no
+   new privileges, and the seccomp program loaded.
 
-It returns in the grandchild, confined; the monitor never returns.
+It returns in the new process, confined. The child that handed it over stays a zombie of the parent's
+until the parent reaps the sandbox: the sandbox's user is numbered after that child's pid
+(``envscaler.sandbox.confined_uid``), which no other process may get while the sandbox lives.
 """
 
 from __future__ import annotations
@@ -28,9 +32,11 @@ import functools
 import os
 import platform
 import re
+import select
 import signal
 import socket
 import struct
+import time
 from collections.abc import Callable, Sequence
 
 from envscaler.sandbox import (
@@ -69,8 +75,12 @@ _OLD = "/oldroot"
 _NEW = "/newroot"
 
 
-MONITOR_NAME = "sandbox-monitor"
-"""What ``ps`` calls a monitor."""
+HANDED_OVER_NAME = "sandbox-uid"
+"""What ``ps`` calls the zombie that holds a sandbox's pid (and so its uid) once it has handed the sandbox over."""
+HAND_OVER_TIMEOUT_S = 10.0
+"""How long a parent waits for its child to hand over the sandbox (the steps before are the kernel's: milliseconds)."""
+_PR_SET_CHILD_SUBREAPER = 36
+_PID = struct.Struct("=i")
 
 
 @functools.cache
@@ -91,31 +101,86 @@ def confine_problem() -> str | None:
 
 def run_confined(plan: SandboxPlan, seccomp_program: bytes, probe: Callable[[], str]) -> tuple[int, str]:
     """Run ``probe`` in a child forked now and confined in ``plan``: its exit status, and what ``probe``
-    returned (status 0) or the error that stopped it (status 1). Call it while the process has one thread."""
+    returned (status 0) or the error that stopped it (status 1). Call it while the process has one thread.
+
+    The sandbox is adopted by a child forked for that (a subreaper), never by this process, which may
+    have other descendants to leave alone."""
     told, tell = os.pipe()
+    adopter = os.fork()
+    if adopter == 0:
+        code = 1
+        try:
+            os.close(told)
+            code = _adopt_and_wait(plan, seccomp_program, probe, tell)
+        finally:
+            os._exit(code)
+    os.close(tell)
+    with os.fdopen(told, "rb") as said:
+        text = said.read().decode(errors="replace")
+    return os.waitstatus_to_exitcode(os.waitpid(adopter, 0)[1]), text
+
+
+def _adopt_and_wait(plan: SandboxPlan, seccomp_program: bytes, probe: Callable[[], str], tell: int) -> int:
+    """In :func:`run_confined`'s child: fork the child that confines ``probe``, adopt the sandbox, return its exit status."""
+    become_subreaper()
+    handed, hand_over = os.pipe()
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            os.close(told)
+            os.close(handed)
             try:
-                confine(plan, seccomp_program)
+                confine(plan, seccomp_program, hand_over)
                 said, code = probe(), 0
             except BaseException as e:  # noqa: BLE001 - whatever stopped it is what the caller is told
                 said = str(e)
             os.write(tell, said.encode())
         finally:
             os._exit(code)
+    os.close(hand_over)
     os.close(tell)
-    with os.fdopen(told, "rb") as said:
-        text = said.read().decode(errors="replace")
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), text
+    sandbox = taken_over(pid, handed, HAND_OVER_TIMEOUT_S)
+    os.close(handed)
+    code = os.waitstatus_to_exitcode(os.waitpid(sandbox or pid, 0)[1])
+    if sandbox is not None:
+        os.waitpid(pid, 0)
+    return code
 
 
-def confine(plan: SandboxPlan, seccomp_program: bytes) -> None:
-    """Confine the calling process (a forked child, single-threaded) in ``plan``'s sandbox under
-    ``seccomp_program`` (``envscaler.seccomp.seccomp_bpf``'s): see the module's doc. Returns in the
-    confined grandchild; the monitor exits with the grandchild's status. Raises OSError (the step the kernel refused) before the fork."""
+def become_subreaper() -> None:
+    """Adopt the orphans of this process's descendants (PR_SET_CHILD_SUBREAPER): the sandboxes its children
+    hand over (:func:`confine`) become its own children, to wait for and reap."""
+    check_libc(libc().prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "becoming a child subreaper")
+
+
+def taken_over(child: int, handed: int, timeout_s: float) -> int | None:
+    """In a subreaper that forked ``child`` to confine itself: the pid of the sandbox ``child`` handed over on
+    ``handed`` (the read end of the pipe it was given), adopted by now; or None when ``child`` ended, or let
+    ``timeout_s`` pass, without one (it failed before it forked: it is the process to wait for).
+
+    ``child`` is a zombie by then, and must be reaped only after the sandbox: its pid numbers the sandbox's user.
+    """
+    data = b""
+    deadline = time.monotonic() + timeout_s
+    while len(data) < _PID.size:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([handed], [], [], left)[0]:
+            return None
+        chunk = os.read(handed, _PID.size - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    # Adopted once the child has ended: the kernel hands its children on before it marks it ended.
+    os.waitid(os.P_PID, child, os.WEXITED | os.WNOWAIT)
+    return _PID.unpack(data)[0]
+
+
+def confine(plan: SandboxPlan, seccomp_program: bytes, hand_over: int) -> None:
+    """Confine the calling process's work (a forked child, single-threaded) in ``plan``'s sandbox under
+    ``seccomp_program`` (``envscaler.seccomp.seccomp_bpf``'s): see the module's doc. The calling process
+    forks the sandbox, writes its pid to ``hand_over`` (a pipe to its parent, which must be a child
+    subreaper and reads it with :func:`taken_over`) and exits 0; this returns in the sandbox, adopted by
+    that parent, confined. Raises OSError (the step the kernel refused) before the fork."""
     library = libc()
     if plan.view:
         parent = os.getppid()
@@ -132,15 +197,21 @@ def confine(plan: SandboxPlan, seccomp_program: bytes) -> None:
     _write("/proc/self/setgroups", "deny")
     _write("/proc/self/uid_map", f"{uid} {uid} 1")
     _write("/proc/self/gid_map", f"{gid} {gid} 1")
+    # For the sandbox: when this process has ended (it is adopted then), and whether its adopter still lives.
+    handing, adopter = os.pidfd_open(os.getpid()), os.pidfd_open(os.getppid())
     # The C library's fork, not os.fork: Python's hooks after a fork (locks, threads, handlers) touch objects
-    # all over the heap, and each page they write would be the monitor's own; this process is single-threaded.
+    # all over the heap, and each page they write would be the sandbox's own; this process is single-threaded.
     pid = library.fork()
     if pid < 0:
         check_libc(pid, "fork")
     if pid != 0:
-        _monitor(pid, library)
-    # Were the monitor killed before this, the server that killed it has closed this one's socket: it ends at once.
-    die_with_parent(signal.SIGKILL)
+        try:
+            name_process(HANDED_OVER_NAME)
+            os.write(hand_over, _PID.pack(pid))  # a parent gone meanwhile: the sandbox sees that too, and ends
+        finally:
+            library._exit(0)
+    os.close(hand_over)
+    _await_adoption(handing, adopter)
     _build_root(plan.mounts, library)
     _loopback_up()
     _drop_capabilities(library)
@@ -148,19 +219,16 @@ def confine(plan: SandboxPlan, seccomp_program: bytes) -> None:
     os.chdir("/tmp")
 
 
-def _monitor(pid: int, libc: ctypes.CDLL) -> None:
-    """Outside the new PID namespace: wait for its first process and exit as it did (a shell's 128 + the
-    signal for one killed, as bubblewrap's monitor does). Never returns. As little Python as can be: each
-    object it touches costs it a page of its own."""
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_IGN)
-    name_process(MONITOR_NAME)
-    os.closerange(0, os.sysconf("SC_OPEN_MAX"))
-    status = ctypes.c_int()
-    while libc.waitpid(pid, ctypes.byref(status), 0) != pid:
-        pass  # interrupted
-    code = os.waitstatus_to_exitcode(status.value)
-    libc._exit(code if code >= 0 else 128 - code)
+def _await_adoption(handing: int, adopter: int) -> None:
+    """In the sandbox: wait until the process that forked it has ended (the adopter is its parent then), and
+    die with the adopter from then on; end now if the adopter has ended already. Armed before, the signal
+    would come when the forking process ends: the kernel counts that as the parent's death."""
+    select.select([handing], [], [])
+    die_with_parent(signal.SIGKILL)
+    if select.select([adopter], [], [], 0)[0]:
+        os._exit(1)  # the adopter ended before the signal was armed
+    os.close(handing)
+    os.close(adopter)
 
 
 def _build_root(mounts: Sequence[Mount], libc: ctypes.CDLL) -> None:

@@ -331,6 +331,18 @@ def confined_uid(pid: int) -> int:
     return CONFINED_UID_BASE + pid
 
 
+def process_uid(pid: int) -> int | None:
+    """The host uid (the real one) that process ``pid`` runs as; None once it has gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text(encoding="ascii")
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("Uid:"):
+            return int(line.split()[1])
+    return None
+
+
 @functools.cache
 def libc() -> ctypes.CDLL:
     """The C library, with the functions a child calls to confine itself looked up already: a forked

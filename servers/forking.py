@@ -40,11 +40,13 @@ class ExitReport(BaseModel):
 
 @dataclass
 class Forked:
-    """A child the forking process has started and will reap: its pid, a pidfd, and its channel."""
+    """A child the forking process has started and will reap: its pid, a pidfd, and its channel; and
+    ``handed_by``, the child that handed it over (``envscaler.confine``), a zombie reaped after it."""
 
     pid: int
     pidfd: int
     channel: socket.socket
+    handed_by: int | None = None
 
 
 def fork_available() -> bool:
@@ -84,11 +86,11 @@ def serve_forks(control: socket.socket, fork: Callable[[bytes, list[int]], Forke
                 report_exit(key.data)
 
 
-def reply(channel: socket.socket, pid: int) -> Forked:
-    """Tell the child's owner its pid (with a pidfd), on its channel; the child, to watch."""
+def reply(channel: socket.socket, pid: int, handed_by: int | None = None) -> Forked:
+    """Tell the child's owner its pid (with a pidfd), on its channel; the child, to watch (``handed_by``: see Forked)."""
     pidfd = os.pidfd_open(pid)
     send_quietly(channel, SpawnReply(pid=pid).model_dump_json().encode(), [pidfd])
-    return Forked(pid, pidfd, channel)
+    return Forked(pid, pidfd, channel, handed_by)
 
 
 def refuse(channel: socket.socket, error: Exception) -> None:
@@ -100,6 +102,8 @@ def refuse(channel: socket.socket, error: Exception) -> None:
 def report_exit(child: Forked) -> None:
     """Reap ``child`` (its pidfd said it ended) and report its status on its channel, then close that."""
     _, status = os.waitpid(child.pid, 0)
+    if child.handed_by is not None:
+        os.waitpid(child.handed_by, 0)
     os.close(child.pidfd)
     send_quietly(child.channel, ExitReport(status=os.waitstatus_to_exitcode(status)).model_dump_json().encode(), [])
     child.channel.close()

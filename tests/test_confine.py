@@ -10,14 +10,13 @@ import json
 import os
 import socket
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from envscaler.confine import MONITOR_NAME, confine, confine_problem, run_confined
+from envscaler.confine import HANDED_OVER_NAME, HAND_OVER_TIMEOUT_S, become_subreaper, confine, confine_problem, run_confined, taken_over
 from envscaler.sandbox import CONFINED_UID_BASE, sandbox_plan
 from envscaler.seccomp import seccomp_bpf
 
@@ -25,7 +24,7 @@ needs_confinement = pytest.mark.skipif(confine_problem() is not None, reason=f"n
 
 
 def confined(probe: Callable[[], dict[str, Any]], readable: tuple[Path, ...] = ()) -> tuple[dict[str, Any], int]:
-    """What ``probe`` returns in a child confined with ``readable`` shown, and the monitor's exit status."""
+    """What ``probe`` returns in a child confined with ``readable`` shown, and the sandbox's exit status."""
     status, said = run_confined(sandbox_plan(readable=readable), seccomp_bpf(), lambda: json.dumps(probe()))
     return (json.loads(said) if status == 0 else {"error": said}), status
 
@@ -93,28 +92,51 @@ def test_a_confined_child_has_no_capability_no_process_and_only_its_own_loopback
 
 
 @needs_confinement
-def test_the_monitor_is_named_and_exits_as_the_confined_child_did():
+def test_the_sandbox_is_handed_over_to_the_parent_and_the_pid_of_its_user_stays_taken():
+    # The parent (a subreaper, here a child of the test's) adopts the sandbox; the child that forked it is
+    # a zombie until the parent has reaped the sandbox, so that its pid (the sandbox's uid) stays taken.
     plan, program = sandbox_plan(readable=()), seccomp_bpf()
-    hold, release = os.pipe()
-    pid = os.fork()
-    if pid == 0:
+    told, tell = os.pipe()
+    parent = os.fork()
+    if parent == 0:
+        os.close(told)
+        seen = {}
         try:
+            become_subreaper()
+            handed, hand_over = os.pipe()
+            release, hold = os.pipe()
+            child = os.fork()
+            if child == 0:
+                try:
+                    for fd in (handed, hold, tell):
+                        os.close(fd)
+                    confine(plan, program, hand_over)
+                    os.read(release, 1)  # until the parent has looked
+                finally:
+                    os._exit(7)
+            os.close(hand_over)
             os.close(release)
-            confine(plan, program)
-            os.read(hold, 1)  # until the test has seen the monitor
+            sandbox = taken_over(child, handed, HAND_OVER_TIMEOUT_S)
+            assert sandbox is not None
+            seen = {"sandbox is another process": sandbox != child, "sandbox's parent": int(stat_of(sandbox)[1]),
+                    "child": [Path(f"/proc/{child}/comm").read_text().strip(), stat_of(child)[0]], "me": os.getpid()}
+            os.close(hold)
+            seen["sandbox's exit"] = os.waitstatus_to_exitcode(os.waitpid(sandbox, 0)[1])
+            seen["child's exit"] = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
         finally:
-            os._exit(7)
-    os.close(hold)
-    try:
-        # It names itself once it has forked the confined child.
-        deadline = time.monotonic() + 10
-        while Path(f"/proc/{pid}/comm").read_text().strip() != MONITOR_NAME:
-            assert time.monotonic() < deadline, Path(f"/proc/{pid}/comm").read_text()
-            time.sleep(0.01)
-    finally:
-        os.close(release)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 7
+            os.write(tell, json.dumps(seen).encode())
+            os._exit(0)
+    os.close(tell)
+    with os.fdopen(told, "rb") as said:
+        seen = json.loads(said.read() or b"{}")
+    os.waitpid(parent, 0)
+    assert seen == {"sandbox is another process": True, "sandbox's parent": seen.get("me"), "child": [HANDED_OVER_NAME, "Z"],
+                    "me": seen.get("me"), "sandbox's exit": 7, "child's exit": 0}, seen
+
+
+def stat_of(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the name: the state, the parent's pid, ..."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
 
 def test_the_switch_turns_confinement_off(monkeypatch):

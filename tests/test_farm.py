@@ -91,11 +91,11 @@ def test_down_leaves_nothing_also_after_kill_9_of_the_daemon(tmp_path):
     assert up.returncode == 0, up.stderr
     state = read_state(catalog)
     # The daemon, the zygote the server was forked from, the server, its spawner and its environment worker (in
-    # the sandbox, with its monitor), haproxy in front of the gateway (a master and a worker): nothing else.
+    # the sandbox), haproxy in front of the gateway (a master and a worker): nothing else.
     members = farm_members(state)
     assert members["daemon"] == [state["daemon_pid"]] and members["server"] == [state["envs"]["library_circulation"]["pid"]]
     assert len(members["zygote"]) == 1 and len(members["spawner"]) == 1, members
-    assert len(members["under a server"]) == (2 if state["sandbox"] else 1), members
+    assert len(members["under a server"]) == 1, members
     assert len(members["haproxy"]) == (2 if state["gateway_proxy"].startswith("haproxy") else 0) and not members["stray"], members
     os.kill(state["daemon_pid"], signal.SIGKILL)
     down = envscaler("farm", "down", "--catalog", str(catalog))

@@ -33,7 +33,7 @@ def farm(tmp_path):
 def process_names_below(pid: int) -> list[str]:
     """The names (comm) of every process below ``pid``."""
     names, parents = [], {pid}
-    for _ in range(4):  # server -> spawner -> sandbox monitor -> worker
+    for _ in range(3):  # server -> spawner -> worker -> a check worker's child
         children = set()
         for parent in parents:
             for task in Path(f"/proc/{parent}/task").iterdir():

@@ -179,11 +179,11 @@ def test_a_process_farm_can_be_forced_to_start_each_server_as_its_own_interprete
         state = json.loads((tmp_path / "farm.json.farm" / "state.json").read_text())
         server = state["envs"]["library_circulation"]["pid"]
         assert parent_of(server) == state["daemon_pid"]  # no zygote between them
-        # The daemon, its server, the server's spawner and environment worker (in the sandbox with its
-        # monitor; the check worker starts at the first validation), haproxy in front: no zygote.
+        # The daemon, its server, the server's spawner and environment worker (in the sandbox; the check
+        # worker starts at the first validation), haproxy in front: no zygote.
         members = farm_members(state)
         assert not members["zygote"] and len(members["spawner"]) == 1 and not members["stray"], members
-        assert len(members["under a server"]) == (2 if state["sandbox"] else 1), members
+        assert len(members["under a server"]) == 1, members
         assert httpx.get(json.loads(catalog.read_text())["envs"]["library_circulation"]["url"] + "/healthz").status_code == 200
     finally:
         assert envscaler("farm", "down", "--catalog", str(catalog)).returncode == 0

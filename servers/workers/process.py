@@ -71,7 +71,7 @@ from pydantic import BaseModel
 from envscaler import EnvCodeError
 from envscaler.cgroups import ChildGroup
 from envscaler.errors import BundleError, ChecklistError
-from envscaler.sandbox import CHILD_TASKS, SANDBOX_ENVIRONMENT, clean_environment, confined_uid, make_undumpable, sandbox_plan
+from envscaler.sandbox import CHILD_TASKS, SANDBOX_ENVIRONMENT, clean_environment, make_undumpable, process_uid, sandbox_plan
 from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, Overloaded, UnknownEpisode, UnknownScenario
 from servers.memory import oom_kills
 from servers.workers.spawner import ForkRequest, SpawnedWorker, spawner
@@ -313,7 +313,7 @@ class _Child:
             self.link.transport.write(data)
 
     def kill(self) -> None:
-        # In the sandbox the process is the monitor outside its PID namespace: the namespace, and all in it, dies with it.
+        # In the sandbox the process is the first of its PID namespace: the namespace, and all in it, dies with it.
         self.gone = True
         self.process.kill()
         self.process.wait()
@@ -410,7 +410,7 @@ class WorkerProcess:
         """The host uid the current child runs as, when that is not this server's own (a root server's sandbox)."""
         if self._child is None or self._child.gone or not self.sandbox or os.geteuid() != 0:
             return None
-        return confined_uid(self._child.process.pid)
+        return process_uid(self._child.process.pid)
 
     @property
     def alive(self) -> bool:

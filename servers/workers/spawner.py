@@ -33,12 +33,13 @@ from typing import NoReturn
 
 from pydantic import BaseModel
 
+from envscaler.confine import HAND_OVER_TIMEOUT_S, become_subreaper, confine, taken_over
 from envscaler.sandbox import SandboxPlan, clean_environment, die_with_parent, name_process
 from envscaler.seccomp import seccomp_bpf, seccomp_problem
 from servers.forking import MESSAGE_BYTES, ExitReport, Forked, SpawnReply, exit_with, fork_available, refuse, reply, serve_forks
 
 # What every worker runs, imported before the first fork.
-PRELOAD = ("servers.workers.env_worker", "servers.workers.check_worker", "envscaler.confine")
+PRELOAD = ("servers.workers.env_worker", "servers.workers.check_worker")
 # The channel, the output pipe's write end, then up to this many descriptors the worker must have.
 _MAX_FDS = 2 + 4
 _SPAWN_TIMEOUT_S = 30.0
@@ -70,8 +71,8 @@ class SpawnedWorker:
     """A worker the spawner forked, as much of a ``subprocess.Popen`` as a server uses: ``pid``,
     ``stdout`` (its output, stdout and stderr together), ``poll``, ``wait`` and ``kill``.
 
-    Its pid is the spawner's child: where it is sandboxed, that is the monitor outside its PID
-    namespace, and killing it kills all inside (``envscaler.confine``)."""
+    Its pid is the spawner's child: where it is sandboxed, the first process of the sandbox's PID
+    namespace, which the spawner adopted, and killing it kills all inside (``envscaler.confine``)."""
 
     def __init__(self, pid: int, pidfd: int, channel: socket.socket, stdout: int) -> None:
         self.pid = pid
@@ -221,6 +222,7 @@ def _serve(control: socket.socket, parent: int) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)  # sent to the server's group: the server stops us by going
     name_process("spawner")
+    become_subreaper()  # each sandboxed worker is handed over to this process (envscaler.confine)
     for module in PRELOAD:
         importlib.import_module(module)
     if seccomp_problem() is None:
@@ -238,24 +240,37 @@ def _fork_worker(data: bytes, fds: list[int]) -> Forked | None:
         return None
     channel = socket.socket(fileno=fds[0])
     passed = fds[1:]
+    handed = hand_over = None
     try:
         request = ForkRequest.model_validate_json(data)
         if len(request.fds) != len(passed) - 1:
             raise ValueError(f"the request places {len(request.fds)} descriptors and {len(passed) - 1} came with it")
+        if request.sandbox is not None:
+            handed, hand_over = os.pipe()
         pid = os.fork()
         if pid == 0:
-            _become_worker(request, passed[0], passed[1:])
+            _become_worker(request, passed[0], passed[1:], hand_over)
     except Exception as e:
+        if handed is not None:
+            os.close(handed)
         refuse(channel, e)
         return None
     finally:
-        for fd in passed:
+        for fd in [*passed, *([] if hand_over is None else [hand_over])]:
             os.close(fd)
-    return reply(channel, pid)
+    if handed is None:
+        return reply(channel, pid)
+    try:
+        sandbox = taken_over(pid, handed, HAND_OVER_TIMEOUT_S)
+    finally:
+        os.close(handed)
+    # Without a sandbox handed over, the child failed before it forked one: its exit says how.
+    return reply(channel, pid) if sandbox is None else reply(channel, sandbox, handed_by=pid)
 
 
-def _become_worker(request: ForkRequest, output: int, fds: list[int]) -> NoReturn:
-    """In the forked child: take the descriptors, join the control groups, confine, run the worker. Never returns."""
+def _become_worker(request: ForkRequest, output: int, fds: list[int], hand_over: int | None) -> NoReturn:
+    """In the forked child: take the descriptors, join the control groups, confine (handing the sandbox over
+    on ``hand_over``, ``envscaler.confine``), run the worker. Never returns."""
 
     def run() -> int:
         die_with_parent(signal.SIGKILL)
@@ -265,21 +280,20 @@ def _become_worker(request: ForkRequest, output: int, fds: list[int]) -> NoRetur
         os.dup2(output, 1)
         os.dup2(output, 2)
         # Out of the way first: a descriptor passed may sit where another must go.
-        above = max(16, *fds, *request.fds) + 1
+        above = max(16, *fds, *request.fds, hand_over or 0) + 1
         moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, above) for fd in fds]
+        handing = None if hand_over is None else fcntl.fcntl(hand_over, fcntl.F_DUPFD_CLOEXEC, above)
         for fd, target in zip(moved, request.fds):
             os.dup2(fd, target, inheritable=False)
-        _close_all_but(request.fds)
+        _close_all_but([*request.fds, *([] if handing is None else [handing])])
         for procs in request.groups:
             descriptor = os.open(procs, os.O_WRONLY)
             try:
                 os.write(descriptor, b"0")
             finally:
                 os.close(descriptor)
-        if request.sandbox is not None:
-            from envscaler.confine import confine
-
-            confine(request.sandbox, seccomp_bpf(new_processes=request.new_processes, memfd=request.memfd))
+        if request.sandbox is not None and handing is not None:
+            confine(request.sandbox, seccomp_bpf(new_processes=request.new_processes, memfd=request.memfd), handing)
         # After a fork, Python keeps the parent's thread id as the main thread's (3.11): the worker tells its
         # own threads from those environment code starts by it.
         threading.main_thread()._set_native_id()  # type: ignore[attr-defined]

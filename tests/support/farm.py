@@ -93,9 +93,9 @@ _DYING_S = 1.0
 def farm_members(state: dict[str, Any]) -> dict[str, list[int]]:
     """Every running process of the farm (found by its farm id, as ``farm down`` finds them), by what it is:
     the daemon, the zygote, haproxy, the servers, each server's spawner (its child), the processes under a
-    spawner (the environment and check workers, each sandboxed one with its monitor), and anything else
-    that is still there a second later (``stray``: a leak; not a sandboxed worker whose monitor was just
-    killed, which the kernel kills with it)."""
+    spawner (the environment and check workers), and anything else that is still there a second later
+    (``stray``: a leak; not a process in a sandbox whose first process was just killed, which the kernel
+    kills with it)."""
     from servers.farm.teardown import farm_processes
 
     servers = {record["pid"] for record in state["envs"].values()}
