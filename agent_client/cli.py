@@ -17,7 +17,7 @@ from urllib.parse import quote
 import anyio
 
 from agent_client.agents import CommandAgent, OpenAIAgent, RandomAgent, ReplayAgent
-from agent_client.export import export, read_records, read_scores
+from agent_client.export import export, read_records, read_scores, rewarded
 from agent_client.inspect_log import write_inspect_log
 from agent_client.interrupt import run_interruptible
 from agent_client.llm import LlmEndpoint
@@ -106,7 +106,7 @@ def _export_inspect(args: argparse.Namespace) -> int:
     target = Path(args.out or source.with_suffix(".eval"))
     records = read_records(source)
     if args.min_reward is not None:
-        records = [r for r in records if r.reward is not None and r.reward >= args.min_reward and not r.infra_failed]
+        records = rewarded(records, args.min_reward)
     write_inspect_log(records, source, target)
     print(f"wrote {len(records)} episode(s) to {target} (Inspect log: 'inspect view --log-dir {target.parent}')")
     return EXIT_OK

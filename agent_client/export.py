@@ -66,10 +66,15 @@ def _is_json(text: str) -> bool:
         return False
 
 
+def rewarded(records: list[Record], min_reward: float) -> list[Record]:
+    """The judged records whose reward is ``min_reward`` or more, in order."""
+    return [r for r in records if r.judged and (r.reward or 0.0) >= min_reward]
+
+
 def export(source: Path, target: Path, *, min_reward: float, fmt: ExportFormat) -> tuple[int, int]:
     """Write records with reward >= ``min_reward`` to ``target``; (written, read)."""
     records = read_records(source)
-    kept = [r for r in records if r.reward is not None and r.reward >= min_reward and not r.infra_failed]
+    kept = rewarded(records, min_reward)
     target.parent.mkdir(parents=True, exist_ok=True)
     with target.open("w", encoding="utf-8") as sink:
         for record in kept:

@@ -96,7 +96,7 @@ def _sample(record: Record) -> EvalSample:
     task = next((m.get("content") for m in record.messages if m.get("role") == "user"), None) or ""
     answer = next((m.get("content") for m in reversed(record.messages) if m.get("role") == "assistant" and m.get("content")), "")
     scores = None
-    if not record.infra_failed and record.reward is not None:
+    if record.judged:
         explanation = "\n".join(f"{'pass' if c.passed else 'FAIL'}: " + (f"turn {c.turn}: " if c.turn is not None else "")
                                 + c.check_item + (f" ({c.error})" if c.error else "") for c in record.checks)
         metadata: dict[str, Any] = {"success": record.reward == 1.0, "checks": [c.model_dump() for c in record.checks]}
@@ -130,7 +130,7 @@ def eval_log(records: list[Record], source: Path) -> EvalLog:
     models = sorted({r.model for r in records if r.model})
     name = models[0] if len(models) == 1 else f"envscaler/{'+'.join(agents)}"
     samples = [_sample(r) for r in sorted(records, key=lambda r: (r.env_id, r.task_id, r.repeat))]
-    scored = [r for r in records if not r.infra_failed and r.reward is not None]
+    scored = [r for r in records if r.judged]
     metrics = {"mean": log.EvalMetric(name="mean", value=sum(r.reward or 0.0 for r in scored) / len(scored) if scored else 0.0),
                "success": log.EvalMetric(name="success", value=sum(r.reward == 1.0 for r in scored) / len(scored) if scored else 0.0)}
     started = min(r.started_at for r in records)

@@ -86,6 +86,11 @@ class Record(BaseModel):
         """The episode could not be judged: nothing here says anything about the agent."""
         return self.termination == "infra_error"
 
+    @property
+    def judged(self) -> bool:
+        """The episode was judged and has a reward: it counts in success rates and reward statistics."""
+        return not self.infra_failed and self.reward is not None
+
     def head(self) -> RecordHead:
         """What a run keeps of this record once it is written."""
         return RecordHead(env_id=self.env_id, task_id=self.task_id, repeat=self.repeat, termination=self.termination,
@@ -109,6 +114,11 @@ class RecordHead(BaseModel):
     def infra_failed(self) -> bool:
         """The episode could not be judged."""
         return self.termination == "infra_error"
+
+    @property
+    def judged(self) -> bool:
+        """The episode was judged and has a reward (as :attr:`Record.judged`)."""
+        return not self.infra_failed and self.reward is not None
 
 
 class RecordScore(RecordHead):

@@ -121,7 +121,7 @@ async def reverify(catalog: FarmCatalog, records: list[Record], *, concurrency: 
     changes: list[Change] = []
     diverged: list[str] = []
     failed: list[str] = []
-    judged = [i for i, r in enumerate(records) if not r.infra_failed and r.reward is not None]
+    judged = [i for i, r in enumerate(records) if r.judged]
     shown = Progress(len(judged), sys.stderr, progress)
     limiter = anyio.Semaphore(concurrency)
     async with new_http_client() as http:

@@ -92,14 +92,10 @@ class Comparison(BaseModel):
     per_scenario: list[ScenarioDifference]
 
 
-def _judged(records: Sequence[ScoredRecord]) -> list[ScoredRecord]:
-    return [r for r in records if not r.infra_failed and r.reward is not None]
-
-
 def scenario_spread(records: Sequence[ScoredRecord]) -> list[ScenarioSpread]:
     """Each scenario's success rate and reward spread over its repeats (episodes that could not be judged left out)."""
     by_task: dict[tuple[str, str], list[float]] = defaultdict(list)
-    for record in _judged(records):
+    for record in [r for r in records if r.judged]:
         by_task[(record.env_id, record.task_id)].append(record.reward or 0.0)
     rows = []
     for (env_id, task_id), rewards in sorted(by_task.items()):

@@ -41,7 +41,7 @@ def pass_hat_k(records: Sequence[ScoredRecord], k: int) -> float:
 
 
 def row(name: str, records: Sequence[ScoredRecord], k: int) -> Row:
-    judged = [r for r in records if not r.infra_failed and r.reward is not None]
+    judged = [r for r in records if r.judged]
     return Row(
         name=name,
         episodes=len(records),
@@ -105,7 +105,7 @@ def render_turns(records: Sequence[ScoredRecord]) -> str | None:
 
 def pass_curve(records: Sequence[ScoredRecord], repeats: int) -> list[float]:
     """pass^k for k = 1..``repeats`` over the judged episodes (the chance that k repeats all succeed)."""
-    judged = [r for r in records if not r.infra_failed and r.reward is not None]
+    judged = [r for r in records if r.judged]
     return [pass_hat_k(judged, k) for k in range(1, repeats + 1)]
 
 

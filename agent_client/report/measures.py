@@ -88,7 +88,7 @@ def error_counts(records: list[Record]) -> dict[str, int]:
 
 def overview(name: str, records: list[Record], repeats: int) -> Overview:
     """The overview row of ``records``: judged episodes for rewards, every episode for errors and cost."""
-    judged = [r for r in records if not r.infra_failed and r.reward is not None]
+    judged = [r for r in records if r.judged]
     tokens = sum(u.prompt_tokens + u.completion_tokens for r in records for u in (r.usage, r.user_usage))
     return Overview(
         name=name, episodes=len(records), judged=len(judged),

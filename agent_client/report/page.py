@@ -110,7 +110,7 @@ def _overview_section(runs: list[Run]) -> str:
 
 def _plots_section(runs: list[Run]) -> str:
     names = [run.label for run in runs]
-    rewards = [(run.label, [r.reward for r in run.records if not r.infra_failed and r.reward is not None]) for run in runs]
+    rewards = [(run.label, [r.reward for r in run.records if r.judged]) for run in runs]
     table = {run.label: overviews(run.records) for run in runs}
     curve = [(label, rows[-1].pass_k) for label, rows in table.items()]
     envs = sorted({row.name for rows in table.values() for row in rows[:-1]})
