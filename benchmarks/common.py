@@ -9,12 +9,14 @@ from its own folder, before the project's packages: importing it puts the checko
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from array import array
 from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
@@ -154,14 +156,60 @@ def memory(pid: int) -> Memory:
 
 
 def tree_memory(pid: int) -> Memory:
-    """USS, PSS and RSS of process ``pid`` and all below it, added up (one that has gone counts nothing)."""
+    """USS, PSS and RSS of process ``pid`` and all below it, added up (one that has gone counts nothing).
+
+    The USS is the tree's as a whole where this process may read page frames (root): the pages that only
+    processes of the tree map, each counted once (:func:`unique_mb`). Added up process by process, a page
+    that two of them share (a forked process and its parent, before either writes it) counts for neither.
+    """
+    members = process_tree(pid)
     parts = []
-    for member in process_tree(pid):
+    for member in members:
         try:
             parts.append(memory(member))
         except OSError:
             pass
-    return Memory(*(sum(getattr(part, name) for part in parts) for name in Memory._fields))
+    total = Memory(*(sum(getattr(part, name) for part in parts) for name in Memory._fields))
+    whole = unique_mb(members)
+    return total if whole is None else total._replace(uss=whole)
+
+
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+_PRESENT = 1 << 63
+_FRAME = (1 << 55) - 1
+
+
+def unique_mb(pids: list[int]) -> float | None:
+    """The memory, in MB, of the pages that processes ``pids`` map and no other process does, each counted
+    once (from /proc/PID/pagemap and /proc/kpagecount: root only); None where those cannot be read."""
+    mapped: collections.Counter[int] = collections.Counter()
+    try:
+        for pid in pids:
+            mapped.update(_frames(pid))
+        with open("/proc/kpagecount", "rb", buffering=0) as counts:
+            unique = sum(1 for frame, mappings in mapped.items()
+                         if array("Q", os.pread(counts.fileno(), 8, frame * 8))[0] == mappings)
+    except PermissionError:
+        return None
+    return unique * _PAGE_BYTES / 1024 / 1024
+
+
+def _frames(pid: int) -> collections.Counter[int]:
+    """How many times process ``pid`` maps each page frame it has in memory (none once it has gone)."""
+    frames: collections.Counter[int] = collections.Counter()
+    try:
+        with open(f"/proc/{pid}/smaps", encoding="ascii", errors="replace") as smaps, open(f"/proc/{pid}/pagemap", "rb", buffering=0) as pagemap:
+            start = end = 0
+            for line in smaps:
+                first = line.split(maxsplit=1)[0]
+                if "-" in first and not first.endswith(":"):
+                    start, end = (int(address, 16) for address in first.split("-"))
+                elif first == "Rss:" and int(line.split()[1]) > 0:
+                    entries = array("Q", os.pread(pagemap.fileno(), (end - start) // _PAGE_BYTES * 8, start // _PAGE_BYTES * 8))
+                    frames.update(entry & _FRAME for entry in entries if entry & _PRESENT)
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return frames
 
 
 def describe_memory(used: list[Memory]) -> str:

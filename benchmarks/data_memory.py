@@ -40,8 +40,8 @@ _MB = 1024 * 1024
 
 
 def _roles(server_pid: int) -> dict[str, int]:
-    """The pids of the server's workers, by role (each worker's own process, not its sandbox's monitor,
-    nor a child the check worker forked for one validation)."""
+    """The pids of the server's workers, by role (each worker's own process, not a child the check worker
+    forked for one validation)."""
     found: dict[str, int] = {}
     for pid in process_tree(server_pid)[1:]:
         for role in ("env worker", "check worker"):

@@ -5,7 +5,7 @@ backend, the time runs from ``envscaler farm up`` to every server answering (wha
 for). Then each environment validates one episode of its first scenario (which starts its check
 worker), and memory is read from /proc/PID/smaps_rollup: of each server process (for docker: the
 container's main process), and of each environment as a whole (the server, its environment worker and
-its check worker, their spawner and sandboxes' monitors): USS (private pages, what one more
+its check worker and their spawner): USS (private pages, what one more
 costs), PSS (shared pages split among their users) and RSS. An environment's memory is read three
 times: before any validation, after one, and ``--reap-wait`` seconds after it, once its check worker
 has stopped (idle for the server's ``--check-idle``). The daemon's CPU while the farm is idle
