@@ -72,8 +72,8 @@ CHECK_IDLE_S = 30.0
 """How long the check worker may sit idle before it is stopped (the next validation starts it again).
 
 A harness validates each episode once, after minutes of tool calls, so between validations an
-environment holds nothing for checks (the worker and the children it forks ahead: about 6 MB), while a burst of validations (a batch ending, a trainer's group of rollouts)
-finishes on the worker the first one started. A start is a fork from the server's spawner: it adds
+environment holds nothing for checks (the worker: about 4 MB), while a burst of validations (a batch
+ending, a trainer's group of rollouts) finishes on the worker the first one started. A start is a fork from the server's spawner: it adds
 milliseconds to the validation that needs it, and the data files' loading where there are some."""
 # How many times a request is asked in all, at most, when the worker keeps falling under it without blaming it.
 CAUGHT_UP_TRIES = 4
