@@ -207,7 +207,10 @@ def serve_baseline(env_dir: str) -> None:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(1024)  # connections queue until uvicorn accepts them
-    uvicorn_server = uvicorn.Server(uvicorn.Config(app, http="httptools", loop="uvloop", log_level="warning", access_log=False))
+    # Idle connections kept as long as ours keeps them (75 s): with uvicorn's 5 s, those of the baseline's clients,
+    # idle while the other servers are measured, could be closed just as a round sent on them (a failed run).
+    uvicorn_server = uvicorn.Server(uvicorn.Config(app, http="httptools", loop="uvloop", log_level="warning", access_log=False,
+                                                   timeout_keep_alive=75))
     print(json.dumps({"event": "listening", "url": f"http://127.0.0.1:{sock.getsockname()[1]}"}), flush=True)
     uvicorn_server.run(sockets=[sock])
 
