@@ -6,9 +6,9 @@ scenarios name one data file of that size is served by ``envscaler serve`` (sand
 bubblewrap works); a client creates an episode of each scenario, changes one user in each, validates
 both (the checks read ``initial_state``) and reads one state back (``GET /episodes/{id}/state``). Then
 each process's memory is read from /proc: the server's RSS, USS and peak RSS before the state read
-(``peak work``) and after it (``peak+read``: the server checks the state's text, then sends it on), the environment worker's USS and the check worker's PSS (with the children it forks ahead, which share
-its pages), against a baseline
-with no data file (the same users inline) measured in the same run.
+(``peak work``) and after it (``peak+read``: the server checks the state's text, then sends it on), the
+environment worker's USS and the check worker's PSS, against a baseline with no data file (the same users
+inline) measured in the same run.
 
     python benchmarks/data_memory.py [--sizes 25,50,100] [--no-state-read]
 
