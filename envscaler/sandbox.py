@@ -334,7 +334,8 @@ def confined_uid(pid: int) -> int:
 def process_uid(pid: int) -> int | None:
     """The host uid (the real one) that process ``pid`` runs as; None once it has gone."""
     try:
-        status = Path(f"/proc/{pid}/status").read_text(encoding="ascii")
+        # The process's name comes first, and is whatever bytes it chose.
+        status = Path(f"/proc/{pid}/status").read_text(encoding="ascii", errors="replace")
     except OSError:
         return None
     for line in status.splitlines():

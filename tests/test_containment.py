@@ -9,10 +9,8 @@ validating with correct results throughout.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from envscaler.sandbox import CONFINED_UID_BASE, sandbox_problem
+from envscaler.sandbox import CONFINED_UID_BASE, process_uid, sandbox_problem
 from tests.support.bundles import counter_bundle, counter_scenario
 from tests.support.cli import envscaler
 from tests.support.farm import farm_members, read_state
@@ -101,12 +99,8 @@ def farm(tmp_path_factory) -> Iterator[Farm]:
 
 def host_uids(catalog: Path) -> dict[int, int]:
     """pid -> host uid of every process that a farm's spawners forked (the workers)."""
-    uids = {}
-    for pid in farm_members(read_state(catalog))["under a server"]:
-        with contextlib.suppress(OSError):
-            status = Path(f"/proc/{pid}/status").read_text()
-            uids[pid] = int(re.search(r"^Uid:\s+(\d+)", status, re.MULTILINE).group(1))
-    return uids
+    uids = {pid: process_uid(pid) for pid in farm_members(read_state(catalog))["under a server"]}
+    return {pid: uid for pid, uid in uids.items() if uid is not None}
 
 
 def test_environment_code_runs_as_an_unprivileged_user_of_its_own(farm):

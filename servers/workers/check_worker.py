@@ -19,7 +19,7 @@ one request at a time, and marks the episode whose checks it runs).
 A child is forked when its request comes, with the request in memory, not ahead of it: a child kept
 ready holds the pages its start copied (about 2 MB), and an environment's check worker runs the whole
 time a trainer validates, so two kept ready cost 4.4 MB per environment for 4-10 ms less per validation
-(on 2 cores: 5.4 -> 9.5 ms p50 for a 10 KB state, 8.9 -> 18.4 ms for 1.3 MB).
+(on 2 cores, benchmarks/state_size.py: 5.4 -> 9.9 ms p50 for a 10 KB state, 8.9 -> 19.2 ms for 1.3 MB).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class _Child:
             self.answers = None
 
     def kill(self) -> None:
-        """Kill the child (nothing it still does counts) and close its pipes."""
+        """Kill the child (nothing it still does counts) and close its pipe."""
         self.close()
         os.kill(self.pid, signal.SIGKILL)
 
