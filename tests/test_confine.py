@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -147,3 +148,23 @@ def test_the_switch_turns_confinement_off(monkeypatch):
     finally:
         monkeypatch.undo()
         confine_problem.cache_clear()
+
+
+def test_a_child_that_ends_or_stalls_without_handing_over_a_sandbox_is_the_process_to_wait_for():
+    # It failed before it forked one (its exit status says how), or it never got that far: no pid, no hang.
+    for body, timeout_s in ((lambda: os._exit(3), 30.0), (lambda: time.sleep(30), 0.5)):
+        handed, hand_over = os.pipe()
+        child = os.fork()
+        if child == 0:
+            os.close(handed)
+            body()
+            os._exit(0)
+        os.close(hand_over)
+        started = time.monotonic()
+        try:
+            assert taken_over(child, handed, timeout_s) is None
+            assert time.monotonic() - started < 25
+        finally:
+            os.close(handed)
+            os.kill(child, 9)
+            os.waitpid(child, 0)
