@@ -416,6 +416,26 @@ def test_the_checks_process_cannot_start_processes_even_past_the_guard(bundle):
         assert validation["checks"][0]["error"].startswith("PermissionError: [Errno 1] Operation not permitted"), validation
 
 
+# A check that opens the memory of the process that forked it (the check zygote, which forks every later
+# validation's process): were it writable, the check could rewrite that zygote and decide later rewards.
+REACHES_ITS_ZYGOTE = {"check_item": "zygote", "check_func": (
+    "def check_func(final_state):\n"
+    "    import os\n"
+    "    with open(f'/proc/{os.getppid()}/mem', 'r+b'):\n"
+    "        return True")}
+
+
+@pytest.mark.skipif(sandbox_problem() is not None, reason=f"no sandbox here: {sandbox_problem()}")
+def test_the_checks_process_cannot_reach_the_memory_of_its_zygote(bundle):
+    with serve(bundle) as server, server.client() as http:
+        episode = new_episode(http)
+        for _ in range(2):
+            validation = http.post(f"/episodes/{episode}/validate", json={"checklist": [REACHES_ITS_ZYGOTE, *FRESH_PROCESS_CHECKS]}).json()
+            reached, fresh, _which = validation["checks"]
+            assert reached["error"].startswith("PermissionError: [Errno 13] Permission denied: '/proc/1/mem'"), validation
+            assert fresh["passed"], validation
+
+
 def test_the_worker_holds_no_token_and_normal_episodes_score_as_without_it(bundle):
     with serve(bundle) as server, server.client() as http:
         episode = new_episode(http)

@@ -38,7 +38,7 @@ from envscaler.checks import check_states
 from envscaler.data_files import DataFiles
 from envscaler.errors import BundleError, ChecklistError
 from envscaler.guard import keep_alarm_handler, protect_time_limits
-from envscaler.sandbox import die_with_parent
+from envscaler.sandbox import die_with_parent, make_undumpable
 from envscaler.seccomp import seccomp_policy
 from envscaler.state import apply_changes
 from servers.transport.asgi import json_bytes
@@ -285,6 +285,9 @@ def run_checker(sock: socket.socket) -> None:
         sock.sendall(frame(HELLO_ID, WorkerFailure(error="BundleError", message=str(e)), FAILED))
         raise SystemExit(1) from None
     release_free_memory()  # the start's garbage, before the children it forks inherit the pages that hold it (see env_worker)
+    # Its children run as its user, with no capability: undumpable, this process is beyond their ptrace and
+    # its /proc/PID/mem beyond their reach, or check code could rewrite the zygote that forks every later validation.
+    make_undumpable()
     sock.sendall(frame(HELLO_ID, {}))
     while True:
         checker.reap_killed()
