@@ -18,7 +18,7 @@ from agent_client.summary import render, summarize
 from envscaler import default_catalog
 from tests.support.bundles import COUNTER_CODE, counter_bundle, counter_scenario, counter_spec, write_bundle
 from tests.support.cli import envscaler
-from tests.support.farm import two_counters_up
+from tests.support.farm import catalog_copies, two_counters_up
 from tests.support.server import serve
 
 
@@ -357,10 +357,12 @@ def test_farm_status_of_a_malformed_catalog_and_down_counts_what_ran(tmp_path):
 
 
 @pytest.mark.parametrize("after_s", [0.6, 1.2, 2.0])
-def test_ctrl_c_while_a_command_starts_is_one_line(after_s):
-    # catalog check runs for a while (a busy machine cannot finish it before the signal, as it could catalog
-    # list); what it printed of its progress stays, and Ctrl-C adds one line.
-    process = subprocess.Popen([sys.executable, "-m", "envscaler.cli", "catalog", "check"], stdout=subprocess.PIPE,
+def test_ctrl_c_while_a_command_starts_is_one_line(after_s, tmp_path):
+    # catalog check of four copies of the catalog runs for a while (an idle machine checks one in about 2 s, so
+    # that none finishes before the signal, as catalog list could); what it printed of its progress stays, and
+    # Ctrl-C adds one line.
+    copies = catalog_copies(tmp_path, 4 * len(list(default_catalog().iterdir())))
+    process = subprocess.Popen([sys.executable, "-m", "envscaler.cli", "catalog", "check", str(copies[0].parent)], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
     time.sleep(after_s)
     process.send_signal(signal.SIGINT)
