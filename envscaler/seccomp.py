@@ -18,7 +18,10 @@ What every policy refuses:
 
 Unless ``new_processes``: fork, vfork and ``clone`` without ``CLONE_THREAD`` (a new process rather
 than a thread) with EPERM; threads still work. Unless ``memfd``: ``memfd_create`` with EPERM (memory
-that no address-space limit counts).
+that no address-space limit counts). Unless ``others``: every system call that acts on another process
+(signals, ptrace, another's memory) with EPERM: a check's process shares its user with its zygote and
+with the processes of other validations, which it must not end or read (its own time limit comes from a
+timer, not a signal it sends).
 """
 
 from __future__ import annotations
@@ -48,7 +51,12 @@ def seccomp_problem() -> str | None:
     return None
 
 
-def seccomp_policy(*, new_processes: bool = False, memfd: bool = True) -> Any:
+# What acts on another process: its signals, its tracing, its memory.
+_ON_OTHERS = ("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_send_signal", "pidfd_getfd", "ptrace",
+              "process_vm_readv", "process_vm_writev")
+
+
+def seccomp_policy(*, new_processes: bool = False, memfd: bool = True, others: bool = True) -> Any:
     """The policy (see the module's doc) as a ``pyseccomp.SyscallFilter``: ``.load()`` applies it to the
     calling process (every thread of it) and to all it starts. Raises OSError when libseccomp is missing."""
     seccomp = _library()
@@ -57,7 +65,8 @@ def seccomp_policy(*, new_processes: bool = False, memfd: bool = True) -> Any:
     policy.set_attr(seccomp.Attr.ACT_BADARCH, deny)
     policy.set_attr(seccomp.Attr.CTL_TSYNC, 1)
     native = seccomp.Arch.NATIVE
-    refused = ["unshare", "setns", *(() if memfd else ("memfd_create",)), *(() if new_processes else ("fork", "vfork"))]
+    refused = ["unshare", "setns", *(() if memfd else ("memfd_create",)), *(() if new_processes else ("fork", "vfork")),
+               *(() if others else _ON_OTHERS)]
     for name in refused:
         if seccomp.resolve_syscall(native, name) >= 0:  # fork and vfork do not exist everywhere (aarch64)
             policy.add_rule(deny, name)

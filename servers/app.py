@@ -55,7 +55,8 @@ from servers.protocols.mcp import ROUTING_HEADERS, McpEndpoint, parse_error, par
 from servers.memory import memory_status, release_free_memory
 from servers.protocols.openenv.config import OpenEnvConfig
 from servers.protocols.sse import SseSessions
-from servers.workers.store import CHECK_IDLE_S, WorkerEpisodeStore
+from servers.workers.checks import CHECK_IDLE_S, CheckWorker
+from servers.workers.store import WorkerEpisodeStore
 from servers.workers.wire import WorkerSettings
 
 log = logging.getLogger("envscaler.server")
@@ -113,7 +114,7 @@ class ServerConfig(BaseModel):
     worker_memory_mb: int = Field(default=1024, ge=64)
     worker_tasks: int = Field(default=256, ge=16)
     worker_cpus: float = Field(default=1.0, gt=0, le=100)
-    # Seconds the check worker may sit idle before it is stopped (servers.workers.store.CHECK_IDLE_S).
+    # Seconds the check worker may sit idle before it is stopped (servers.workers.checks.CHECK_IDLE_S).
     check_idle_s: float | None = Field(default=CHECK_IDLE_S, gt=0)
 
 
@@ -126,8 +127,9 @@ class RawJson:
         self.body = body
 
 
-def _episode_store(bundle: Bundle, config: ServerConfig) -> EpisodeRegistry:
-    """Where the environment's code runs: a worker process (``worker_process``), or this one."""
+def _episode_store(bundle: Bundle, config: ServerConfig, checks: CheckWorker | None) -> EpisodeRegistry:
+    """Where the environment's code runs: a worker process (``worker_process``; its checks in ``checks``, else a
+    check worker of its own), or this one."""
     limits: dict[str, Any] = dict(max_episodes=config.max_episodes, idle_ttl_s=config.idle_ttl_s, memory_reserve_mb=config.memory_reserve_mb,
                                   replica_id=config.replica_id, max_trajectory_chars=config.max_trajectory_chars)
     if config.worker_process:
@@ -135,22 +137,27 @@ def _episode_store(bundle: Bundle, config: ServerConfig) -> EpisodeRegistry:
                                   max_result_chars=config.max_result_chars, worker_threads=config.worker_threads,
                                   queue_wait_s=config.queue_wait_s, inline_budget_s=config.inline_budget_s,
                                   memory_reserve_mb=config.memory_reserve_mb)
-        group = GroupLimits(memory_mb=config.worker_memory_mb, pids=config.worker_tasks, cpu_weight=round(config.worker_cpus * 100))
-        return WorkerEpisodeStore(bundle, settings, sandbox=config.worker_sandbox, group=group, check_idle_s=config.check_idle_s,
-                                  **limits)
+        return WorkerEpisodeStore(bundle, settings, sandbox=config.worker_sandbox, group=worker_limits(config), checks=checks,
+                                  check_idle_s=config.check_idle_s, **limits)
     runtime = EnvRuntime(bundle.spec, call_timeout_s=config.call_timeout_s, check_timeout_s=config.check_timeout_s,
                          max_result_chars=config.max_result_chars, bundle_dir=bundle.directory)
     return EpisodeStore(bundle, runtime, worker_threads=config.worker_threads, queue_wait_s=config.queue_wait_s,
                         inline_budget_s=config.inline_budget_s, **limits)
 
 
-class EnvServerApp:
-    """The ASGI application serving one bundle."""
+def worker_limits(config: ServerConfig) -> GroupLimits:
+    """What each sandboxed worker of a server may take (its control group's limits)."""
+    return GroupLimits(memory_mb=config.worker_memory_mb, pids=config.worker_tasks, cpu_weight=round(config.worker_cpus * 100))
 
-    def __init__(self, bundle: Bundle, config: ServerConfig) -> None:
+
+class EnvServerApp:
+    """The ASGI application serving one bundle (``checks``: the check worker it shares with the other
+    environments of its process, if any)."""
+
+    def __init__(self, bundle: Bundle, config: ServerConfig, checks: CheckWorker | None = None) -> None:
         self.bundle = bundle
         self.config = config
-        self.store = _episode_store(bundle, config)
+        self.store = _episode_store(bundle, config, checks)
         self.mcp = McpEndpoint(self.store, f"envscaler-{bundle.env_id}", bundle.spec.environment_introduction)
         self._token = f"Bearer {config.token}".encode()
         self.cors = CorsPolicy(config.allowed_origins)

@@ -27,7 +27,7 @@ from envscaler.sandbox import no_new_privileges, sandbox_problem, warn_unprotect
 from servers.app import ServerConfig
 from servers.episodes.calls import QUEUE_WAIT_S
 from servers.episodes.ids import new_replica_id
-from servers.workers.store import CHECK_IDLE_S
+from servers.workers.checks import CHECK_IDLE_S
 from servers.protocols.openenv.config import OpenEnvConfig
 
 if TYPE_CHECKING:

@@ -29,12 +29,13 @@ from pydantic import BaseModel
 from envscaler import Bundle, EnvScalerError, load_bundle, logs
 from envscaler.guard import keep_alarm_handler, protect_time_limits
 from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment, sandboxed
-from servers.app import EnvServerApp, ServerConfig
+from servers.app import EnvServerApp, ServerConfig, worker_limits
 from servers.episodes.calls import share_the_interpreter
 from servers.errors import CannotListen, PortTaken
 from servers.memory import release_free_memory
 from servers.transport.event_loop import loop_factory
 from servers.transport.http_server import Bounds, HttpServer, descriptor_room
+from servers.workers.checks import CheckWorker
 
 log = logging.getLogger("envscaler.server")
 
@@ -165,9 +166,9 @@ def serve_all(servings: list[Serving], *, heartbeat: str | None = None, unserved
     served: list[_Served] = []
     unserved = dict(unserved or {})
     several = len(servings) + len(unserved) > 1
-    for serving in servings:
+    for serving, checks in zip(servings, _check_workers(servings)):
         try:
-            served.append(_Served(serving, share=len(servings)))
+            served.append(_Served(serving, share=len(servings), checks=checks))
         except EnvScalerError as e:
             if not several:
                 raise
@@ -213,16 +214,34 @@ def serve_all(servings: list[Serving], *, heartbeat: str | None = None, unserved
     sys.stdout.flush()
 
 
+def _check_workers(servings: list[Serving]) -> list[CheckWorker | None]:
+    """The check worker of each of ``servings``: one for all those whose checks may run together (in worker
+    processes, with the same sandbox, limits and idle time); None for one whose code runs in this process."""
+    together: dict[tuple[object, ...], list[Serving]] = {}
+    for serving in servings:
+        config = serving.config
+        if config.worker_process:
+            key = (config.worker_sandbox, config.worker_memory_mb, config.worker_tasks, config.worker_cpus, config.check_idle_s)
+            together.setdefault(key, []).append(serving)
+    workers: dict[int, CheckWorker] = {}
+    for group in together.values():
+        config = group[0].config
+        worker = CheckWorker([(serving.bundle, serving.config.check_timeout_s) for serving in group], sandbox=config.worker_sandbox,
+                             group=worker_limits(config), idle_s=config.check_idle_s)
+        workers |= {id(serving): worker for serving in group}
+    return [workers.get(id(serving)) for serving in servings]
+
+
 class _Served:
     """One environment of a server process: its application, HTTP server, OpenEnv listener and ready line."""
 
-    def __init__(self, serving: Serving, share: int) -> None:
+    def __init__(self, serving: Serving, share: int, checks: CheckWorker | None) -> None:
         config = serving.config
         listener_class = openenv_listener() if config.openenv is not None else None
         self.sock = serving.listening if serving.listening is not None else bind(serving.host, serving.port)
         actual_port = self.sock.getsockname()[1]
         shown_host = "127.0.0.1" if serving.host in ("0.0.0.0", "") else serving.host
-        self.app = EnvServerApp(serving.bundle, config)
+        self.app = EnvServerApp(serving.bundle, config, checks)
         self.ready: dict[str, object] = {"event": "listening", "env_id": serving.bundle.env_id, "url": f"http://{shown_host}:{actual_port}",
                                          "port": actual_port}
         if serving.announce_token:

@@ -1,23 +1,26 @@
-"""The check worker: ``python -m servers.workers.check_worker FD``, started by a server (``servers.workers.store``).
+"""The check worker: ``python -m servers.workers.check_worker FD``, started by a server (``servers.workers.checks``).
 
-It runs an environment's checks where the environment's code never runs: that code can patch, in
-its own process, anything a checker there would use, and so decide its own reward. The checks get
-the states as data: the server asks the environment worker for what an episode changed, and sends
-it here with the checklist; this process keeps each scenario's initial state (by its hash, sent once), and
-loads the data files they name once, for all of them (``envscaler.data_files``).
+It runs environments' checks where the environments' code never runs: that code can patch, in its
+own process, anything a checker there would use, and so decide its own reward. One check worker
+serves every environment of a server process. The checks get the states as data: the server asks an
+environment worker for what an episode changed, and sends it here with the checklist; this process
+keeps each scenario's initial state (by its hash, sent once), and loads the data files they name once,
+for all of them (``envscaler.data_files``).
 
 Check code is untrusted too, and can patch its own process as well (``builtins.bool``, the checker's
 functions), so this process is a zygote that never runs it: each request's checks run in a child
-forked for that request alone, which takes new processes away from itself (the seccomp policy of
-``envscaler.seccomp``: the sandbox lets this process fork), builds the final state, runs the checks,
-each under its time limit, sends the verdicts back through a pipe and exits. Whatever a check changed
-dies with its child, so no validation sees another's. A child that runs past the checks' limit is
-killed here (the request gets CallAbandoned), one that ends before it answers costs its validation
-only (ChecklistError). The server kills this process when an answer is overdue all the same (it runs
-one request at a time, and marks the episode whose checks it runs).
+forked for that request alone, which takes away from itself new processes and every way to act on
+another process (the seccomp policy of ``envscaler.seccomp``: the sandbox lets this process fork),
+builds the final state, runs the checks, each under its time limit, sends the verdicts back through a
+pipe and exits. Whatever a check changed dies with its child, so no validation sees another's; this
+process is undumpable, so no child can reach its memory either. Several children run at once (the
+server sends one request per environment at a time), each answered as it ends: one that runs past
+the checks' limit is killed here (its request gets CallAbandoned), one that ends before it answers
+costs its validation only (ChecklistError). The server kills this process only when an answer is
+overdue all the same.
 
 A child is forked when its request comes, with the request in memory, not ahead of it: a child kept
-ready holds the pages its start copied (about 2 MB), and an environment's check worker runs the whole
+ready holds the pages its start copied (about 2 MB), and a check worker runs the whole
 time a trainer validates, so two kept ready cost 4.4 MB per environment for 4-10 ms less per validation
 (on 2 cores, benchmarks/state_size.py: 5.4 -> 9.9 ms p50 for a 10 KB state, 8.9 -> 19.2 ms for 1.3 MB).
 """
@@ -51,12 +54,12 @@ from servers.workers.wire import (
     HELLO_ID,
     MAX_FRAME_BYTES,
     OK,
+    CheckedEnv,
     CheckerSettings,
     CheckRequest,
     CheckResults,
     FrameReader,
     FrameTooLarge,
-    RunningMarks,
     WorkerFailure,
     decode,
     frame,
@@ -64,29 +67,63 @@ from servers.workers.wire import (
     recv_frame,
 )
 
-# Initial states kept, most recently used last.
+# Initial states kept per environment, most recently used last.
 KEPT_INITIALS = 32
+# How often killed children are looked for while nothing else happens.
+_REAP_EVERY_MS = 50
 # A child's exit status when it could not send its answer (its checks broke its own process).
 _EXIT_UNANSWERED = 70
 
 
-class _Child:
-    """A forked process that runs one request's checks: its pid, and where it writes its answer."""
+class _Env:
+    """What the check worker holds for one environment: its data files, and the initial states it was sent."""
 
-    def __init__(self, pid: int, answers: int) -> None:
+    def __init__(self, env_id: str, settings: CheckedEnv) -> None:
+        self.settings = settings
+        # The data files the initial states name, loaded once and shared by all of them.
+        self.files = DataFiles(settings.bundle_dir, env_id, list_containers=False)
+        self.initials: OrderedDict[str, dict[str, Any]] = OrderedDict()
+
+    def initial(self, request: CheckRequest) -> dict[str, Any] | None:
+        """``request``'s initial state: sent with it (and kept), or kept from an earlier request; None when
+        it names one not kept."""
+        initial = request.initial
+        if request.initial_key is None:
+            if initial is None:
+                raise ChecklistError("the request holds no initial state")
+            return initial
+        if initial is not None:
+            try:
+                initial = self.files.resolved(initial, "the initial state")
+            except BundleError as e:
+                raise ChecklistError(str(e)) from None
+            self.initials[request.initial_key] = initial
+            if len(self.initials) > KEPT_INITIALS:
+                self.initials.popitem(last=False)
+            return initial
+        initial = self.initials.get(request.initial_key)
+        if initial is not None:
+            self.initials.move_to_end(request.initial_key)
+        return initial
+
+
+class _Child:
+    """A forked process that runs one request's checks: its pid, the request it answers, when it is
+    overdue, and the pipe it writes its answer to (what came of it so far)."""
+
+    def __init__(self, pid: int, answers: int, request_id: int, deadline: float, limit_s: float) -> None:
         self.pid = pid
-        self.answers: int | None = answers
+        self.answers = answers
+        self.request_id = request_id
+        self.deadline = deadline
+        self.limit_s = limit_s
+        self.received: list[bytes] = []
+        self.size = 0
         self.status: int | None = None
 
-    def close(self) -> None:
-        """Close this side of its pipe (once)."""
-        if self.answers is not None:
-            os.close(self.answers)
-            self.answers = None
-
     def kill(self) -> None:
-        """Kill the child (nothing it still does counts) and close its pipe."""
-        self.close()
+        """Kill the child (nothing it still does counts) and close this side of its pipe."""
+        os.close(self.answers)
         os.kill(self.pid, signal.SIGKILL)
 
     def reap(self, wait: bool = True) -> int | None:
@@ -99,61 +136,58 @@ class _Child:
 
 
 class Checker:
-    """The initial states held, and a child forked for the checks of each request."""
+    """The environments' initial states, and a child forked for the checks of each request: several run at
+    once (one per environment at most, as the server asks), each answered when it ends, in any order."""
 
     def __init__(self, settings: CheckerSettings, sock: socket.socket) -> None:
         self.settings = settings
         self.sock = sock
-        self.mark = RunningMarks(settings.mark_fd) if settings.mark_fd is not None else None
-        self.initials: OrderedDict[str, dict[str, Any]] = OrderedDict()
-        # The data files the initial states name, loaded once and shared by all of them.
-        self.files = DataFiles(settings.bundle_dir, "the check worker", list_containers=False)
+        self.envs = {env_id: _Env(env_id, env) for env_id, env in settings.envs.items()}
         # Built once here; each child only loads it.
-        self.policy = seccomp_policy() if settings.child_seccomp else None
+        self.policy = seccomp_policy(others=False) if settings.child_seccomp else None
+        # The children running, by the descriptor of their answers' pipe.
+        self.running: dict[int, _Child] = {}
         # Children killed but not reaped yet.
         self.killed: list[_Child] = []
         self.pid = os.getpid()
+        self.poller = select.poll()
+        self.poller.register(sock, select.POLLIN)
+
+    def serve(self) -> None:
+        """Answer requests until the server closes the socket: each is forked as it comes, and answered
+        when its child ends, or once it is overdue (its child killed)."""
+        while True:
+            self.reap_killed()
+            wait_ms = None
+            if self.running:
+                soonest = min(child.deadline for child in self.running.values())
+                wait_ms = max(0, int((soonest - time.monotonic()) * 1000) + 1)
+            if self.killed:
+                wait_ms = min(wait_ms if wait_ms is not None else _REAP_EVERY_MS, _REAP_EVERY_MS)  # no killed child waits for a request to be reaped
+            for fd, _ in self.poller.poll(wait_ms):
+                if fd == self.sock.fileno():
+                    if not _start_one(self):
+                        return
+                elif fd in self.running:
+                    self._receive(self.running[fd])
+            now = time.monotonic()
+            for child in [child for child in self.running.values() if child.deadline <= now]:
+                self._abandon(child)
 
     def reap_killed(self) -> None:
-        """Reap the children that have ended since they were killed: between requests, off their path."""
+        """Reap the children that have ended since they were killed, off any request's path."""
         self.killed = [child for child in self.killed if child.reap(wait=False) is None]
 
-    def check(self, request: CheckRequest) -> tuple[int, bytes]:
-        """(status, payload) of the answer to ``request``: each check's verdict on its states, CheckResults
-        with ``missing_initial`` when its initial state is not held, or a WorkerFailure."""
-        initial = request.initial
-        if request.initial_key is not None:
-            if initial is not None:
-                try:
-                    initial = self.files.resolved(initial, "the initial state")
-                except BundleError as e:
-                    raise ChecklistError(str(e)) from None
-                self.initials[request.initial_key] = initial
-                if len(self.initials) > KEPT_INITIALS:
-                    self.initials.popitem(last=False)
-            else:
-                initial = self.initials.get(request.initial_key)
-                if initial is None:
-                    return OK, json_bytes(CheckResults(missing_initial=True))
-                self.initials.move_to_end(request.initial_key)
+    def start(self, request_id: int, request: CheckRequest) -> bytes | None:
+        """Fork the child that runs ``request``'s checks; the answer itself when none is needed (its
+        initial state is not held: CheckResults with ``missing_initial``)."""
+        env = self.envs.get(request.env_id)
+        if env is None:
+            raise ChecklistError(f"this check worker holds no environment {request.env_id!r}")
+        initial = env.initial(request)
         if initial is None:
-            raise ChecklistError("the request holds no initial state")
-        if self.mark is not None:
-            self.mark.set(0, request.handle)
-        try:
-            child = self._fork(request, initial)
-            return self._answer(child, checks_limit_s(request.checklist, self.settings.check_timeout_s))
-        finally:
-            if self.mark is not None:
-                self.mark.clear(0)
-
-    def _discard(self, child: _Child) -> None:
-        """Kill ``child``; it is reaped between requests (the kernel takes a while to free its memory)."""
-        child.kill()
-        self.killed.append(child)
-
-    def _fork(self, request: CheckRequest, initial: dict[str, Any]) -> _Child:
-        """A child that runs ``request``'s checks on its states (``initial``: its initial state)."""
+            return json_bytes(CheckResults(missing_initial=True))
+        limit_s = checks_limit_s(request.checklist, env.settings.check_timeout_s)
         answer_in, answer_out = os.pipe()
         # The heap so far is the garbage collector's no more: a child's collections do not write (and so
         # copy) every page of it, nor do this process's own. Objects freed by reference counting still are.
@@ -164,40 +198,45 @@ class Checker:
             exit_now = os._exit
             try:
                 os.close(answer_in)
-                self._run_child(request, initial, answer_out)
+                self._run_child(request, env, initial, answer_out)
             finally:
                 exit_now(_EXIT_UNANSWERED)
         os.close(answer_out)
-        return _Child(pid, answer_in)
+        child = _Child(pid, answer_in, request_id, time.monotonic() + limit_s, limit_s)
+        self.running[answer_in] = child
+        self.poller.register(answer_in, select.POLLIN)
+        return None
 
-    def _answer(self, child: _Child, limit_s: float) -> tuple[int, bytes]:
-        """The answer ``child`` writes within ``limit_s``; CallAbandoned past it, ChecklistError when it
-        ends without one."""
+    def _receive(self, child: _Child) -> None:
+        """What ``child`` wrote since; its answer once it closed its pipe (or wrote more than a frame may hold)."""
+        chunk = os.read(child.answers, 1 << 20)
+        child.received.append(chunk)
+        child.size += len(chunk)
+        if chunk and child.size <= HEADER.size + MAX_FRAME_BYTES:
+            return
+        self._stop(child)
         try:
-            data, ended = _read_until_closed(child.answers, time.monotonic() + limit_s)
-        finally:
-            # Its answer is in (or its time is up): nothing it still does counts.
-            self._discard(child)
-        if not ended:
-            raise _Abandoned(f"the checks did not finish within {limit_s:g} s; their process was killed")
-        reader = FrameReader()
-        try:
-            frames = reader.feed(data)
-        except FrameTooLarge as e:
-            raise ChecklistError(f"the checks' process answered {e}") from None
-        if len(frames) != 1 or reader.buffer:
-            raise ChecklistError(f"the checks' process ended without an answer ({_how_it_ended(child.reap())})")
-        _, answer_status, answer = frames[0]
-        if answer_status != OK:
-            # Only ever a checklist error: checks must not pass for the server's other errors (a lost episode).
-            try:
-                message = decode(WorkerFailure, answer).message
-            except (ValueError, RecursionError):
-                message = "the checks' process answered with a malformed error"
-            raise ChecklistError(message)
-        return OK, answer
+            status, answer = OK, _answer(child)
+        except ChecklistError as e:
+            status, answer = FAILED, json_bytes(WorkerFailure(error="ChecklistError", message=str(e)))
+        self.sock.sendall(HEADER.pack(len(answer), child.request_id, status) + answer)
 
-    def _run_child(self, request: CheckRequest, initial: dict[str, Any], answer_out: int) -> None:
+    def _abandon(self, child: _Child) -> None:
+        """Kill ``child``, past its limit, and answer its request with CallAbandoned."""
+        self._stop(child)
+        message = f"the checks did not finish within {child.limit_s:g} s; their process was killed"
+        answer = json_bytes(WorkerFailure(error="CallAbandoned", message=message))
+        self.sock.sendall(HEADER.pack(len(answer), child.request_id, FAILED) + answer)
+
+    def _stop(self, child: _Child) -> None:
+        """Kill ``child``: its answer is in, or its time is up, and nothing it still does counts. It is reaped
+        between requests (the kernel takes a while to free its memory)."""
+        del self.running[child.answers]
+        self.poller.unregister(child.answers)
+        child.kill()
+        self.killed.append(child)
+
+    def _run_child(self, request: CheckRequest, env: _Env, initial: dict[str, Any], answer_out: int) -> None:
         """The child's whole life: confine itself, run the checks, write the answer to ``answer_out``, exit."""
         if not self.settings.child_seccomp:
             # Unsandboxed, nothing else ends this process if the zygote dies. In the sandbox (where the child
@@ -206,15 +245,15 @@ class Checker:
             die_with_parent(signal.SIGKILL)
             if os.getppid() != self.pid:
                 os._exit(0)  # the zygote died before the kernel was asked to end this process with it
-        # The server's socket and the marks page are the zygote's: the checks reach neither.
+        # The server's socket, and the other checks' pipes, are the zygote's: the checks reach none of them.
         self.sock.close()
-        if self.mark is not None:
-            self.mark.close()
+        for fd in self.running:
+            os.close(fd)
         problem = self._confine()
         try:
             if problem is not None:
                 raise ChecklistError(problem)
-            answer: Any = CheckResults(checks=self._checks(request, initial))
+            answer: Any = CheckResults(checks=_checks(request, env, initial))
             status = OK
         except ChecklistError as e:
             answer, status = WorkerFailure(error="ChecklistError", message=str(e)), FAILED
@@ -223,7 +262,7 @@ class Checker:
         os._exit(0)
 
     def _confine(self) -> str | None:
-        """Load the no-new-processes policy, if any; why it could not be, or None."""
+        """Load the policy (no new processes, no reach into others), if any; why it could not be, or None."""
         if self.policy is not None:
             try:
                 self.policy.load()
@@ -231,38 +270,35 @@ class Checker:
                 return f"the checks' process could not take new processes away from itself: {e}"
         return None
 
-    def _checks(self, request: CheckRequest, initial: dict[str, Any]) -> list[Any]:
+
+def _checks(request: CheckRequest, env: _Env, initial: dict[str, Any]) -> list[Any]:
+    try:
+        final = apply_changes(initial, request.changes) if request.changes is not None else request.final
+    except ValueError as e:
+        raise ChecklistError(f"the episode's changes do not fit its initial state: {e}") from None
+    if final is None:
+        raise ChecklistError("the request holds no final state")
+    return check_states(request.checklist, final, initial, env.settings.check_timeout_s, request.context)
+
+
+def _answer(child: _Child) -> bytes:
+    """The answer ``child`` (killed) wrote before it closed its pipe; ChecklistError when it ended without one."""
+    reader = FrameReader()
+    try:
+        frames = reader.feed(b"".join(child.received))
+    except FrameTooLarge as e:
+        raise ChecklistError(f"the checks' process answered {e}") from None
+    if len(frames) != 1 or reader.buffer:
+        raise ChecklistError(f"the checks' process ended without an answer ({_how_it_ended(child.reap())})")
+    _, answer_status, answer = frames[0]
+    if answer_status != OK:
+        # Only ever a checklist error: checks must not pass for the server's other errors (a lost episode).
         try:
-            final = apply_changes(initial, request.changes) if request.changes is not None else request.final
-        except ValueError as e:
-            raise ChecklistError(f"the episode's changes do not fit its initial state: {e}") from None
-        if final is None:
-            raise ChecklistError("the request holds no final state")
-        return check_states(request.checklist, final, initial, self.settings.check_timeout_s, request.context)
-
-
-class _Abandoned(Exception):
-    """The checks ran past their limit (the server's CallAbandoned)."""
-
-
-def _read_until_closed(fd: int, deadline: float) -> tuple[bytes, bool]:
-    """What was written to ``fd`` until its writer closed it or wrote more than a frame may hold (True),
-    or until ``deadline`` (False)."""
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0 or not poller.poll(int(left * 1000) + 1):
-            return b"".join(chunks), False
-        chunk = os.read(fd, 1 << 20)
-        if not chunk:
-            return b"".join(chunks), True
-        chunks.append(chunk)
-        size += len(chunk)
-        if size > HEADER.size + MAX_FRAME_BYTES:
-            return b"".join(chunks), True
+            message = decode(WorkerFailure, answer).message
+        except (ValueError, RecursionError):
+            message = "the checks' process answered with a malformed error"
+        raise ChecklistError(message)
+    return answer
 
 
 def _how_it_ended(status: int) -> str:
@@ -273,14 +309,15 @@ def _how_it_ended(status: int) -> str:
 
 
 def run_checker(sock: socket.socket) -> None:
-    """Answer check requests, one at a time, until the server closes the socket."""
+    """Answer check requests until the server closes the socket."""
     settings = read_settings(sock, CheckerSettings)
     protect_time_limits()
     keep_alarm_handler()
     checker = Checker(settings, sock)
     try:
-        for name in settings.data_files:
-            checker.files.load(name, "a scenario's init_config")
+        for env in checker.envs.values():
+            for name in env.settings.data_files:
+                env.files.load(name, "a scenario's init_config")
     except BundleError as e:
         sock.sendall(frame(HELLO_ID, WorkerFailure(error="BundleError", message=str(e)), FAILED))
         raise SystemExit(1) from None
@@ -289,28 +326,27 @@ def run_checker(sock: socket.socket) -> None:
     # its /proc/PID/mem beyond their reach, or check code could rewrite the zygote that forks every later validation.
     make_undumpable()
     sock.sendall(frame(HELLO_ID, {}))
-    while True:
-        checker.reap_killed()
-        if not _answer_one(checker, sock):
-            return
+    checker.serve()
 
 
-def _answer_one(checker: Checker, sock: socket.socket) -> bool:
-    """Read one request and answer it; False when the server closed the socket instead. A function of its
-    own so that nothing of the request outlives it: the child forked for the next holds no other episode's data."""
+def _start_one(checker: Checker) -> bool:
+    """Read one request and fork its child (or answer it at once); False when the server closed the socket
+    instead. A function of its own so that nothing of the request outlives it: the children forked for the
+    next ones hold no other episode's data."""
     try:
-        request_id, _, payload = recv_frame(sock)
+        request_id, _, payload = recv_frame(checker.sock)
     except EOFError:
         return False
     try:
-        status, answer = checker.check(decode(CheckRequest, payload))
+        answer = checker.start(request_id, decode(CheckRequest, payload))
+        if answer is None:
+            return True
+        status = OK
     except ChecklistError as e:
         status, answer = FAILED, json_bytes(WorkerFailure(error="ChecklistError", message=str(e)))
-    except _Abandoned as e:
-        status, answer = FAILED, json_bytes(WorkerFailure(error="CallAbandoned", message=str(e)))
     except (ValueError, RecursionError) as e:
         status, answer = FAILED, json_bytes(WorkerFailure(error="ChecklistError", message=f"unreadable check request: {e}"))
-    sock.sendall(HEADER.pack(len(answer), request_id, status) + answer)
+    checker.sock.sendall(HEADER.pack(len(answer), request_id, status) + answer)
     return True
 
 

@@ -92,6 +92,8 @@ log = logging.getLogger("envscaler.server")
 
 GRACE_S = 2.0
 """How long past a request's own limit the child may take to answer before it counts as frozen."""
+CAUGHT_UP_TRIES = 4
+"""How many times a request is asked in all, at most, when the child keeps falling under it without blaming it."""
 START_TIMEOUT_S = 60.0
 _TICK_S = 0.1
 _EXIT_STATUS_WAIT_S = 0.2

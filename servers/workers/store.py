@@ -37,16 +37,16 @@ from typing import Any, TypeVar
 
 from envscaler import Bundle, EnvCodeError, Episode, Scenario, ToolOutcome
 from envscaler.cgroups import ChildGroup, GroupLimits, combined
-from envscaler.data_files import data_folders, data_megabytes, references
+from envscaler.data_files import data_folders, data_megabytes
 from envscaler.models import CheckContext, CheckItem, CheckResult, ToolAnnotations, ToolSchema
 from envscaler.sandbox import CHILD_TASKS
 from envscaler.wire import WorkerResources
 from servers.memory import memory_status
 from servers.episodes.store import ABANDON_GRACE_S, CallStats, EpisodeRegistry, LiveEpisode, checks_limit_s
 from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, Overloaded, UnknownEpisode
-from servers.workers.process import START_TIMEOUT_S, Turn, WorkerGone, WorkerProcess
+from servers.workers.checks import CHECK_IDLE_S, START_S_PER_DATA_MB, CheckWorker
+from servers.workers.process import CAUGHT_UP_TRIES, START_TIMEOUT_S, Turn, WorkerGone, WorkerProcess
 from servers.workers.wire import (
-    CheckerSettings,
     CheckRequest,
     CheckResults,
     EpisodeFinal,
@@ -65,18 +65,6 @@ log = logging.getLogger("envscaler.server")
 T = TypeVar("T")
 
 ROLE = "environment worker"
-# Each worker loads (and the environment worker hashes) the data files at its start: a second more per MB to say hello.
-START_S_PER_DATA_MB = 1.0
-
-CHECK_IDLE_S = 30.0
-"""How long the check worker may sit idle before it is stopped (the next validation starts it again).
-
-A harness validates each episode once, after minutes of tool calls, so between validations an
-environment holds nothing for checks (the worker: about 4 MB), while a burst of validations (a batch
-ending, a trainer's group of rollouts) finishes on the worker the first one started. A start is a fork from the server's spawner: it adds
-milliseconds to the validation that needs it, and the data files' loading where there are some."""
-# How many times a request is asked in all, at most, when the worker keeps falling under it without blaming it.
-CAUGHT_UP_TRIES = 4
 
 
 class _History:
@@ -94,33 +82,27 @@ class WorkerEpisodeStore(EpisodeRegistry):
     """Episodes whose state lives in a worker process (see the module's doc)."""
 
     def __init__(self, bundle: Bundle, settings: WorkerSettings, *, sandbox: bool, group: GroupLimits | None = None,
-                 check_idle_s: float | None = CHECK_IDLE_S, **limits: Any) -> None:
+                 checks: CheckWorker | None = None, check_idle_s: float | None = CHECK_IDLE_S, **limits: Any) -> None:
         super().__init__(bundle, **limits)
         mark = RunningMarks()
         self.settings = settings = settings.model_copy(update={"mark_fd": mark.fd})
-        # A control group per worker, each with the environment's limits: its memory, tasks and CPU share
-        # counted, and an environment worker that fills its memory cannot starve the checks.
-        self.groups = [ChildGroup.create(group, self.env_id, role) for role in ("env", "checks")] if sandbox and group is not None else [None, None]
-        tasks = group.pids if group is not None else CHILD_TASKS
-        shared = dict(sandbox=sandbox, env_id=self.env_id, tasks=tasks, readable=data_folders(bundle),
-                      start_timeout_s=START_TIMEOUT_S + START_S_PER_DATA_MB * data_megabytes(bundle))
-        # The memory the workers may hold together, when their control group counts it (else the server's own limit holds).
-        self.memory_limit_mb = group.memory_mb if self.groups[0] is not None and group is not None else None
+        # A control group for the environment worker, with the environment's limits: its memory, tasks and CPU share
+        # counted, and a worker that fills its memory cannot starve the checks (in a group of their own).
+        self.group = ChildGroup.create(group, self.env_id, "env") if sandbox and group is not None else None
+        # The memory the worker may hold, when its control group counts it (else the server's own limit holds).
+        self.memory_limit_mb = group.memory_mb if self.group is not None and group is not None else None
         try:
             self.worker = WorkerProcess("servers.workers.env_worker", settings, role=ROLE, on_lost=self._worker_lost, mark=mark,
-                                        group=self.groups[0], queue_wait_s=settings.queue_wait_s, **shared)
+                                        group=self.group, queue_wait_s=settings.queue_wait_s, sandbox=sandbox, env_id=self.env_id,
+                                        tasks=group.pids if group is not None else CHILD_TASKS, readable=data_folders(bundle),
+                                        start_timeout_s=START_TIMEOUT_S + START_S_PER_DATA_MB * data_megabytes(bundle))
         except OutOfMemory as e:
             self.close_groups()
             raise OutOfMemory(self._out_of_memory(None, "as it started", str(e))) from None
-        check_mark = RunningMarks()
-        # A zygote that forks a process for each validation's checks: its sandbox lets it fork, and each
-        # child takes that away from itself before any check code runs.
-        checker_settings = CheckerSettings(check_timeout_s=settings.check_timeout_s, mark_fd=check_mark.fd, child_seccomp=sandbox,
-                                           bundle_dir=bundle.directory,
-                                           data_files=sorted({name for s in bundle.scenarios for name in references(s.init_config).values()}))
-        self.checker = WorkerProcess("servers.workers.check_worker", checker_settings, role="check worker", on_lost=self._checker_lost,
-                                     mark=check_mark, lazy=True, idle_s=check_idle_s, new_processes=True, group=self.groups[1],
-                                     **shared)
+        # The server's check worker (one for all its environments), or one of its own.
+        self.checks = checks if checks is not None else CheckWorker([(bundle, settings.check_timeout_s)], sandbox=sandbox, group=group,
+                                                                    idle_s=check_idle_s)
+        self.checks.joins(self.env_id)
         self._checking = asyncio.Lock()
         hello = decode(WorkerHello, self.worker.hello)
         self._tools, self._annotations = hello.tools, hello.annotations
@@ -158,9 +140,6 @@ class WorkerEpisodeStore(EpisodeRegistry):
         log.error("environment out of memory", extra={"env": self.env_id, "episode": episode_id, "tool": tool, "limit_mb": limit_mb,
                                                        "error": message})
         return message
-
-    def _checker_lost(self, reason: str) -> None:
-        log.error("check worker lost", extra={"env": self.env_id, "reason": reason})
 
     async def _ensure_built(self, live: LiveEpisode) -> None:
         """Rebuild ``live`` in the current worker if its state went with a lost one (``live.lock`` is held);
@@ -294,8 +273,10 @@ class WorkerEpisodeStore(EpisodeRegistry):
                                         "episodes_lost": self.lost, "worker_resources": self.resources()})
 
     def resources(self) -> WorkerResources:
-        """What the workers hold together (their control groups' counts), and the user the environment worker runs as."""
-        usage = combined([group for group in self.groups if group is not None]) or WorkerResources(counted_by="none")
+        """What the workers hold together (their control groups' counts: the check worker's where it is this
+        environment's alone), and the user the environment worker runs as."""
+        groups = [self.group, None if self.checks.shared else self.checks.group]
+        usage = combined([group for group in groups if group is not None]) or WorkerResources(counted_by="none")
         return usage.model_copy(update={"uid": self.worker.uid})
 
     async def state(self, live: LiveEpisode) -> dict[str, Any]:
@@ -363,7 +344,7 @@ class WorkerEpisodeStore(EpisodeRegistry):
         final = await self._read(live, "final", "the final state", partial(decode, EpisodeFinal))
         if not checklist:
             return [], final.state_hash
-        request = CheckRequest(handle=self._handles[live.episode_id], checklist=checklist, initial_key=final.initial_hash,
+        request = CheckRequest(env_id=self.env_id, handle=self._handles[live.episode_id], checklist=checklist, initial_key=final.initial_hash,
                                changes=final.changes, final=final.final, initial=final.initial, context=context)
         results = await self._check(request, live.episode_id)
         if results.missing_initial:
@@ -372,11 +353,11 @@ class WorkerEpisodeStore(EpisodeRegistry):
         return results.checks, final.state_hash
 
     async def _check(self, request: CheckRequest, episode_id: str) -> CheckResults:
-        """The check worker's verdicts, one request at a time (a request's deadline runs from when it is sent)."""
+        """The check worker's verdicts, one request of this environment's at a time (a request's deadline runs from when it is sent)."""
         limit = checks_limit_s(request.checklist, self.settings.check_timeout_s)
         async with self._checking:
             try:
-                payload = await self.checker.ask(request, limit, "the checks", request.handle)
+                payload = await self.checks.ask(request, limit)
             except WorkerGone as e:
                 if e.out_of_memory:
                     raise OutOfMemory(self._out_of_memory(episode_id, "in its checks", str(e))) from None
@@ -398,11 +379,10 @@ class WorkerEpisodeStore(EpisodeRegistry):
     def close(self) -> None:
         """Stop the workers (the server is shutting down)."""
         self.worker.close()
-        self.checker.close()
+        self.checks.leaves(self.env_id)
         self.close_groups()
 
     def close_groups(self) -> None:
-        """Remove the workers' control groups."""
-        for group in self.groups:
-            if group is not None:
-                group.remove()
+        """Remove the environment worker's control group."""
+        if self.group is not None:
+            self.group.remove()

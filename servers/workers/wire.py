@@ -112,25 +112,32 @@ class EpisodeFinal(BaseModel):
     initial: dict[str, Any] | None = None
 
 
-class CheckerSettings(BaseModel):
-    """What the check worker is told when it starts."""
+class CheckedEnv(BaseModel):
+    """One environment whose checks a check worker runs."""
 
     check_timeout_s: float
-    mark_fd: int | None = None
-    # Each check's process loads the no-new-processes seccomp policy: the sandbox lets the worker fork.
-    child_seccomp: bool = False
     # The bundle's folder, whose data files the initial states it is sent name (``envscaler.data_files``),
     # and the files its scenarios name: loaded at start, so that loading never counts against a check's limit.
     bundle_dir: Path | None = None
     data_files: list[str] = []
 
 
+class CheckerSettings(BaseModel):
+    """What the check worker is told when it starts: the environments it checks for, by env_id (every
+    environment of a server process shares one check worker)."""
+
+    envs: dict[str, CheckedEnv]
+    # Each check's process loads the no-new-processes seccomp policy: the sandbox lets the worker fork.
+    child_seccomp: bool = False
+
+
 class CheckRequest(BaseModel):
     """One episode's checks, for the check worker: the final state is ``final``, or ``changes`` made to
     the initial state ``initial_key`` (sent in ``initial`` when the check worker does not hold it; a top-level
     value that is a data file's content is sent as the file's reference, ``envscaler.data_files``).
-    ``handle`` names the episode, as in :class:`WorkerRequest`."""
+    ``handle`` names the episode, as in :class:`WorkerRequest`; ``env_id`` its environment."""
 
+    env_id: str
     handle: str
     checklist: list[CheckItem]
     initial_key: str | None = None
