@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ import pytest
 from envscaler.confine import HANDED_OVER_NAME, HAND_OVER_TIMEOUT_S, become_subreaper, confine, confine_problem, run_confined, taken_over
 from envscaler.sandbox import CONFINED_UID_BASE, sandbox_plan
 from envscaler.seccomp import seccomp_bpf
+from servers.farm.backends.ray_node import node_confine_problem
 
 needs_confinement = pytest.mark.skipif(confine_problem() is not None, reason=f"no confinement here: {confine_problem()}")
 
@@ -168,3 +170,15 @@ def test_a_child_that_ends_or_stalls_without_handing_over_a_sandbox_is_the_proce
             os.close(handed)
             os.kill(child, 9)
             os.waitpid(child, 0)
+
+
+@needs_confinement
+def test_a_ray_node_asks_a_fresh_interpreter_whether_its_servers_can_confine_their_workers(monkeypatch, tmp_path):
+    # No bubblewrap on the PATH: the servers' workers confine themselves, and need none.
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert node_confine_problem() is None
+    broken = tmp_path / "python"
+    broken.write_text("#!/bin/sh\necho 'no interpreter here' >&2\nexit 3\n")
+    broken.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(broken))
+    assert node_confine_problem() == "its sandbox probe failed: no interpreter here"

@@ -15,13 +15,14 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
 
 from pydantic import BaseModel
 
-from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment, sandbox_problem
+from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment
 from servers.episodes.ids import new_replica_id
 from servers.farm.backends.process import describe_exit, log_tail, server_preexec
 from servers.farm.backends.spawning import listening_line, serve_command
@@ -166,6 +167,20 @@ def _read_ready_port(fd: int) -> int | None:
     return None if ready is None else ready.get("port")
 
 
+def node_confine_problem() -> str | None:
+    """Why this node's servers could not confine their workers (``envscaler.confine.confine_problem``: user
+    namespaces and seccomp, no bubblewrap needed), or None. Asked of a fresh interpreter with the servers'
+    environment: the probe forks, which this actor's process, with its threads, must not."""
+    probe = "from envscaler.confine import confine_problem; print(confine_problem() or '', end='')"
+    try:
+        done = subprocess.run([sys.executable, "-c", probe], env=clean_environment(), capture_output=True, text=True, timeout=_LISTEN_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"its sandbox probe could not run: {e}"
+    if done.returncode != 0:
+        return f"its sandbox probe failed: {done.stderr.strip()[-500:] or f'exit status {done.returncode}'}"
+    return done.stdout or None
+
+
 class EnvGroup:
     """A few environments' servers on the node Ray placed this actor on (a Ray actor class).
 
@@ -183,9 +198,8 @@ class EnvGroup:
         self.node = f"{self.address} (node {self.node_id[:12]})"
         self.problems: dict[str, str | None] = {}
         unsandboxed = None
-        if any(start.sandbox for start in starts) and (problem := sandbox_problem()) is not None:
-            unsandboxed = (f"node {self.node} cannot sandbox environment code ({problem}); install bubblewrap there, "
-                           "or start the farm with --no-sandbox")
+        if any(start.sandbox for start in starts) and (problem := node_confine_problem()) is not None:
+            unsandboxed = f"node {self.node} cannot sandbox environment code ({problem}); start the farm with --no-sandbox to run it there unsandboxed"
         for start, files in zip(starts, bundles):
             self.problems[start.env_id] = unsandboxed or self._write(start, files)
         self._lock = threading.Lock()
