@@ -27,6 +27,7 @@ import pytest
 
 from envscaler.bundle import load_bundle
 from envscaler.sandbox import sandbox_problem
+from servers.workers.env_worker import THREAD_CHECK_S
 from servers.workers.process import GRACE_S
 from servers.workers.store import WorkerEpisodeStore
 from servers.workers.wire import WorkerSettings
@@ -316,6 +317,33 @@ def test_a_call_whose_thread_cannot_be_stopped_is_undone_with_its_worker(bundle)
         assert worker_pid(http, episode) != before
         assert count_of(http, episode) == 1
         assert http.get("/info").json()["stuck_calls"] == 0
+
+
+def test_an_idle_worker_does_not_wake(bundle):
+    # It looks for threads that environment code left running only while such code may have run since its last look.
+    with serve(bundle) as server, server.client() as http:
+        episode = new_episode(http)
+        assert not call(http, episode, "add", {"item_id": "a"})["isError"]
+        (worker,) = [pid for pid in descendants(server.process.pid) if Path(f"/proc/{pid}/comm").read_text().strip() == "env-worker"]
+        time.sleep(3 * THREAD_CHECK_S)  # its looks after the call
+        before = wakeups(worker)
+        time.sleep(4 * THREAD_CHECK_S)
+        assert wakeups(worker) == before
+        assert count_of(http, episode) == 1
+
+
+def descendants(pid: int) -> list[int]:
+    found = children(pid)
+    return found + [grandchild for child in found for grandchild in descendants(child)]
+
+
+def wakeups(pid: int) -> int:
+    """How many times process ``pid``'s threads have gone to sleep and woken so far."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        status = (task / "status").read_text()
+        total += int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+    return total
 
 
 def test_environment_code_that_patches_the_checker_does_not_decide_its_reward(bundle):
