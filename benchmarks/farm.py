@@ -56,7 +56,7 @@ import httpx
 
 from common import Memory, Verdict, argument_parser, cpu_seconds, describe_memory, envscaler, memory, report, tree_cpu_seconds, tree_memory
 
-from agent_client.models import RecordHead
+from agent_client.models import Record, RecordHead
 from envscaler import load_bundle
 from servers.farm.backends.images import docker_answers
 from tests.support.farm import catalog_copies
@@ -199,6 +199,12 @@ def replay_all(catalog: Path, scratch: Path) -> Replay:
     records = [RecordHead.model_validate_json(line) for line in out.read_text().splitlines()] if out.exists() else []
     if done.returncode not in (0, 1) or not records:
         print(f"replay: run exited {done.returncode}: {done.stderr[-2000:]}")
+    for line in out.read_text().splitlines() if out.exists() else []:
+        record = RecordHead.model_validate_json(line)
+        if record.reward != 1.0:  # named, with why: a replay that scores less is a bug to find
+            whole = Record.model_validate_json(line)
+            failed = [check.check_item + (f" ({check.error})" if check.error else "") for check in whole.checks if not check.passed]
+            print(f"replay: {record.env_id}/{record.task_id} scored {record.reward} ({record.termination}): {whole.error or failed}")
     steps = sum(record.steps for record in records)
     return Replay(len(records), sum(1 for record in records if record.reward == 1.0), steps, seconds, procs, farm_cpu_s, harness_cpu_s)
 
