@@ -196,9 +196,11 @@ class EnvServerApp:
         await send({"type": "lifespan.shutdown.complete"})
 
     async def _expire_idle_forever(self) -> None:
-        # Often enough for short leases (a harness's, a minute or two) to end within seconds of running out.
+        # Often enough for short leases (a harness's, a minute or two) to end within seconds of running out;
+        # never while no episode is held, so that an idle server does not wake.
         interval = min(max(self.config.idle_ttl_s / 4, 0.5), 5.0)
         while True:
+            await self.store.held.wait()
             await anyio.sleep(interval)
             self.store.expire_idle()
 

@@ -319,17 +319,21 @@ def test_a_call_whose_thread_cannot_be_stopped_is_undone_with_its_worker(bundle)
         assert http.get("/info").json()["stuck_calls"] == 0
 
 
-def test_an_idle_worker_does_not_wake(bundle):
-    # It looks for threads that environment code left running only while such code may have run since its last look.
-    with serve(bundle) as server, server.client() as http:
-        episode = new_episode(http)
-        assert not call(http, episode, "add", {"item_id": "a"})["isError"]
+def test_an_idle_server_and_its_worker_do_not_wake(bundle):
+    # The worker looks for threads left running only while environment code may have run since its last look;
+    # the server sweeps connections only while it holds some, and looks for expired episodes while it holds some.
+    with serve(bundle) as server:
+        with server.client() as http:
+            episode = new_episode(http)
+            assert not call(http, episode, "add", {"item_id": "a"})["isError"]
+            assert http.delete(f"/episodes/{episode}").status_code == 200
         (worker,) = [pid for pid in descendants(server.process.pid) if Path(f"/proc/{pid}/comm").read_text().strip() == "env-worker"]
-        time.sleep(3 * THREAD_CHECK_S)  # its looks after the call
-        before = wakeups(worker)
+        time.sleep(3 * THREAD_CHECK_S)  # the worker's looks after the call, the server's last sweep
+        before = [wakeups(server.process.pid), wakeups(worker)]
         time.sleep(4 * THREAD_CHECK_S)
-        assert wakeups(worker) == before
-        assert count_of(http, episode) == 1
+        assert [wakeups(server.process.pid), wakeups(worker)] == before
+        with server.client() as http:
+            assert http.get("/healthz").status_code == 200
 
 
 def descendants(pid: int) -> list[int]:

@@ -212,6 +212,8 @@ class EpisodeRegistry:
         self.max_episodes = max_episodes
         self.idle_ttl_s = idle_ttl_s
         self.episodes: dict[str, LiveEpisode] = {}
+        # Set while any episode is held (what waits for one to expire sleeps otherwise).
+        self.held = asyncio.Event()
         self.scenarios = {s.task_id: s for s in bundle.scenarios}
         self.memory_reserve_mb = memory_reserve_mb
         self.max_trajectory_chars = max_trajectory_chars
@@ -306,6 +308,7 @@ class EpisodeRegistry:
             self._release(live)
             self._check_room()
         self.episodes[live.episode_id] = live
+        self.held.set()
         log.info("episode created", extra={"env": self.env_id, "episode": live.episode_id, "scenario": scenario_id})
         return live
 
@@ -342,9 +345,15 @@ class EpisodeRegistry:
         live = self.episodes.pop(episode_id, None)
         if live is None:
             raise self._missing(episode_id)
-        self._release(live)
+        self._released(live)
         log.info("episode ended", extra={"env": self.env_id, "episode": episode_id, "calls": len(live.calls)})
         return live
+
+    def _released(self, live: LiveEpisode) -> None:
+        """Release ``live``, taken out of :attr:`episodes`."""
+        self._release(live)
+        if not self.episodes:
+            self.held.clear()
 
     def expire_idle(self) -> int:
         """End episodes idle for longer than their lease (else the TTL); returns how many."""
@@ -352,7 +361,7 @@ class EpisodeRegistry:
         stale = [eid for eid, live in self.episodes.items()
                  if live.last_used < now - min(live.lease_s or self.idle_ttl_s, self.idle_ttl_s) and not live.lock.locked()]
         for episode_id in stale:
-            self._release(self.episodes.pop(episode_id))
+            self._released(self.episodes.pop(episode_id))
             log.info("episode expired", extra={"env": self.env_id, "episode": episode_id})
         self.expired += len(stale)
         return len(stale)

@@ -122,6 +122,8 @@ class HttpServer:
         self.refused: dict[str, int] = {}
         # Made here, not in ``serve``: a stop asked for while the server starts is kept.
         self._stop = asyncio.Event()
+        # Set while connections are held: the sweep below sleeps through the time when there are none.
+        self._connected = asyncio.Event()
 
     def stop(self) -> None:
         """Begin the graceful stop (call it on the server's event loop)."""
@@ -168,9 +170,13 @@ class HttpServer:
             connection.close()
 
     async def _close_idle_forever(self) -> None:
-        # One sweep a second instead of a timer per request: timeouts are kept to within a second.
+        # One sweep a second instead of a timer per request: timeouts are kept to within a second. None while
+        # no connection is held: an idle server does not wake (a farm's thousand servers would, a thousand times a second).
         bounds = self.bounds
         while True:
+            if not self.connections:
+                self._connected.clear()
+                await self._connected.wait()
             await asyncio.sleep(min(_SWEEP_S, self.keep_alive_s, 1.0))
             now = time.monotonic()
             for connection in list(self.connections):
@@ -189,6 +195,10 @@ class HttpServer:
             if self.buffered_peak - self.buffered_bytes > _TRIM_AFTER_BYTES:
                 release_free_memory()  # what a flood of bodies held goes back, not only to this process's heap
                 self.buffered_peak = self.buffered_bytes
+
+    def connected(self) -> None:
+        """A connection is held now: the sweep of idle and slow connections runs again."""
+        self._connected.set()
 
     def count(self, why: str) -> None:
         """Count a connection refused or cut for ``why``."""
@@ -268,6 +278,7 @@ class _Connection(asyncio.Protocol):
             return
         server.per_client[host] = server.per_client.get(host, 0) + 1
         server.connections.add(self)
+        server.connected()
 
     def _turn_away(self, why: str, message: str) -> None:
         self.server.count(why)
