@@ -368,7 +368,9 @@ def test_ctrl_c_while_a_command_starts_is_one_line(after_s, tmp_path):
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=60)
     assert "Traceback" not in stderr, stderr
-    assert process.returncode == 130 and stderr.strip().splitlines()[-1] == "interrupted", (process.returncode, stderr)
+    # 130, or ended by the signal itself, which a shell reports as 130 too (128 + SIGINT): seen once on a loaded
+    # machine, where the interpreter let the signal end it after the command had said "interrupted".
+    assert process.returncode in (130, -signal.SIGINT) and stderr.strip().splitlines()[-1] == "interrupted", (process.returncode, stderr)
 
 
 def test_demo_says_when_environment_code_runs_unsandboxed(tmp_path):
