@@ -218,15 +218,18 @@ class Checker:
         try:
             status, answer = OK, _answer(child)
         except ChecklistError as e:
-            status, answer = FAILED, json_bytes(WorkerFailure(error="ChecklistError", message=str(e)))
-        self.sock.sendall(HEADER.pack(len(answer), child.request_id, status) + answer)
+            status, answer = FAILED, _failure("ChecklistError", str(e))
+        self.reply(child.request_id, status, answer)
 
     def _abandon(self, child: _Child) -> None:
         """Kill ``child``, past its limit, and answer its request with CallAbandoned."""
         self._stop(child)
-        message = f"the checks did not finish within {child.limit_s:g} s; their process was killed"
-        answer = json_bytes(WorkerFailure(error="CallAbandoned", message=message))
-        self.sock.sendall(HEADER.pack(len(answer), child.request_id, FAILED) + answer)
+        self.reply(child.request_id, FAILED,
+                   _failure("CallAbandoned", f"the checks did not finish within {child.limit_s:g} s; their process was killed"))
+
+    def reply(self, request_id: int, status: int, payload: bytes) -> None:
+        """Send the server the answer to request ``request_id``: ``payload``, JSON already (a child's, passed on as it is)."""
+        self.sock.sendall(HEADER.pack(len(payload), request_id, status) + payload)
 
     def _stop(self, child: _Child) -> None:
         """Kill ``child``: its answer is in, or its time is up, and nothing it still does counts. It is reaped
@@ -301,6 +304,11 @@ def _answer(child: _Child) -> bytes:
     return answer
 
 
+def _failure(error: str, message: str) -> bytes:
+    """The JSON of a failed request's answer: the server raises ``error`` (an error class's name) with ``message``."""
+    return json_bytes(WorkerFailure(error=error, message=message))
+
+
 def _how_it_ended(status: int) -> str:
     code = os.waitstatus_to_exitcode(status)
     if code < 0:
@@ -343,10 +351,10 @@ def _start_one(checker: Checker) -> bool:
             return True
         status = OK
     except ChecklistError as e:
-        status, answer = FAILED, json_bytes(WorkerFailure(error="ChecklistError", message=str(e)))
+        status, answer = FAILED, _failure("ChecklistError", str(e))
     except (ValueError, RecursionError) as e:
-        status, answer = FAILED, json_bytes(WorkerFailure(error="ChecklistError", message=f"unreadable check request: {e}"))
-    checker.sock.sendall(HEADER.pack(len(answer), request_id, status) + answer)
+        status, answer = FAILED, _failure("ChecklistError", f"unreadable check request: {e}")
+    checker.reply(request_id, status, answer)
     return True
 
 

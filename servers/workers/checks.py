@@ -50,31 +50,29 @@ class CheckWorker:
 
     def __init__(self, envs: list[tuple[Bundle, float]], *, sandbox: bool, group: GroupLimits | None = None,
                  idle_s: float | None = CHECK_IDLE_S) -> None:
-        env_ids = [bundle.env_id for bundle, _ in envs]
-        self._members: set[str] = set()
-        self.env_ids = env_ids
-        # The name it goes by in logs and in its control group's: its one environment's, else all of theirs.
-        name = "+".join(env_ids)
-        shared_group = group.model_copy(update={"cpu_weight": group.cpu_weight * len(envs)}) if group is not None else None
-        self.group = ChildGroup.create(shared_group, name, "checks") if sandbox and shared_group is not None else None
         self._checked = {bundle.env_id: checked_env(bundle, limit_s) for bundle, limit_s in envs}
+        self._members: set[str] = set()
+        # The name it goes by in logs and in its control group's: its one environment's, else all of theirs.
+        self.name = "+".join(self._checked)
+        shared_group = group.model_copy(update={"cpu_weight": group.cpu_weight * len(envs)}) if group is not None else None
+        self.group = ChildGroup.create(shared_group, self.name, "checks") if sandbox and shared_group is not None else None
         self._sandbox = sandbox
         readable = tuple(dict.fromkeys(folder for bundle, _ in envs for folder in data_folders(bundle)))
         start_timeout_s = START_TIMEOUT_S + START_S_PER_DATA_MB * sum(data_megabytes(bundle) for bundle, _ in envs)
         self.process = WorkerProcess("servers.workers.check_worker", self._settings(), role="check worker", on_lost=self._lost, lazy=True,
-                                     idle_s=idle_s, new_processes=True, group=self.group, sandbox=sandbox, env_id=name,
+                                     idle_s=idle_s, new_processes=True, group=self.group, sandbox=sandbox, env_id=self.name,
                                      tasks=group.pids if group is not None else CHILD_TASKS, readable=readable,
                                      start_timeout_s=start_timeout_s)
 
     @property
     def shared(self) -> bool:
         """Whether it checks for more than one environment."""
-        return len(self.env_ids) > 1
+        return len(self._checked) > 1
 
     def joins(self, env_id: str) -> None:
         """Environment ``env_id``'s store uses it from now on."""
-        if env_id not in self.env_ids:
-            raise ValueError(f"this check worker was made for {self.env_ids}, not for {env_id!r}")
+        if env_id not in self._checked:
+            raise ValueError(f"this check worker was made for {list(self._checked)}, not for {env_id!r}")
         self._members.add(env_id)
         # Only the environments that joined: one that could not be served (its data files broken, say) must not
         # keep the others' checks from starting.
@@ -107,4 +105,4 @@ class CheckWorker:
                     tries, turn = tries + 1, e.turn
 
     def _lost(self, reason: str) -> None:
-        log.error("check worker lost", extra={"env": "+".join(self.env_ids), "reason": reason})
+        log.error("check worker lost", extra={"env": self.name, "reason": reason})
