@@ -123,6 +123,19 @@ def tree_cpu_seconds(pid: int) -> float:
     return sum(_cpu_ticks(member, with_children=True) for member in process_tree(pid)) / CLOCK_TICKS
 
 
+def tree_cpu_by_name(pid: int) -> dict[str, float]:
+    """:func:`tree_cpu_seconds` shared out by process name (``/proc/PID/comm``: ``server``, ``env-worker``,
+    ``check-worker``, ``haproxy``...), each with what its ended children used."""
+    by_name: dict[str, float] = {}
+    for member in process_tree(pid):
+        try:
+            name = Path(f"/proc/{member}/comm").read_text().strip()
+        except OSError:
+            continue  # ended meanwhile: its parent counts it once reaped
+        by_name[name] = by_name.get(name, 0.0) + _cpu_ticks(member, with_children=True) / CLOCK_TICKS
+    return by_name
+
+
 def cpu_seconds(pids: Iterable[int]) -> float:
     """User + system CPU time so far of processes ``pids``, each alone (one that has gone counts nothing)."""
     return sum(_cpu_ticks(pid, with_children=False) for pid in pids) / CLOCK_TICKS

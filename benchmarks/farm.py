@@ -54,7 +54,8 @@ from typing import NamedTuple
 
 import httpx
 
-from common import Memory, Verdict, argument_parser, cpu_seconds, describe_memory, envscaler, memory, report, tree_cpu_seconds, tree_memory
+from common import (Memory, Verdict, argument_parser, cpu_seconds, describe_memory, envscaler, memory, report, tree_cpu_by_name,
+                    tree_cpu_seconds, tree_memory)
 
 from agent_client.models import Record, RecordHead
 from envscaler import load_bundle
@@ -182,6 +183,7 @@ class Replay(NamedTuple):
     procs: int
     farm_cpu_s: float
     harness_cpu_s: float
+    farm_cpu_by_name: dict[str, float]
 
 
 def replay_all(catalog: Path, scratch: Path) -> Replay:
@@ -190,12 +192,13 @@ def replay_all(catalog: Path, scratch: Path) -> Replay:
     out.unlink(missing_ok=True)
     procs = max(1, len(os.sched_getaffinity(0)) - 2)
     daemon = farm_state(catalog)["daemon_pid"]
-    farm_before, harness_before = tree_cpu_seconds(daemon), children_cpu_seconds()
+    farm_before, harness_before, by_name_before = tree_cpu_seconds(daemon), children_cpu_seconds(), tree_cpu_by_name(daemon)
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "envscaler.cli", "run", "--farm", str(catalog), "--agent", "replay", "--out", str(out),
                            "--procs", str(procs), "--concurrency", str(64 * procs), "--quiet"], capture_output=True, text=True)
     seconds = time.perf_counter() - started
     farm_cpu_s, harness_cpu_s = tree_cpu_seconds(daemon) - farm_before, children_cpu_seconds() - harness_before
+    by_name = {name: used - by_name_before.get(name, 0.0) for name, used in tree_cpu_by_name(daemon).items()}
     records = [RecordHead.model_validate_json(line) for line in out.read_text().splitlines()] if out.exists() else []
     if done.returncode not in (0, 1) or not records:
         print(f"replay: run exited {done.returncode}: {done.stderr[-2000:]}")
@@ -206,7 +209,8 @@ def replay_all(catalog: Path, scratch: Path) -> Replay:
             failed = [check.check_item + (f" ({check.error})" if check.error else "") for check in whole.checks if not check.passed]
             print(f"replay: {record.env_id}/{record.task_id} scored {record.reward} ({record.termination}): {whole.error or failed}")
     steps = sum(record.steps for record in records)
-    return Replay(len(records), sum(1 for record in records if record.reward == 1.0), steps, seconds, procs, farm_cpu_s, harness_cpu_s)
+    return Replay(len(records), sum(1 for record in records if record.reward == 1.0), steps, seconds, procs, farm_cpu_s, harness_cpu_s,
+                  by_name)
 
 
 def children_cpu_seconds() -> float:
@@ -287,6 +291,9 @@ def describe(backend: str, spawner: str | None, result: Measured, count: int) ->
               f"{replay.seconds:.1f} s with {replay.procs} run processes: {replay.steps / replay.seconds:.0f} steps/s; CPU per step "
               f"{replay.farm_cpu_s * 1000 / replay.steps:.2f} ms in the farm, {replay.harness_cpu_s * 1000 / replay.steps:.2f} ms "
               f"in the harness; {(replay.farm_cpu_s + replay.harness_cpu_s) / replay.seconds:.1f} cores busy")
+        shares = sorted(replay.farm_cpu_by_name.items(), key=lambda item: -item[1])
+        print(f"{name}: replay {number}, the farm's CPU per step by process: "
+              + ", ".join(f"{process} {used * 1000 / replay.steps:.2f} ms" for process, used in shares if used > 0))
     verdicts = [
         Verdict(f"{name}: RSS per server, max", f"{max(rss):.1f} MB", f"<= {RSS_TARGET_MB:g} MB", max(rss) <= RSS_TARGET_MB),
         Verdict(f"{name}: idle daemon CPU", f"{result.daemon_cpu * 100:.2f}%", f"<= {IDLE_CPU_TARGET * 100:g}%",
