@@ -19,7 +19,12 @@ from envscaler.overlay import Overlay
 
 _CHECK_FILE = "<check>"
 _TIMEOUT_ERROR = "check ran longer than "
+# Compiled checks by source, oldest first: a long-lived process (a check zygote) sees every checklist a
+# trainer sends, so the cache is bounded.
 _COMPILED: dict[str, Any] = {}
+_KEPT_COMPILED = 512
+# A source compiled ahead is one of a checklist's functions, not a program: one larger is compiled where it runs.
+_AHEAD_MAX_CHARS = 16384
 _NO_GLOBALS = CheckContext().check_globals()
 
 Views = Callable[[], tuple[Any, Any, Callable[[], None]]]
@@ -31,7 +36,22 @@ def _compile(source: str) -> Any:
     if code is None:
         code = compile(source, _CHECK_FILE, "exec")
         _COMPILED[source] = code
+        if len(_COMPILED) > _KEPT_COMPILED:
+            del _COMPILED[next(iter(_COMPILED))]
     return code
+
+
+def compile_checks_ahead(checklist: list[CheckItem] | None) -> None:
+    """Compile ``checklist``'s functions into this process's cache, running none of them, so that the
+    processes forked from it later find the code compiled (a check zygote: half of a validation's checks
+    time was compiling them, in every child again). A source that does not compile, or is long, is left
+    to the process that runs it: it reports the error there, and this process's time stays short."""
+    for item in checklist or []:
+        if len(item.check_func) <= _AHEAD_MAX_CHARS:
+            try:
+                _compile(item.check_func)
+            except (SyntaxError, RecursionError, MemoryError):
+                continue
 
 
 def _check_function(namespace: dict[str, Any]) -> Any:
@@ -61,6 +81,8 @@ def run_check(item: CheckItem, views: Views, limit_s: float, check_globals: dict
         code = _compile(item.check_func)
     except SyntaxError as e:
         return CheckResult(check_item=item.check_item, passed=False, error=f"syntax error, line {e.lineno}: {e.msg}")
+    except (RecursionError, MemoryError) as e:  # nesting too deep for the compiler, or for its parser
+        return CheckResult(check_item=item.check_item, passed=False, error=f"the check cannot be compiled: {type(e).__name__}: {e}")
     final_state, initial_state, release = views()
     # Copied on access, as the states are: what one check changes in them, no other check sees.
     context = Overlay(None)
@@ -97,7 +119,7 @@ def run_checks(checklist: list[CheckItem] | None, views: Views, limit_s: float, 
     """Every check's verdict. Raises ChecklistError when there is nothing to score with."""
     if not checklist:
         raise ChecklistError("the scenario has no checklist, so it cannot be scored")
-    check_globals = (context or CheckContext()).check_globals()
+    check_globals = context.check_globals() if context is not None else _NO_GLOBALS
     return [run_check(item, views, limit_s, check_globals) for item in checklist]
 
 

@@ -50,7 +50,7 @@ from envscaler.sandbox import (
     sandbox_plan,
     switched_off,
 )
-from envscaler.seccomp import seccomp_bpf, seccomp_problem
+from envscaler.seccomp import LoadableProgram, seccomp_bpf, seccomp_problem
 
 _CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
@@ -62,8 +62,8 @@ _MNT_DETACH = 2
 # came with (the kernel locks them), so remounting it read-only must repeat them.
 _KEPT_FLAGS = ((os.ST_NOSUID, _MS_NOSUID), (os.ST_NODEV, _MS_NODEV), (os.ST_NOEXEC, _MS_NOEXEC),
                (os.ST_NOATIME, _MS_NOATIME), (os.ST_NODIRATIME, _MS_NODIRATIME), (os.ST_RELATIME, _MS_RELATIME))
-_PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _PR_CAP_AMBIENT = 4, 24, 38, 22, 47
-_PR_CAP_AMBIENT_CLEAR_ALL, _SECCOMP_MODE_FILTER = 4, 2
+_PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT = 4, 24, 38, 47
+_PR_CAP_AMBIENT_CLEAR_ALL = 4
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
 _PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
@@ -215,7 +215,7 @@ def confine(plan: SandboxPlan, seccomp_program: bytes, hand_over: int) -> None:
     _build_root(plan.mounts, library)
     _loopback_up()
     _drop_capabilities(library)
-    _load_seccomp(seccomp_program, library)
+    LoadableProgram(seccomp_program, library.prctl).load()
     os.chdir("/tmp")
 
 
@@ -338,13 +338,6 @@ def _drop_capabilities(libc: ctypes.CDLL) -> None:
     data = ctypes.create_string_buffer(struct.calcsize("III") * 2)  # zero: effective, permitted, inheritable
     check_libc(libc.syscall(_syscall_number(_CAPSET), header, data), "dropping capabilities")
     check_libc(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no new privileges")
-
-
-def _load_seccomp(program: bytes, libc: ctypes.CDLL) -> None:
-    """Load a classic BPF program (8 bytes an instruction) as this process's seccomp filter."""
-    filters = ctypes.create_string_buffer(program, len(program))
-    fprog = struct.pack("HxxxxxxP", len(program) // 8, ctypes.addressof(filters))
-    check_libc(libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.c_char_p(fprog), 0, 0), "loading the seccomp filter")
 
 
 def _pivot_root(new_root: str, put_old: str, libc: ctypes.CDLL) -> None:

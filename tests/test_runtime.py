@@ -10,6 +10,8 @@ import pytest
 
 from envscaler import ChecklistError, EnvCodeError, EnvRuntime, EnvSpec, default_catalog, derive_tools, load_bundle
 from envscaler import loader
+from envscaler import checks
+from envscaler.checks import check_states, compile_checks_ahead
 from envscaler.guard import Preempted, call_preemptibly
 from envscaler.loader import compile_ahead
 from envscaler.models import CheckItem
@@ -380,6 +382,26 @@ def test_checks_see_initial_state_and_report_errors(runtime):
     assert verdicts[6] == (True, None)  # the mutating check did not affect the next one
     assert result.score == pytest.approx(4 / 7)
     assert result.check_errors == 3
+
+
+def test_a_check_too_deep_for_the_compiler_is_a_failed_check(runtime):
+    too_deep = "def check_func(final_state):\n    return " + "-" * 200_000 + "1"
+    result = runtime.new_episode(INIT).validate([CheckItem(check_item="deep", check_func=too_deep), CheckItem.model_validate(CHECK_A_IS_3)])
+    assert [(check.passed, (check.error or "").split(":")[0]) for check in result.checks] == [
+        (False, "the check cannot be compiled"), (False, "")]
+    assert result.check_errors == 1
+
+
+def test_checks_compiled_ahead_run_nothing_and_skip_what_does_not_compile(tmp_path):
+    ran = tmp_path / "ran"
+    checklist = [CheckItem(check_item="writes", check_func=f"open({str(ran)!r}, 'w').close()\ndef check_func(final_state):\n    return True"),
+                 CheckItem(check_item="bad syntax", check_func="def check_func(final_state)\n    return True"),
+                 CheckItem(check_item="deep", check_func="x = " + "-" * 200_000 + "1")]
+    compile_checks_ahead(checklist)
+    assert not ran.exists()
+    assert checklist[0].check_func in checks._COMPILED
+    assert [check.passed for check in check_states(checklist, {}, {}, 1.0)] == [True, False, False]
+    assert ran.exists()
 
 
 def test_empty_checklist_is_an_error_the_caller_sees(runtime):

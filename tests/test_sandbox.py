@@ -92,7 +92,8 @@ def test_a_process_that_may_fork_takes_it_away_from_a_child_with_the_same_policy
     # A zygote's sandbox lets it fork, never make namespaces; what it loads into a child refuses what the sandbox does.
     assert probe(new_processes=True) == {"fork": "allowed", "subprocess": "allowed", "thread": "allowed", "unshare": "EPERM",
                                          "setns": "EPERM", "memfd": "allowed"}
-    load = "from envscaler.seccomp import seccomp_policy\nseccomp_policy({}).load()"
+    load = ("import ctypes\nfrom envscaler.seccomp import LoadableProgram, seccomp_bpf\n"
+            "LoadableProgram(seccomp_bpf({}), ctypes.CDLL(None, use_errno=True).prctl).load()")
     assert probe(load.format(""), new_processes=True) == probe()
     assert probe(load.format("memfd=False"), new_processes=True)["memfd"] == "EPERM"
 

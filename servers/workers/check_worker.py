@@ -37,12 +37,12 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from envscaler.checks import check_states
+from envscaler.checks import check_states, compile_checks_ahead
 from envscaler.data_files import DataFiles
 from envscaler.errors import BundleError, ChecklistError
 from envscaler.guard import keep_alarm_handler, protect_time_limits
-from envscaler.sandbox import die_with_parent, make_undumpable
-from envscaler.seccomp import seccomp_policy
+from envscaler.sandbox import check_libc, die_with_parent, libc, make_undumpable
+from envscaler.seccomp import LoadableProgram, seccomp_bpf
 from envscaler.state import apply_changes
 from servers.transport.asgi import json_bytes
 from servers.episodes.store import checks_limit_s
@@ -144,7 +144,7 @@ class Checker:
         self.sock = sock
         self.envs = {env_id: _Env(env_id, env) for env_id, env in settings.envs.items()}
         # Built once here; each child only loads it.
-        self.policy = seccomp_policy(others=False) if settings.child_seccomp else None
+        self.policy = LoadableProgram(seccomp_bpf(others=False), libc().prctl) if settings.child_seccomp else None
         # The children running, by the descriptor of their answers' pipe.
         self.running: dict[int, _Child] = {}
         # Children killed but not reaped yet.
@@ -188,11 +188,18 @@ class Checker:
         if initial is None:
             return json_bytes(CheckResults(missing_initial=True))
         limit_s = checks_limit_s(request.checklist, env.settings.check_timeout_s)
+        compile_checks_ahead(request.checklist)
         answer_in, answer_out = os.pipe()
         # The heap so far is the garbage collector's no more: a child's collections do not write (and so
         # copy) every page of it, nor do this process's own. Objects freed by reference counting still are.
         gc.freeze()
-        pid = os.fork()
+        # The C library's fork, not os.fork: Python's hooks after a fork (threading's, logging's, random's) run
+        # code that touches objects all over the heap, and each page it writes is the child's copy (about 200
+        # pages, a millisecond of CPU per validation). This process has one thread, so they have nothing to
+        # mend; and every child starts from the same random state, so checks that draw from it repeat.
+        pid = libc().fork()
+        if pid < 0:
+            check_libc(pid, "forking the checks' process")
         if pid == 0:
             # Nothing the checks do may return here: this is a copy of the zygote's loop.
             exit_now = os._exit
