@@ -45,7 +45,7 @@ from envscaler.bundle import ENV_FILE
 from envscaler.cgroups import remove_stale_groups
 from envscaler.confine import confine_problem
 from envscaler.loader import compile_ahead
-from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment, die_with_parent, limit_resources
+from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment, die_with_parent, limit_resources, name_process
 from envscaler.seccomp import seccomp_bpf, seccomp_problem
 from servers.farm.backends.spawning import ADDRESS_SPACE_FACTOR, Listeners, read_ready_line, server_command
 from servers.farm.models import MAX_ENVS_PER_SERVER, EnvPlan, FarmPlan
@@ -384,6 +384,7 @@ def _become_server(request: SpawnRequest, log_fd: int, ready_fd: int, environ_fd
     def run() -> int:
         zygote = os.getppid()
         os.setsid()
+        name_process("server")  # not the zygote's name: ps, and a benchmark's CPU by process, tell them apart
         die_with_parent(_DEATH_SIGNAL)
         if os.getppid() != zygote:
             os._exit(1)  # the zygote died before PDEATHSIG was armed
