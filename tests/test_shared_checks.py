@@ -8,6 +8,7 @@ reach the processes of the others' validations, or the zygote that forks them.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +17,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from envscaler.bundle import load_bundle
+from envscaler.errors import ChecklistError
+from envscaler.models import CheckItem
 from envscaler.sandbox import sandbox_problem
+from servers.workers.checks import CheckWorker
+from servers.workers.wire import CheckRequest, CheckResults, decode
 from tests.support.bundles import counter_scenario, counter_spec, write_bundle
 from tests.support.farm import process_farm, read_state
 from tests.test_check_idle import new_episode, server_check_workers
@@ -120,3 +126,29 @@ def test_checks_cannot_end_or_reach_the_zygote_or_another_validation(farm):
         survived = slow.result()
         assert survived.status_code == 200 and survived.json()["checks"][0]["passed"], survived.text
     assert zygotes(farm) == [zygote]
+
+
+def test_a_check_worker_answers_only_for_its_own_environments(tmp_path):
+    # A worker of its own (unsandboxed: a fresh interpreter), outside any farm: what a server asks of it for an
+    # environment it was not made for is refused, by the server's side and by the worker's.
+    write_bundle(tmp_path, counter_spec(), [counter_scenario()])
+    worker = CheckWorker([(load_bundle(tmp_path / "counter"), 10.0)], sandbox=False, idle_s=None)
+    with pytest.raises(ValueError, match="not for 'counter_b'"):
+        worker.joins("counter_b")
+    worker.joins("counter")
+    checklist = [CheckItem(check_item="true", check_func="def check_func(final_state):\n    return True")]
+
+    async def ask(env_id: str) -> CheckResults:
+        request = CheckRequest(env_id=env_id, handle="episode", checklist=checklist, final={"items": {}}, initial={"items": {}})
+        return decode(CheckResults, await worker.ask(request, 10.0))
+
+    async def scenario() -> None:
+        try:
+            assert [check.passed for check in (await ask("counter")).checks] == [True]
+            with pytest.raises(ChecklistError, match="holds no environment 'counter_b'"):
+                await ask("counter_b")
+            assert [check.passed for check in (await ask("counter")).checks] == [True]  # the same worker, still serving
+        finally:
+            worker.leaves("counter")
+
+    asyncio.run(scenario())
