@@ -15,9 +15,10 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -134,6 +135,63 @@ def tree_cpu_by_name(pid: int) -> dict[str, float]:
             continue  # ended meanwhile: its parent counts it once reaped
         by_name[name] = by_name.get(name, 0.0) + _cpu_ticks(member, with_children=True) / CLOCK_TICKS
     return by_name
+
+
+class BusiestProcesses:
+    """The CPU each process below ``roots`` used over a stretch, read from /proc every ``period_s`` by a
+    thread (:meth:`start`, :meth:`stop`): which one, if any, ran a whole core, the bottleneck of a farm
+    whose other cores wait. A process that ends between two readings loses its last period."""
+
+    def __init__(self, roots: Callable[[], list[int]], period_s: float = 0.5) -> None:
+        self._roots, self._period_s = roots, period_s
+        self._first: dict[int, int] = {}
+        self._last: dict[int, tuple[str, int]] = {}
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._started = 0.0
+
+    def start(self) -> None:
+        self._first = {pid: ticks for pid, (_, ticks) in self._read().items()}
+        self._started = time.monotonic()
+        self._thread.start()
+
+    def stop(self, count: int = 5) -> list[tuple[str, int, float]]:
+        """The ``count`` busiest: (name, pid, share of one core over the stretch), busiest first."""
+        self._stopping.set()
+        self._thread.join()
+        self._note(self._read())
+        seconds = time.monotonic() - self._started
+        used = [(name, pid, (ticks - self._first.get(pid, 0)) / CLOCK_TICKS / seconds) for pid, (name, ticks) in self._last.items()]
+        return sorted(used, key=lambda entry: -entry[2])[:count]
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(self._period_s):
+            self._note(self._read())
+
+    def _note(self, read: dict[int, tuple[str, int]]) -> None:
+        for pid, (name, ticks) in read.items():
+            # A process gone between its two files reads as 0: what was seen of it before stands.
+            self._last[pid] = (name, max(ticks, self._last.get(pid, (name, 0))[1]))
+
+    def _read(self) -> dict[int, tuple[str, int]]:
+        found = {}
+        for root in self._roots():
+            for pid in process_tree(root):
+                try:
+                    name = _process_name(pid)
+                except OSError:
+                    continue
+                found[pid] = (name, _cpu_ticks(pid, with_children=False))
+        return found
+
+
+def _process_name(pid: int) -> str:
+    """What ``ps`` calls ``pid``, or for a Python process that named itself nothing, what it runs (``envscaler.cli run``)."""
+    name = Path(f"/proc/{pid}/comm").read_text().strip()
+    if not name.startswith("python"):
+        return name
+    words = [word for word in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[1:] if word and word != "-m"]
+    return " ".join(words[:2]) or name
 
 
 def cpu_seconds(pids: Iterable[int]) -> float:

@@ -54,8 +54,8 @@ from typing import NamedTuple
 
 import httpx
 
-from common import (Memory, Verdict, argument_parser, cpu_seconds, describe_memory, envscaler, memory, report, tree_cpu_by_name,
-                    tree_cpu_seconds, tree_memory)
+from common import (BusiestProcesses, Memory, Verdict, argument_parser, cpu_seconds, describe_memory, envscaler, memory, report,
+                    tree_cpu_by_name, tree_cpu_seconds, tree_memory)
 
 from agent_client.models import Record, RecordHead
 from envscaler import load_bundle
@@ -184,6 +184,8 @@ class Replay(NamedTuple):
     farm_cpu_s: float
     harness_cpu_s: float
     farm_cpu_by_name: dict[str, float]
+    # The busiest processes of the farm and of the run: (name, pid, share of a core), busiest first.
+    busiest: list[tuple[str, int, float]]
 
 
 def replay_all(catalog: Path, scratch: Path) -> Replay:
@@ -194,14 +196,19 @@ def replay_all(catalog: Path, scratch: Path) -> Replay:
     daemon = farm_state(catalog)["daemon_pid"]
     farm_before, harness_before, by_name_before = tree_cpu_seconds(daemon), children_cpu_seconds(), tree_cpu_by_name(daemon)
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "envscaler.cli", "run", "--farm", str(catalog), "--agent", "replay", "--out", str(out),
-                           "--procs", str(procs), "--concurrency", str(64 * procs), "--quiet"], capture_output=True, text=True)
+    run = subprocess.Popen([sys.executable, "-m", "envscaler.cli", "run", "--farm", str(catalog), "--agent", "replay", "--out", str(out),
+                            "--procs", str(procs), "--concurrency", str(64 * procs), "--quiet"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    busiest = BusiestProcesses(lambda: [daemon, run.pid])
+    busiest.start()
+    _, stderr = run.communicate()
     seconds = time.perf_counter() - started
+    busy = busiest.stop()
     farm_cpu_s, harness_cpu_s = tree_cpu_seconds(daemon) - farm_before, children_cpu_seconds() - harness_before
     by_name = {name: used - by_name_before.get(name, 0.0) for name, used in tree_cpu_by_name(daemon).items()}
     records = [RecordHead.model_validate_json(line) for line in out.read_text().splitlines()] if out.exists() else []
-    if done.returncode not in (0, 1) or not records:
-        print(f"replay: run exited {done.returncode}: {done.stderr[-2000:]}")
+    if run.returncode not in (0, 1) or not records:
+        print(f"replay: run exited {run.returncode}: {stderr[-2000:]}")
     for line in out.read_text().splitlines() if out.exists() else []:
         record = RecordHead.model_validate_json(line)
         if record.reward != 1.0:  # named, with why: a replay that scores less is a bug to find
@@ -210,7 +217,7 @@ def replay_all(catalog: Path, scratch: Path) -> Replay:
             print(f"replay: {record.env_id}/{record.task_id} scored {record.reward} ({record.termination}): {whole.error or failed}")
     steps = sum(record.steps for record in records)
     return Replay(len(records), sum(1 for record in records if record.reward == 1.0), steps, seconds, procs, farm_cpu_s, harness_cpu_s,
-                  by_name)
+                  by_name, busy)
 
 
 def children_cpu_seconds() -> float:
@@ -294,6 +301,9 @@ def describe(backend: str, spawner: str | None, result: Measured, count: int) ->
         shares = sorted(replay.farm_cpu_by_name.items(), key=lambda item: -item[1])
         print(f"{name}: replay {number}, the farm's CPU per step by process: "
               + ", ".join(f"{process} {used * 1000 / replay.steps:.2f} ms" for process, used in shares if used > 0))
+        # One process near a whole core while the cores are not all busy: that process is the limit.
+        print(f"{name}: replay {number}, the busiest processes (share of a core): "
+              + ", ".join(f"{process} {pid} {share * 100:.0f}%" for process, pid, share in replay.busiest))
     verdicts = [
         Verdict(f"{name}: RSS per server, max", f"{max(rss):.1f} MB", f"<= {RSS_TARGET_MB:g} MB", max(rss) <= RSS_TARGET_MB),
         Verdict(f"{name}: idle daemon CPU", f"{result.daemon_cpu * 100:.2f}%", f"<= {IDLE_CPU_TARGET * 100:g}%",

@@ -23,6 +23,11 @@ A child is forked when its request comes, with the request in memory, not ahead 
 ready holds the pages its start copied (about 2 MB), and a check worker runs the whole
 time a trainer validates, so two kept ready cost 4.4 MB per environment for 4-10 ms less per validation
 (on 2 cores, benchmarks/state_size.py: 5.4 -> 9.9 ms p50 for a 10 KB state, 8.9 -> 19.2 ms for 1.3 MB).
+
+What a child costs is mostly the pages it copies (a few microseconds each), so it is made to copy few:
+the checklist's functions are compiled here before the fork, the fork is the C library's (Python's
+hooks after a fork would run code in the child), and the seccomp program is laid out here, so the
+child loads it with two system calls.
 """
 
 from __future__ import annotations
