@@ -45,6 +45,13 @@ positive_int: Callable[[str], int] = _number(int, "a whole number", 1, True)  # 
 """An int >= 1 (counts of things: concurrency, repeats, steps, jobs)."""
 non_negative_int: Callable[[str], int] = _number(int, "a whole number", 0, True)  # type: ignore[assignment]
 """An int >= 0 (retries)."""
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An int >= ``minimum`` (a resource limit below which nothing could run)."""
+    return _number(int, "a whole number", minimum, True)  # type: ignore[return-value]
+
+
 positive_float: Callable[[str], float] = _number(float, "a number", 0, False)
 """A float > 0 (time limits)."""
 non_negative_float: Callable[[str], float] = _number(float, "a number", 0, True)

@@ -34,6 +34,11 @@ _PREFIX = "envscaler-"
 _V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
 _MB = 1024 * 1024
 
+MIN_WORKER_MEMORY_MB, MIN_WORKER_TASKS = 64, 16
+"""The least memory (MB) and tasks (processes and threads) an environment's workers may be given: an
+interpreter and the threads a worker runs need them (``serve --worker-memory-mb/--worker-tasks``,
+``farm up --memory-mb/--pids``)."""
+
 
 class GroupLimits(BaseModel):
     """What one environment's untrusted processes may take together."""

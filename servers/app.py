@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from envscaler import Bundle, EnvRuntime, EnvScalerError
 from envscaler.bundle import describe_validation_error
-from envscaler.cgroups import GroupLimits
+from envscaler.cgroups import MIN_WORKER_MEMORY_MB, MIN_WORKER_TASKS, GroupLimits
 from envscaler.data_files import check_references
 from envscaler.errors import BundleError, ChecklistError
 from envscaler.wire import (
@@ -111,8 +111,8 @@ class ServerConfig(BaseModel):
     worker_process: bool = True
     worker_sandbox: bool = False
     # What the sandboxed workers may take together (envscaler.cgroups; the uid's RLIMIT_NPROC for tasks).
-    worker_memory_mb: int = Field(default=1024, ge=64)
-    worker_tasks: int = Field(default=256, ge=16)
+    worker_memory_mb: int = Field(default=1024, ge=MIN_WORKER_MEMORY_MB)
+    worker_tasks: int = Field(default=256, ge=MIN_WORKER_TASKS)
     worker_cpus: float = Field(default=1.0, gt=0, le=100)
     # Seconds the check worker may sit idle before it is stopped (servers.workers.checks.CHECK_IDLE_S).
     check_idle_s: float | None = Field(default=CHECK_IDLE_S, gt=0)

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from envscaler import Bundle, EnvScalerError, logs
-from envscaler.arguments import non_negative_float, with_examples
+from envscaler.arguments import int_at_least, non_negative_float, positive_float, with_examples
 from envscaler.bundle import bundle_path, load_bundle
+from envscaler.cgroups import MIN_WORKER_MEMORY_MB, MIN_WORKER_TASKS
 from envscaler.loader import precheck_class
 from envscaler.requirements import require_installed
 from envscaler.confine import confine_problem
@@ -221,14 +222,14 @@ def register_serve(commands: Any) -> None:
         help="MB of memory kept free under the server's limit (cgroup or address space): below it, new episodes "
         "are refused with 507 and a reason rather than the server being killed (default: 32)",
     )
-    parser.add_argument("--worker-memory-mb", type=int, default=1024,
+    parser.add_argument("--worker-memory-mb", type=int_at_least(MIN_WORKER_MEMORY_MB), default=1024,
                         help="memory in MB that each of the environment's sandboxed workers (its code's, its checks') may "
                         "hold, shared memory and its private /tmp included, where the server can make a memory cgroup "
                         "(as root); elsewhere what it cannot count is refused (default: 1024)")
-    parser.add_argument("--worker-tasks", type=int, default=256,
+    parser.add_argument("--worker-tasks", type=int_at_least(MIN_WORKER_TASKS), default=256,
                         help="threads and processes each sandboxed worker may have (a pids cgroup, and a user of its own "
                         "when the server runs as root) (default: 256)")
-    parser.add_argument("--worker-cpus", type=float, default=1.0,
+    parser.add_argument("--worker-cpus", type=positive_float, default=1.0,
                         help="the workers' share of the CPU against other environments' (a cpu cgroup): 1.0 is one "
                         "environment's fair share, not a core (default: 1.0)")
     parser.add_argument("--allowed-origin", action="append", help="browser Origin allowed on MCP routes (repeatable; '*' for any)")

@@ -53,6 +53,13 @@ def test_bad_numbers_of_other_commands_are_refused(tmp_path):
     assert_usage_error(envscaler("serve", "counter", "--check-idle", "-1"), "--check-idle", "at least 0")
     assert_usage_error(envscaler("farm", "up", "--backend", "process", "--catalog", str(tmp_path / "f.json"), "--check-idle", "-1"),
                        "--check-idle", "at least 0")
+    # Resource limits below what a worker needs: named at parse time, not as a validation error deep in the farm.
+    for flags, words in ((["--pids", "2"], ["--pids", "at least 16"]), (["--memory-mb", "10"], ["--memory-mb", "at least 64"]),
+                         (["--cpus", "0"], ["--cpus", "more than 0"])):
+        assert_usage_error(envscaler("farm", "up", "--backend", "process", "--catalog", str(tmp_path / "f.json"), *flags), *words)
+    for flags, words in ((["--worker-tasks", "2"], ["--worker-tasks", "at least 16"]),
+                         (["--worker-memory-mb", "10"], ["--worker-memory-mb", "at least 64"]), (["--worker-cpus", "-1"], ["--worker-cpus"])):
+        assert_usage_error(envscaler("serve", "counter", *flags), *words)
     assert not (tmp_path / "f.json").exists()
 
 

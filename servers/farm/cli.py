@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from envscaler.arguments import non_negative_float, positive_float, positive_int, with_examples
+from envscaler.arguments import int_at_least, non_negative_float, positive_float, positive_int, with_examples
 from envscaler.bundle import default_catalog, find_bundles, load_bundle
-from envscaler.cgroups import ChildGroup, combined
+from envscaler.cgroups import MIN_WORKER_MEMORY_MB, MIN_WORKER_TASKS, ChildGroup, combined
 from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from envscaler.loader import precheck_class
 from envscaler.confine import confine_problem
@@ -293,14 +293,14 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--gateway-port", type=int, default=0,
                     help="port of the gateway: on 127.0.0.1 (default: a free one); swarm: the published port (default: "
                          "Swarm's choice on the ingress, or one derived from the farm id with --gateway-publish host)")
-    up.add_argument("--memory-mb", type=int, default=256,
+    up.add_argument("--memory-mb", type=int_at_least(MIN_WORKER_MEMORY_MB), default=256,
                     help="memory limit per environment in MB: a container's, its server and workers together (about 130 MB "
                          "in use once they run); process backend: the address-space limit (x4) on each process, and "
                          "the sandboxed workers' memory cgroup, shared memory included (default: 256)")
-    up.add_argument("--cpus", type=float, default=1.0,
+    up.add_argument("--cpus", type=positive_float, default=1.0,
                     help="CPU limit per server, docker and swarm backends; process backend: the sandboxed workers' CPU "
                          "share against other environments' (default: 1.0)")
-    up.add_argument("--pids", type=int, default=128,
+    up.add_argument("--pids", type=int_at_least(MIN_WORKER_TASKS), default=128,
                     help="process/thread limit per server, docker and swarm backends; process backend: of the sandboxed "
                          "workers (default: 128)")
     up.add_argument("--call-timeout", type=positive_float, metavar="SECONDS",

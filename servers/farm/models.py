@@ -16,6 +16,7 @@ from typing import Literal, TypeVar
 from pydantic import BaseModel, Field, ValidationError
 
 from envscaler.bundle import describe_validation_error
+from envscaler.cgroups import MIN_WORKER_MEMORY_MB, MIN_WORKER_TASKS
 from envscaler.wire import WorkerResources
 from servers.errors import FarmError
 
@@ -31,9 +32,9 @@ M = TypeVar("M", bound=BaseModel)
 class Limits(BaseModel):
     """Resources of one environment server, and its time limits (None: the server's own defaults)."""
 
-    memory_mb: int = Field(default=256, ge=64)
+    memory_mb: int = Field(default=256, ge=MIN_WORKER_MEMORY_MB)
     cpus: float = Field(default=1.0, gt=0)
-    pids: int = Field(default=128, ge=16)
+    pids: int = Field(default=128, ge=MIN_WORKER_TASKS)
     call_timeout_s: float | None = Field(default=None, gt=0)
     check_timeout_s: float | None = Field(default=None, gt=0)
     # How long a server's check worker may sit idle before it is stopped (None: the server's own default; 0: never stopped).
