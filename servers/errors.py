@@ -9,7 +9,7 @@ Part of the tree drawn in ``envscaler.errors``; the exit code applies when one r
     ├── UnknownScenario         -   the environment has no scenario with this id (HTTP 404)
     ├── OutOfMemory             -   no memory is left for another episode (HTTP 507)
     ├── CallAbandoned           -   a call on a worker thread outlived its deadline and was left behind
-    ├── Overloaded              -   a call waited too long for a thread and was not run (HTTP 503; a tool call: an error result)
+    ├── Overloaded              -   no room to run it now: a call waited too long for a thread, checks found no process (HTTP 503; a tool call: an error result)
     ├── EpisodeLost             -   the episode's state went with its worker process and could not be rebuilt (HTTP 410)
     ├── NoTurnLeft              -   the episode has no scripted user turn to end (HTTP 409)
     ├── OpenEnvSessionError     -   an OpenEnv reset or step that cannot be done (sent back to the session)
@@ -55,7 +55,8 @@ class CallAbandoned(EnvScalerError):
 
 
 class Overloaded(EnvScalerError):
-    """The call waited too long for a thread to run it and was refused: it never ran, so it can be made again."""
+    """Refused for want of room: a call waited too long for a thread to run it, or a validation's checks could
+    not get a process of their own. It never ran, so it can be asked again."""
 
 
 class EpisodeLost(EnvScalerError):

@@ -152,3 +152,30 @@ def test_a_check_worker_answers_only_for_its_own_environments(tmp_path):
             worker.leaves("counter")
 
     asyncio.run(scenario())
+
+
+ROOMY = 20  # environments validating at once, for a check worker whose group holds 16 tasks: itself and 15 children at most
+ROOM_CHECK_S = 3.0
+
+
+def test_validations_beyond_the_check_workers_task_limit_wait_for_room(tmp_path):
+    # More validations at once than the check worker's control group may have processes: those it cannot fork a
+    # process for are asked again as the others end. None fails, none waits in vain, and the worker is not restarted.
+    env_ids = [f"counter_{number:02d}" for number in range(ROOMY)]
+    for env_id in env_ids:
+        write_bundle(tmp_path / "bundles", counter_spec(env_id=env_id), [counter_scenario(env_id=env_id)])
+    sleepy = {"check_item": "sleepy", "check_func": f"def check_func(final_state):\n    import time\n    time.sleep({ROOM_CHECK_S})\n    return True"}
+    with process_farm(tmp_path, [tmp_path / "bundles"], "--envs-per-server", str(ROOMY), "--pids", "16", "--check-timeout", "30",
+                      "--check-idle", "0") as catalog:
+        http = clients(catalog)
+        episodes = {env_id: episode(http[env_id]) for env_id in env_ids}
+        http[env_ids[0]].post(f"/episodes/{episodes[env_ids[0]]}/validate").raise_for_status()  # the check worker started
+        (zygote,) = zygotes(catalog)
+        started = time.monotonic()
+        with ThreadPoolExecutor(ROOMY) as pool:
+            answers = list(pool.map(lambda env_id: http[env_id].post(f"/episodes/{episodes[env_id]}/validate", json={"checklist": [sleepy]}),
+                                    env_ids))
+        assert [(answer.status_code, answer.json().get("score")) for answer in answers] == [(200, 1.0)] * ROOMY, \
+            [answer.text for answer in answers if answer.status_code != 200]
+        assert time.monotonic() - started >= 2 * ROOM_CHECK_S  # some waited for others to end: no 17 processes at once
+        assert zygotes(catalog) == [zygote]

@@ -202,9 +202,14 @@ class Checker:
         # code that touches objects all over the heap, and each page it writes is the child's copy (about 200
         # pages, a millisecond of CPU per validation). This process has one thread, so they have nothing to
         # mend; and every child starts from the same random state, so checks that draw from it repeat.
-        pid = libc().fork()
-        if pid < 0:
-            check_libc(pid, "forking the checks' process")
+        try:
+            pid = libc().fork()
+            if pid < 0:
+                check_libc(pid, "forking the checks' process")
+        except OSError:
+            os.close(answer_in)
+            os.close(answer_out)
+            raise
         if pid == 0:
             # Nothing the checks do may return here: this is a copy of the zygote's loop.
             exit_now = os._exit
@@ -366,6 +371,12 @@ def _start_one(checker: Checker) -> bool:
         status, answer = FAILED, _failure("ChecklistError", str(e))
     except (ValueError, RecursionError) as e:
         status, answer = FAILED, _failure("ChecklistError", f"unreadable check request: {e}")
+    except OSError as e:
+        # No process for these checks (the group's task or memory limit, reached by the other validations running):
+        # this request is refused, and nothing else is lost.
+        why = os.strerror(e.errno) if e.errno else str(e)
+        status, answer = FAILED, _failure("Overloaded", f"the checks' process could not be started ({why}): too many validations at "
+                                                        "once for the check worker's limits (farm up --pids, --memory-mb); ask again")
     checker.reply(request_id, status, answer)
     return True
 

@@ -14,11 +14,15 @@ own: the limits of one environment, with the CPU share of all of them.
 from __future__ import annotations
 
 import logging
+import time
+
+import anyio
 
 from envscaler import Bundle
 from envscaler.cgroups import ChildGroup, GroupLimits
 from envscaler.data_files import data_folders, data_megabytes, references
 from envscaler.sandbox import CHILD_TASKS
+from servers.errors import Overloaded
 from servers.workers.process import CAUGHT_UP_TRIES, START_TIMEOUT_S, WorkerGone, WorkerProcess
 from servers.workers.wire import CheckedEnv, CheckerSettings, CheckRequest
 
@@ -26,6 +30,8 @@ log = logging.getLogger("envscaler.server")
 
 START_S_PER_DATA_MB = 1.0
 """Each worker loads (and the environment worker hashes) the data files at its start: a second more per MB to say hello."""
+_ROOM_AGAIN_S = 0.05
+"""How soon a validation the check worker had no room for is asked again."""
 CHECK_IDLE_S = 30.0
 """How long the check worker may sit idle before it is stopped (the next validation starts it again).
 
@@ -93,8 +99,11 @@ class CheckWorker:
     async def ask(self, request: CheckRequest, limit_s: float) -> bytes:
         """The check worker's answer to ``request`` (see :meth:`WorkerProcess.ask`). Checks change nothing, so a
         request only caught up in the worker's fall (another's checks were to blame) is asked again, in its
-        turn, a few times at most; WorkerGone when it is to blame or the tries run out."""
+        turn, a few times at most; WorkerGone when it is to blame or the tries run out. One the worker had no
+        room for (Overloaded: no process could be forked while other validations ran, at its group's task
+        limit) is asked again as the others end, for as long as its checks may run; Overloaded after that."""
         tries, turn = 1, None
+        room_by = time.monotonic() + limit_s
         while True:
             async with self.process.alone(turn):
                 try:
@@ -103,6 +112,11 @@ class CheckWorker:
                     if e.blamed or tries == CAUGHT_UP_TRIES:
                         raise
                     tries, turn = tries + 1, e.turn
+                    continue
+                except Overloaded:
+                    if time.monotonic() >= room_by:
+                        raise
+            await anyio.sleep(_ROOM_AGAIN_S)
 
     def _lost(self, reason: str) -> None:
         log.error("check worker lost", extra={"env": self.name, "reason": reason})
