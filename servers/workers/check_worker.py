@@ -38,6 +38,7 @@ import select
 import signal
 import socket
 import sys
+import threading
 import time
 from collections import OrderedDict
 from typing import Any
@@ -202,6 +203,9 @@ class Checker:
         # code that touches objects all over the heap, and each page it writes is the child's copy (about 200
         # pages, a millisecond of CPU per validation). This process has one thread, so they have nothing to
         # mend; and every child starts from the same random state, so checks that draw from it repeat.
+        if threading.active_count() != 1:
+            # Another thread could hold the interpreter's lock at the fork, and the child would wait for it forever.
+            raise RuntimeError(f"the check worker runs {threading.active_count()} threads; its fork needs one")
         try:
             pid = libc().fork()
             if pid < 0:
