@@ -87,9 +87,12 @@ def seccomp_policy(*, new_processes: bool = False, memfd: bool = True, others: b
 def seccomp_bpf(*, new_processes: bool = False, memfd: bool = True, others: bool = True) -> bytes:
     """The policy as classic BPF, as bubblewrap's ``--seccomp FD`` reads it (and :class:`LoadableProgram`).
     Raises OSError when libseccomp is missing."""
-    with open(os.memfd_create("envscaler-seccomp-export", 0), "w+b") as program:
-        seccomp_policy(new_processes=new_processes, memfd=memfd, others=others).export_bpf(program)
-        program.seek(0)
+    # Through a pipe, not a memfd: a check zygote builds its children's program inside a sandbox that may refuse
+    # memfds. The program (a few hundred instructions) fits in the pipe's buffer, so writing it all first cannot block.
+    read_end, write_end = os.pipe()
+    with open(read_end, "rb") as program:
+        with open(write_end, "wb") as sink:
+            seccomp_policy(new_processes=new_processes, memfd=memfd, others=others).export_bpf(sink)
         return program.read()
 
 
