@@ -173,3 +173,17 @@ def test_a_data_file_that_does_not_fit_stops_the_server_at_its_start_saying_so(t
     last = done.stderr.strip().splitlines()[-1]
     for part in ("directory", "out of memory", "64 MB", "--worker-memory-mb"):
         assert part in last, done.stderr[-3000:]
+
+
+@pytest.mark.skipif(sandbox_problem() is not None, reason=f"no sandbox here: {sandbox_problem()}")
+def test_a_check_worker_that_cannot_start_is_an_environment_error_not_a_timeout(tmp_path):
+    # Its sandbox shows the bundle's data folder, gone meanwhile: the check worker ends before it says hello.
+    bundle = directory_bundle(tmp_path)
+    with serve(bundle) as server, server.client() as http:
+        episode = http.post("/episodes", json={"scenario_id": "directory_email"}).json()["episode_id"]
+        (bundle / "data").rename(bundle / "data.away")
+        failed = http.post(f"/episodes/{episode}/validate")
+        assert failed.status_code == 500, failed.text
+        assert "the check worker ended before it answered" in failed.json()["error"] and "outlived" not in failed.json()["error"]
+        (bundle / "data.away").rename(bundle / "data")
+        assert http.post(f"/episodes/{episode}/validate").json()["checks"], "the next validation starts the check worker again"

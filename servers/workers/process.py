@@ -268,7 +268,10 @@ class _Child:
             self.process = subprocess.Popen([sys.executable, "-m", module, str(theirs.fileno())], pass_fds=fds, env=environment,
                                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         theirs.close()
-        ours.sendall(frame(0, settings))
+        try:
+            ours.sendall(frame(0, settings))
+        except OSError:
+            pass  # it ended before it read them (its sandbox could not be made): the wait for its hello tells how it ended
         self.link: _Link | None = None
         self.output: asyncio.BaseTransport | None = None
         # Whether its output pipe is (being) read by a transport, which then closes it.

@@ -361,7 +361,11 @@ class WorkerEpisodeStore(EpisodeRegistry):
             except WorkerGone as e:
                 if e.out_of_memory:
                     raise OutOfMemory(self._out_of_memory(episode_id, "in its checks", str(e))) from None
-                raise CallAbandoned() from None
+                if e.hung:
+                    raise CallAbandoned() from None
+                # It ended without being overdue (at its start, say): no limit was outlived, and the server's log has its output.
+                raise EnvCodeError(f"{self.env_id}: the check worker ended before it answered ({e}); the server's log shows "
+                                   "what it said") from None
             except OutOfMemory as e:  # the check worker's start
                 raise OutOfMemory(self._out_of_memory(episode_id, "in its checks", str(e))) from None
         try:
