@@ -38,6 +38,9 @@ log = logging.getLogger("envscaler.farm")
 _STARTUP_ATTEMPTS = 3
 # While Ray brings an actor back, a call can still reach the old one: look again after this.
 _RESTART_POLL_S = 0.5
+# How long the daemon waits for Ray to declare dead the node a server moved off (its health checks take a
+# while, longer on a loaded cluster) before it takes the move for a plain restart.
+_NODE_DEATH_WAIT_S = 60.0
 _STOP_S = 10.0
 _CONNECT_ATTEMPTS, _CONNECT_PAUSE_S = 3, 2.0
 _PROBE_TIMEOUT_S = 5.0
@@ -152,6 +155,8 @@ class RayBackend:
         # env_id -> why the daemon killed its server (it was hung): reported instead of "killed by SIGKILL".
         self._kill_reasons: dict[str, str] = {}
         self._stopping = False
+        # The task group that follows the environments, once run() has made it.
+        self._tasks: anyio.abc.TaskGroup | None = None
 
     async def run(self) -> None:
         """Create every actor and follow every environment until cancelled."""
@@ -161,6 +166,7 @@ class RayBackend:
         actor_class = ray.remote(EnvGroup)
         size = self.placement.envs_per_actor
         async with anyio.create_task_group() as tasks:
+            self._tasks = tasks
             for first in range(0, len(self.plan.envs), size):
                 envs = self.plan.envs[first:first + size]
                 refs = [ray.put(await anyio.to_thread.run_sync(bundle_files, env.bundle_dir)) for env in envs]
@@ -204,8 +210,10 @@ class RayBackend:
                 await anyio.sleep(_RESTART_POLL_S)  # the call reached the start that is being replaced
                 continue
             seen.add(place.incarnation)
-            if previous is not None and previous.node_id != place.node_id and not await anyio.to_thread.run_sync(_node_alive, previous.node_id):
-                self.board.update(env_id, last_exit=f"its node {previous.node} was lost; restarted on {place.node}")
+            if previous is not None and previous.node_id != place.node_id:
+                # Ray may start the actor again elsewhere before it has declared the old node dead: the server is
+                # healthy at once, and why it moved is told once Ray says so.
+                self._tasks.start_soon(self._report_lost_node, env_id, previous, place, self.board.env(env_id).restarts)
             previous = place
             if place.url is not None:
                 record = self.board.env(env_id)
@@ -233,6 +241,17 @@ class RayBackend:
             record = self.board.env(env_id)
             log.warning("environment server stopped; starting it again", extra={"env": env_id, "exit": ended})
             self.board.update(env_id, status="restarting", restarts=record.restarts + 1, last_exit=ended, pid=None)
+
+    async def _report_lost_node(self, env_id: str, previous: ServerPlace, place: ServerPlace, restarts: int) -> None:
+        """Record that ``env_id``'s server left ``previous``'s node because the node was lost, once Ray declares it
+        dead (within _NODE_DEATH_WAIT_S), unless the server has been restarted again since (``restarts``)."""
+        deadline = time.monotonic() + _NODE_DEATH_WAIT_S
+        while await anyio.to_thread.run_sync(_node_alive, previous.node_id):
+            if time.monotonic() >= deadline or self._stopping:
+                return
+            await anyio.sleep(_RESTART_POLL_S)
+        if self.board.env(env_id).restarts == restarts:
+            self.board.update(env_id, last_exit=f"its node {previous.node} was lost; restarted on {place.node}")
 
     async def kill(self, env_id: str, reason: str) -> None:
         """Kill ``env_id``'s server (it is hung) for its actor to start it again; its restart reports ``reason``."""
