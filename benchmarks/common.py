@@ -118,19 +118,14 @@ def process_tree(pid: int) -> list[int]:
     return found
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU time so far of process ``pid`` and all below it, with what their ended children
-    used: the same total before and after a child is reaped, so that a difference counts every process."""
-    return sum(_cpu_ticks(member, with_children=True) for member in process_tree(pid)) / CLOCK_TICKS
-
-
 def tree_cpu_by_name(pid: int) -> dict[str, float]:
-    """:func:`tree_cpu_seconds` shared out by process name (``/proc/PID/comm``: ``server``, ``env-worker``,
-    ``check-worker``, ``haproxy``...), each with what its ended children used."""
+    """User + system CPU time so far of process ``pid`` and all below it, by process name (:func:`_process_name`:
+    ``server``, ``env-worker``, ``check-worker``, ``haproxy``...), each with what its ended children used: the
+    same total before and after a child is reaped, so that a difference counts every process."""
     by_name: dict[str, float] = {}
     for member in process_tree(pid):
         try:
-            name = Path(f"/proc/{member}/comm").read_text().strip()
+            name = _process_name(member)
         except OSError:
             continue  # ended meanwhile: its parent counts it once reaped
         by_name[name] = by_name.get(name, 0.0) + _cpu_ticks(member, with_children=True) / CLOCK_TICKS
@@ -186,11 +181,13 @@ class BusiestProcesses:
 
 
 def _process_name(pid: int) -> str:
-    """What ``ps`` calls ``pid``, or for a Python process that named itself nothing, what it runs (``envscaler.cli run``)."""
+    """What ``ps`` calls ``pid``, or for a Python process that named itself nothing, what it runs (``envscaler.cli run``,
+    ``servers.farm.daemon``: no path, which differs from farm to farm)."""
     name = Path(f"/proc/{pid}/comm").read_text().strip()
     if not name.startswith("python"):
         return name
-    words = [word for word in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[1:] if word and word != "-m"]
+    words = [word for word in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[1:]
+             if word and word != "-m" and "/" not in word]
     return " ".join(words[:2]) or name
 
 

@@ -55,7 +55,7 @@ from typing import NamedTuple
 import httpx
 
 from common import (BusiestProcesses, Memory, Verdict, argument_parser, cpu_seconds, describe_memory, envscaler, memory, report,
-                    tree_cpu_by_name, tree_cpu_seconds, tree_memory)
+                    tree_cpu_by_name, tree_memory)
 
 from agent_client.models import Record, RecordHead
 from envscaler import load_bundle
@@ -194,7 +194,7 @@ def replay_all(catalog: Path, scratch: Path) -> Replay:
     out.unlink(missing_ok=True)
     procs = max(1, len(os.sched_getaffinity(0)) - 2)
     daemon = farm_state(catalog)["daemon_pid"]
-    farm_before, harness_before, by_name_before = tree_cpu_seconds(daemon), children_cpu_seconds(), tree_cpu_by_name(daemon)
+    by_name_before, harness_before = tree_cpu_by_name(daemon), children_cpu_seconds()
     started = time.perf_counter()
     run = subprocess.Popen([sys.executable, "-m", "envscaler.cli", "run", "--farm", str(catalog), "--agent", "replay", "--out", str(out),
                             "--procs", str(procs), "--concurrency", str(64 * procs), "--quiet"], stdout=subprocess.PIPE,
@@ -204,8 +204,8 @@ def replay_all(catalog: Path, scratch: Path) -> Replay:
     _, stderr = run.communicate()
     seconds = time.perf_counter() - started
     busy = busiest.stop()
-    farm_cpu_s, harness_cpu_s = tree_cpu_seconds(daemon) - farm_before, children_cpu_seconds() - harness_before
     by_name = {name: used - by_name_before.get(name, 0.0) for name, used in tree_cpu_by_name(daemon).items()}
+    farm_cpu_s, harness_cpu_s = sum(by_name.values()), children_cpu_seconds() - harness_before
     records = [RecordHead.model_validate_json(line) for line in out.read_text().splitlines()] if out.exists() else []
     if run.returncode not in (0, 1) or not records:
         print(f"replay: run exited {run.returncode}: {stderr[-2000:]}")
