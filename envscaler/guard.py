@@ -13,6 +13,11 @@ with a bare ``except:``. On the main thread, code that swallows it a second time
 that raises it again on every line it runs, so not even ``while True: try/except: pass`` survives.
 The exceptions derive from BaseException so that the usual ``except Exception`` does not catch them.
 
+An exception raised inside Python's import system itself (not in the module it imports) can skip the
+clean-up of the failed import and leave a half-made module in ``sys.modules``, which every later import
+in the process would then get (``datetime.strptime`` failing for good, say). So once a limit has ended a
+call, each module whose import it ended is taken out of ``sys.modules`` should it still be there.
+
 :func:`call_preemptibly` is the main thread's short leash: it gives code a small budget and raises
 :class:`Preempted` if the code ran past it, so that a caller can run it again where a long run
 harms nobody (the environment server runs tool calls on its event loop this way).
@@ -72,8 +77,33 @@ def can_preempt() -> bool:
 def call_with_limit(fn: Callable[..., T], limit_s: float, *args: Any, **kwargs: Any) -> T:
     """Run ``fn(*args, **kwargs)``; raise TimeLimitExceeded if it runs longer than ``limit_s``."""
     if can_preempt():
-        return _run_with_alarm(_Alarm(TimeLimitExceeded), fn, limit_s, args, kwargs)
+        alarm = _Alarm(TimeLimitExceeded)
+        try:
+            return _run_with_alarm(alarm, fn, limit_s, args, kwargs)
+        except BaseException as e:
+            if alarm.fired:
+                _drop_half_imported(e)
+            raise
     return _WATCHDOG.call(fn, limit_s, args, kwargs)
+
+
+def _drop_half_imported(error: BaseException) -> None:
+    """Take out of ``sys.modules`` each module whose import ``error`` (or an exception it was raised
+    while handling) ended, where the import system left it there (the interruption hit its clean-up):
+    every later import would get it half made."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        trace = current.__traceback__
+        while trace is not None:
+            frame = trace.tb_frame
+            if frame.f_code.co_name == "_load_unlocked" and frame.f_code.co_filename.startswith("<frozen importlib"):
+                spec, module = frame.f_locals.get("spec"), frame.f_locals.get("module")
+                if spec is not None and module is not None and sys.modules.get(spec.name) is module:
+                    del sys.modules[spec.name]
+            trace = trace.tb_next
+        current = current.__context__
 
 
 def call_preemptibly(fn: Callable[..., T], budget_s: float, *args: Any, **kwargs: Any) -> T:
@@ -87,8 +117,9 @@ def call_preemptibly(fn: Callable[..., T], budget_s: float, *args: Any, **kwargs
     alarm = _Alarm(Preempted)
     try:
         result = _run_with_alarm(alarm, fn, budget_s, args, kwargs)
-    except BaseException:
+    except BaseException as e:
         if alarm.fired:
+            _drop_half_imported(e)
             raise Preempted() from None
         raise
     if alarm.fired:
@@ -246,9 +277,10 @@ class _Watchdog:
                 if entry.fired:
                     # Drop an injected exception that has not been raised yet.
                     _set_async_exc(entry.thread_id, ctypes.py_object())
-        except TimeLimitExceeded:
+        except BaseException as e:
             if entry.fired:
                 _set_async_exc(entry.thread_id, ctypes.py_object())
+                _drop_half_imported(e)
             raise
 
     def _forget(self, key: int) -> None:

@@ -1,5 +1,6 @@
 """The guarded runtime: EnvScaler semantics, the tool allowlist, argument checks, limits, checks."""
 
+import importlib
 import json
 import sys
 import threading
@@ -12,7 +13,7 @@ from envscaler import ChecklistError, EnvCodeError, EnvRuntime, EnvSpec, default
 from envscaler import loader
 from envscaler import checks
 from envscaler.checks import check_states, compile_checks_ahead
-from envscaler.guard import Preempted, call_preemptibly
+from envscaler.guard import Preempted, TimeLimitExceeded, call_preemptibly, call_with_limit
 from envscaler.loader import compile_ahead
 from envscaler.models import CheckItem
 from tests.support.bundles import (
@@ -304,6 +305,49 @@ def test_call_preemptibly_stops_at_the_budget_whatever_the_code_does(runtime, co
     assert time.monotonic() - started < 1.0
     assert call_preemptibly(lambda x: x * 2, 0.05, 21) == 42
     assert sys.gettrace() is tracer  # the tracer that stopped the stubborn loop is gone
+
+
+_SLOW_MODULE = """
+import time
+started = time.monotonic()
+try:
+    while time.monotonic() - started < 0.3:
+        pass
+except BaseException:  # noqa: BLE001 - swallowed once, as careless module code might
+    pass
+while time.monotonic() - started < 0.6:
+    pass
+WHOLE = True
+"""
+
+
+@pytest.mark.parametrize("how", ["preempted", "limited on the main thread", "limited on a call thread"])
+def test_an_import_that_a_limit_ends_leaves_no_half_made_module(tmp_path, monkeypatch, how):
+    name = "slow_module_" + how.replace(" ", "_")
+    (tmp_path / f"{name}.py").write_text(_SLOW_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def load() -> bool:
+        return importlib.import_module(name).WHOLE
+
+    ended: list[BaseException] = []
+
+    def limited() -> None:
+        try:
+            call_preemptibly(load, 0.05) if how == "preempted" else call_with_limit(load, 0.05)
+        except (Preempted, TimeLimitExceeded) as e:
+            ended.append(e)
+
+    if how == "limited on a call thread":
+        thread = threading.Thread(target=limited)
+        thread.start()
+        thread.join(10)
+    else:
+        limited()
+    assert ended, "the import ran past its limit and was not stopped"
+    assert name not in sys.modules  # else every later import would get the module half made
+    assert load() is True
+    del sys.modules[name]
 
 
 def test_call_preemptibly_refuses_other_threads():
