@@ -126,7 +126,11 @@ async def _start_workers(setup: bytes, procs: int) -> list[_Worker]:
             process = await anyio.open_process([sys.executable, "-m", "agent_client.worker"], stdin=subprocess.PIPE,
                                                stdout=subprocess.PIPE, stderr=None, env=env, start_new_session=True)
             workers.append(_Worker(number, process))
-            await process.stdin.send(setup)  # type: ignore[union-attr]
+        # All at once: a worker reads its setup only once it has imported the harness (most of a second),
+        # and a setup larger than the pipe holds would otherwise make each worker's start wait for the last's.
+        async with anyio.create_task_group() as sending:
+            for worker in workers:
+                sending.start_soon(worker.process.stdin.send, setup)  # type: ignore[union-attr]
     except BaseException:
         for worker in workers:
             worker.kill()
