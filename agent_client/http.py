@@ -7,9 +7,11 @@ second. It uses asyncio streams directly (the harness always runs on asyncio). `
 to httpx, which handles TLS properly.
 
 Interim (1xx) responses are skipped, chunked bodies are read through their trailers, and a pooled
-connection the server has closed is dropped before use. When a reused connection fails as a request
-goes out, the server may already have acted on it, so only idempotent methods are sent again: a
-POST (a tool call, a new episode) fails with TransportError instead of running twice.
+connection the server has closed is dropped before use, as is one idle for longer than
+``keep_alive_s``: a server closes idle connections too (ours after 75 s), and one it closes just as a
+request goes out fails that request. When a reused connection fails as a request goes out, the server
+may already have acted on it, so only idempotent methods are sent again: a POST (a tool call, a new
+episode) fails with TransportError instead of running twice.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import time
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -43,10 +46,11 @@ class Response:
 
 
 class _Connection:
-    __slots__ = ("reader", "writer")
+    __slots__ = ("reader", "writer", "idle_since")
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
+        self.idle_since = 0.0
 
     def close(self) -> None:
         self.writer.close()
@@ -55,9 +59,11 @@ class _Connection:
 class LeanHttp:
     """Pooled keep-alive connections per host; ``request`` sends JSON and returns the whole response."""
 
-    def __init__(self, timeout_s: float = 120.0, connect_timeout_s: float = 10.0) -> None:
+    def __init__(self, timeout_s: float = 120.0, connect_timeout_s: float = 10.0, keep_alive_s: float = 5.0) -> None:
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
+        # Well under the idle timeouts of the servers it talks to (ours and the gateway's: 75 s; many others': 5 s or more).
+        self.keep_alive_s = keep_alive_s
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._tls: httpx.AsyncClient | None = None
 
@@ -104,10 +110,11 @@ class LeanHttp:
 
     async def _exchange(self, key: tuple[str, int], message: bytes, method: str) -> Response:
         idle = self._idle.setdefault(key, [])
+        fresh_since = time.monotonic() - self.keep_alive_s
         while idle:
             connection = idle.pop()
-            if connection.reader.at_eof() or connection.reader.exception() is not None:
-                connection.close()  # the server closed it while it sat in the pool
+            if connection.reader.at_eof() or connection.reader.exception() is not None or connection.idle_since < fresh_since:
+                connection.close()  # the server closed it while it sat in the pool, or may close it any moment
                 continue
             try:
                 return await self._send(key, connection, message, method)
@@ -143,6 +150,7 @@ class LeanHttp:
             connection.close()
             raise
         if reusable:
+            connection.idle_since = time.monotonic()
             self._idle[key].append(connection)
         else:
             connection.close()

@@ -112,3 +112,14 @@ async def test_a_connection_the_server_closed_while_idle_is_not_used():
         assert (await http.request("POST", server.url + "/tool", {})).json() == {"n": 2}
         assert server.requests == [b"GET /warm HTTP/1.1", b"POST /tool HTTP/1.1"]
         assert server.connections == 2
+
+
+async def test_a_connection_idle_past_keep_alive_is_not_used_for_the_next_request():
+    # The server would close it at any moment; a POST sent just then would fail, and is never sent twice.
+    async with scripted([ok(b"{}"), ok(b"{}"), ok(b'{"n": 3}')]) as server, LeanHttp(keep_alive_s=0.2) as http:
+        await http.request("POST", server.url + "/episodes", {})
+        await http.request("POST", server.url + "/episodes", {})
+        assert server.connections == 1  # reused while fresh
+        await asyncio.sleep(0.3)
+        assert (await http.request("POST", server.url + "/episodes", {})).json() == {"n": 3}
+        assert server.connections == 2
