@@ -95,3 +95,20 @@ async def test_a_call_limit_runs_from_its_start_not_while_it_waits_for_a_thread(
             tasks.start_soon(slow, number)
     assert sorted(results) == list(range(5))
     assert runner.abandoned == 0 and runner.refused == 0
+
+
+def test_a_call_thread_that_python_says_has_ended_stays_ours_while_the_system_still_lists_it():
+    # On a busy machine that moment is long enough for a worker's thread watch to take it for a thread
+    # that environment code left running, and end the worker.
+    class Ended:
+        def __init__(self, native_id: int) -> None:
+            self.native_id = native_id
+
+        def is_alive(self) -> bool:
+            return False
+
+    runner = CallRunner("test")
+    listed, gone = threading.get_native_id(), 4_000_000_000
+    runner._ending = [Ended(listed), Ended(gone)]
+    assert runner.thread_ids() == {listed}
+    assert [thread.native_id for thread in runner._ending] == [listed]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import sys
 import threading
@@ -107,7 +108,9 @@ class CallRunner:
 
     def thread_ids(self) -> set[int]:
         """The operating system's ids of this runner's threads, those still ending included."""
-        self._ending = [thread for thread in self._ending if thread.is_alive()]
+        # Kept until the system no longer lists it: a thread is not alive for Python a moment before it
+        # has ended, and a busy machine can stretch that moment (it would be taken for someone else's).
+        self._ending = [thread for thread in self._ending if thread.is_alive() or os.path.exists(f"/proc/self/task/{thread.native_id}")]
         threads = [worker.thread for worker in self._workers if worker.thread is not None] + self._ending
         return {thread.native_id for thread in threads if thread.native_id is not None}
 
