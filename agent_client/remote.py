@@ -99,13 +99,15 @@ class EnvControl:
         except TransportError:
             pass
 
-    async def validate(self, episode_id: str, agent_replies: list[str] | None = None) -> EpisodeValidation:
+    async def validate(self, episode_id: str, agent_replies: list[str] | None = None, *, end: bool = False) -> EpisodeValidation:
         """The scenario's checklist run on the episode's state now, with the server's error counts.
 
-        ``agent_replies``: the agent's texts to the user since its last ended turn (the checks read them)."""
+        ``agent_replies``: the agent's texts to the user since its last ended turn (the checks read them).
+        ``end``: then end the episode, its trajectory in the reply (``calls``); where ``ended`` comes back
+        false (a server older than this), the episode still runs and the trajectory is not there."""
         # No body when there is nothing to pass: what every server of the farm has always accepted.
         body = ValidationRequest(agent_replies=agent_replies) if agent_replies else None
-        return await self._request(EpisodeValidation, "POST", f"/episodes/{episode_id}/validate", body)
+        return await self._request(EpisodeValidation, "POST", f"/episodes/{episode_id}/validate{'?end=1' if end else ''}", body)
 
     async def end_turn(self, episode_id: str, agent_replies: list[str]) -> TurnEnded:
         """End the episode's current scripted user turn: its checks' verdicts, and the user's next message."""

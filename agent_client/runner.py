@@ -28,7 +28,7 @@ from agent_client.progress import Progress
 from agent_client.remote import EnvControl, McpTools, new_http_client
 from envscaler.errors import InfraError
 from envscaler.jsonl import drop_lines, dumps, iter_lines
-from envscaler.wire import FarmCatalog, ScenarioSummary
+from envscaler.wire import EpisodeValidation, FarmCatalog, ScenarioSummary, Trajectory
 from agent_client.user import SimulatedUser
 
 
@@ -154,16 +154,18 @@ async def _episode(http: LeanHttp, control: EnvControl, scenario: ScenarioSummar
         user = SimulatedUser(options.user_endpoint, info.task, info.user_profile)
     ctx = EpisodeContext(env_id=scenario.env_id, task_id=scenario.task_id, info=info, tools=McpTools(http, info.mcp_url),
                          control=control, max_steps=options.max_steps, user=user, seed=repeat)
+    ended = False
     try:
         async with anyio.create_task_group() as renewing:
             renewing.start_soon(_renew_forever, control, info.episode_id, options.lease_s)
-            await _play_and_score(ctx, agent, control, info.episode_id, record, options)
+            ended = await _play_and_score(ctx, agent, control, info.episode_id, record, options)
             renewing.cancel_scope.cancel()
     finally:
         # Shielded: an interrupted run (Ctrl-C) still ends its live episodes rather than leave them to
         # the servers' idle timeout.
-        with anyio.CancelScope(shield=True), anyio.move_on_after(_END_TIMEOUT_S):
-            await control.end(info.episode_id)
+        if not ended:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(_END_TIMEOUT_S):
+                await control.end(info.episode_id)
 
 
 async def _renew_forever(control: EnvControl, episode_id: str, lease_s: float) -> None:
@@ -174,8 +176,9 @@ async def _renew_forever(control: EnvControl, episode_id: str, lease_s: float) -
 
 
 async def _play_and_score(ctx: EpisodeContext, agent: Agent, control: EnvControl, episode_id: str, record: Record,
-                          options: RunOptions) -> None:
-    """The agent's run, then the validator's score and the server's trajectory, into ``record``."""
+                          options: RunOptions) -> bool:
+    """The agent's run, then the validator's score and the server's trajectory, into ``record``; whether
+    the server has ended the episode meanwhile (with the validation, in one request)."""
     try:
         with anyio.fail_after(options.time_limit_s):
             result = await agent.run(ctx)
@@ -191,16 +194,19 @@ async def _play_and_score(ctx: EpisodeContext, agent: Agent, control: EnvControl
     record.steps, record.usage, record.user_usage = result.steps, result.usage, result.user_usage
     record.turns = ctx.turns_ended
     try:
+        final: EpisodeValidation | Trajectory | None = None
         if result.termination != "infra_error":
-            validation = await control.validate(episode_id, ctx.pending_replies())
-            record.reward, record.checks = validation.score, validation.checks
-        trajectory = await control.trajectory(episode_id)
-        record.trajectory = trajectory.calls
-        record.steps = record.steps or len(trajectory.calls)
-        record.env_errors, record.agent_errors = trajectory.env_errors, trajectory.agent_errors
-        record.tool_errors = trajectory.tool_errors
+            final = await control.validate(episode_id, ctx.pending_replies(), end=True)
+            record.reward, record.checks = final.score, final.checks
+        if final is None or final.calls is None:
+            final = await control.trajectory(episode_id)
+        record.trajectory = final.calls
+        record.steps = record.steps or len(final.calls)
+        record.env_errors, record.agent_errors, record.tool_errors = final.env_errors, final.agent_errors, final.tool_errors
     except InfraError as e:
         record.termination, record.error, record.reward = "infra_error", str(e), None
+        return False
+    return isinstance(final, EpisodeValidation) and final.ended
 
 
 def record_line(record: Record) -> str:

@@ -126,7 +126,12 @@ class ErrorCounts(BaseModel):
 
 
 class EpisodeValidation(ErrorCounts, ValidationResult):
-    """Reply of ``POST /episodes/{id}/validate``: score, per-check results, state hash, and error counts."""
+    """Reply of ``POST /episodes/{id}/validate``: score, per-check results, state hash, and error counts;
+    with ``?end=1`` (the last thing a harness asks of an episode), also every tool call of the episode,
+    which has then ended. A server that predates ``end`` ignores it: ``ended`` stays false."""
+
+    ended: bool = False
+    calls: list[ToolOutcome] | None = None
 
 
 class Trajectory(ErrorCounts):

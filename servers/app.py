@@ -240,7 +240,7 @@ class EnvServerApp:
         elif parts == ["episodes"] and method == "GET":
             result, status = EpisodeIds(episodes=list(self.store.episodes)), 200
         elif len(parts) in (2, 3) and parts[0] == "episodes":
-            result, status = await self._episode_route(parts, method, receive), 200
+            result, status = await self._episode_route(parts, method, scope, receive), 200
         else:
             raise ErrorReply(404, f"no route {method} {path}")
         body = result.body if isinstance(result, RawJson) else json_bytes(result)
@@ -250,7 +250,7 @@ class EnvServerApp:
             del body
             release_free_memory()  # a state read of big data parsed it here: its pages go back, not only to the heap
 
-    async def _episode_route(self, parts: list[str], method: str, receive: Any) -> BaseModel | RawJson:
+    async def _episode_route(self, parts: list[str], method: str, scope: Scope, receive: Any) -> BaseModel | RawJson:
         action = parts[2] if len(parts) == 3 else None
         live = self._live(parts[1])
         if action is None and method == "DELETE":
@@ -278,7 +278,12 @@ class EnvServerApp:
         if action == "validate" and method == "POST":
             body = await self._body(receive, ValidationRequest)
             result = await self._checking(self.store.validate(live, body.checklist, body.agent_replies))
-            return EpisodeValidation(**dict(result), **live.counts())
+            validation = EpisodeValidation(**dict(result), **live.counts())
+            if parse_qs((scope.get("query_string") or b"").decode("latin-1")).get("end") == ["1"]:
+                # The harness's last two requests of an episode (its trajectory, its end) folded into this one.
+                validation.calls, validation.ended = live.calls, True
+                self.store.end(live.episode_id)
+            return validation
         if action == "turn" and method == "POST":
             replies = (await self._body(receive, TurnRequest)).agent_replies
             return await self._checking(self.store.end_turn(live, replies))

@@ -517,6 +517,24 @@ def test_every_control_reply_is_exactly_its_wire_model(counter_server):
     assert {"score", "checks", "state_hash"} <= set(replies[7][1])
 
 
+def test_the_last_validation_can_end_the_episode_and_bring_its_trajectory(counter_server):
+    # What the harness asks at the end of every episode, in one request instead of three.
+    with counter_server.client() as http:
+        created = http.post("/episodes", json={"scenario_id": "counter_001"}).json()
+        path = f"/episodes/{created['episode_id']}"
+        for _ in range(2):
+            http.post(created["mcp_path"], json={"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                                                 "params": {"name": "add", "arguments": {"item_id": "a"}}})
+        plain = http.post(f"{path}/validate").json()
+        trajectory = http.get(f"{path}/trajectory").json()
+        final = http.post(f"{path}/validate?end=1").json()
+        assert http.get(f"{path}/trajectory").status_code == 404
+        assert created["episode_id"] not in http.get("/episodes").json()["episodes"]
+    assert (plain["ended"], plain["calls"]) == (False, None)
+    assert final["ended"] is True and final["calls"] == trajectory["calls"] and len(final["calls"]) == 2
+    assert {key: final[key] for key in ("score", "checks", "state_hash")} == {key: plain[key] for key in ("score", "checks", "state_hash")}
+
+
 def test_mcp_routing_headers_must_agree_with_the_body_and_errors_carry_the_sdk_status(counter_server):
     episode = create(counter_server, scenario_id="counter_001")
     meta = {"io.modelcontextprotocol/protocolVersion": "2026-07-28", "io.modelcontextprotocol/clientCapabilities": {}}
