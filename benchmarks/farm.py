@@ -10,7 +10,8 @@ costs), PSS (shared pages split among their users) and RSS. An environment's mem
 times: before any validation, after one, and ``--reap-wait`` seconds after it, once its check worker
 has stopped (idle for the server's ``--check-idle``). The daemon's CPU while the farm is idle
 is read from /proc/PID/stat over 10 s, and given per environment too. With ``--replay N``, every scenario
-of the farm is then replayed N times (``envscaler run --agent replay --procs`` cores - 2; N is 2 by default:
+of the farm is then replayed N times (``envscaler run --agent replay --procs`` cores / 2 - 1, 128 episodes at once
+each: a farm on the same machine needs about three cores for each the harness uses; N is 2 by default:
 the first replay starts the check workers that stopped while idle, the second finds them running): tool
 steps/s, and the CPU each tool step cost the farm (every process under its daemon) and the harness.
 
@@ -192,12 +193,12 @@ def replay_all(catalog: Path, scratch: Path) -> Replay:
     """Replay every scenario of the farm once, with as many run processes as the cores allow."""
     out = scratch / "replay.jsonl"
     out.unlink(missing_ok=True)
-    procs = max(1, len(os.sched_getaffinity(0)) - 2)
+    procs = max(1, len(os.sched_getaffinity(0)) // 2 - 1)
     daemon = farm_state(catalog)["daemon_pid"]
     by_name_before, harness_before = tree_cpu_by_name(daemon), children_cpu_seconds()
     started = time.perf_counter()
     run = subprocess.Popen([sys.executable, "-m", "envscaler.cli", "run", "--farm", str(catalog), "--agent", "replay", "--out", str(out),
-                            "--procs", str(procs), "--concurrency", str(64 * procs), "--quiet"], stdout=subprocess.PIPE,
+                            "--procs", str(procs), "--concurrency", str(128 * procs), "--quiet"], stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     busiest = BusiestProcesses(lambda: [daemon, run.pid])
     busiest.start()
@@ -347,7 +348,7 @@ def main() -> int:
                         help="keep a busy process on every core while the farm validates and idles: nothing may be restarted")
     parser.add_argument("--replay", type=int, nargs="?", const=2, default=0, metavar="N",
                         help="also replay every scenario on the farm N times (default 2: the first starts the check workers, the "
-                             "second finds them running) with 'envscaler run --procs' (cores - 2): tool steps/s, CPU per step")
+                             "second finds them running) with 'envscaler run --procs' (cores / 2 - 1): tool steps/s, CPU per step")
     parser.add_argument("--envs-per-server", type=int, default=1, metavar="N",
                         help="process backend: environments each server process serves (farm up --envs-per-server); "
                              "a server's memory is then shared out among them (default: 1)")
