@@ -10,12 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from agent_client.runner import spread_over_environments
-from envscaler.wire import ScenarioSummary
+from agent_client.http import LeanHttp
+from agent_client.models import AgentResult
+from agent_client.remote import EnvControl
+from agent_client.runner import RunOptions, run_episode, spread_over_environments
+from envscaler.wire import EnvEndpoint, ScenarioSummary
 from tests.support.bundles import counter_scenario, counter_spec, second_scenario, write_bundle
 from tests.support.cli import envscaler
 from tests.support.openai_replay import ReplayServer
 from tests.support.server import serve
+from tests.test_http_client import ok, scripted
 
 SUPPORT = Path(__file__).parent / "support"
 
@@ -302,3 +306,28 @@ def test_results_reach_agent_trajectory_and_export_as_the_tool_returned_them(tmp
     assert envscaler("export", "--in", str(out), "--out", str(sft), "--format", "openai").returncode == 0
     exported = records(sft)[0]["messages"]
     assert [m["content"] for m in exported if m["role"] == "tool"] == expected
+
+
+class _DoneAtOnce:
+    """An agent that ends its episode without a tool call."""
+
+    name, converses, model = "done-at-once", False, None
+
+    async def run(self, ctx):
+        return AgentResult()
+
+
+@pytest.mark.anyio
+async def test_a_server_that_predates_validate_end_is_still_asked_for_the_trajectory_and_to_end():
+    # A farm built before ``?end=1`` (an older server image) ignores it: the record must still get its
+    # trajectory and error counts, and the episode must still be ended.
+    replies = [ok(json.dumps({"episode_id": "e1", "mcp_url": "http://127.0.0.1:9/mcp", "mcp_path": "/episodes/e1/mcp", "env_id": "demo"}).encode()),
+               ok(json.dumps({"score": 1.0, "checks": [], "state_hash": "h"}).encode()),
+               ok(json.dumps({"episode_id": "e1", "env_id": "demo", "scenario_id": "t1", "calls": [], "env_errors": 2}).encode()),
+               ok(json.dumps({"episode_id": "e1", "calls": 0}).encode())]
+    async with scripted(replies) as server, LeanHttp() as http:
+        control = EnvControl(http, "demo", EnvEndpoint(url=server.url, token="t"))
+        record = await run_episode(http, control, ScenarioSummary(env_id="demo", task_id="t1"), 0, _DoneAtOnce(), RunOptions())
+    assert server.requests == [b"POST /episodes HTTP/1.1", b"POST /episodes/e1/validate?end=1 HTTP/1.1",
+                               b"GET /episodes/e1/trajectory HTTP/1.1", b"DELETE /episodes/e1 HTTP/1.1"]
+    assert (record.termination, record.reward, record.env_errors, record.error) == ("finished", 1.0, 2, None)
