@@ -77,13 +77,7 @@ def can_preempt() -> bool:
 def call_with_limit(fn: Callable[..., T], limit_s: float, *args: Any, **kwargs: Any) -> T:
     """Run ``fn(*args, **kwargs)``; raise TimeLimitExceeded if it runs longer than ``limit_s``."""
     if can_preempt():
-        alarm = _Alarm(TimeLimitExceeded)
-        try:
-            return _run_with_alarm(alarm, fn, limit_s, args, kwargs)
-        except BaseException as e:
-            if alarm.fired:
-                _drop_half_imported(e)
-            raise
+        return _run_with_alarm(_Alarm(TimeLimitExceeded), fn, limit_s, args, kwargs)
     return _WATCHDOG.call(fn, limit_s, args, kwargs)
 
 
@@ -117,9 +111,8 @@ def call_preemptibly(fn: Callable[..., T], budget_s: float, *args: Any, **kwargs
     alarm = _Alarm(Preempted)
     try:
         result = _run_with_alarm(alarm, fn, budget_s, args, kwargs)
-    except BaseException as e:
+    except BaseException:
         if alarm.fired:
-            _drop_half_imported(e)
             raise Preempted() from None
         raise
     if alarm.fired:
@@ -207,8 +200,12 @@ def _run_with_alarm(alarm: _Alarm, fn: Callable[..., T], seconds: float, args: t
     marked = thread not in _guarded
     _setitimer(signal.ITIMER_REAL, seconds, _REPEAT_S)
     _guarded.add(thread)
+    interrupted: BaseException | None = None
     try:
         return fn(*args, **kwargs)
+    except BaseException as error:
+        interrupted = error
+        raise
     finally:
         # The alarm may fire once more while we disarm; absorb it so it never escapes the guard.
         while True:
@@ -225,6 +222,9 @@ def _run_with_alarm(alarm: _Alarm, fn: Callable[..., T], seconds: float, args: t
                 break
             except alarm.error:
                 continue
+        if interrupted is not None and alarm.fired:
+            _drop_half_imported(interrupted)  # disarmed: nothing interrupts this
+        interrupted = None  # its traceback holds this frame: the same cycle
 
 
 class _Entry:
