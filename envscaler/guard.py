@@ -13,6 +13,10 @@ with a bare ``except:``. On the main thread, code that swallows it a second time
 that raises it again on every line it runs, so not even ``while True: try/except: pass`` survives.
 The exceptions derive from BaseException so that the usual ``except Exception`` does not catch them.
 
+A limit counts the call's own time (``envscaler.own_time``): the time its thread waited for a CPU on
+a busy machine is added to the wall-clock deadline. :func:`call_preemptibly`'s budget is wall-clock
+time: running out of it costs only a run elsewhere.
+
 An exception raised inside Python's import system itself (not in the module it imports) can skip the
 clean-up of the failed import and leave a half-made module in ``sys.modules``, which every later import
 in the process would then get (``datetime.strptime`` failing for good, say). So once a limit has ended a
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import signal
 import sys
 import threading
@@ -41,6 +46,8 @@ import time
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any, TypeVar
+
+from envscaler.own_time import OwnTimeLimit, thread_waits
 
 T = TypeVar("T")
 
@@ -53,6 +60,7 @@ _signal = signal.signal
 _settrace = sys.settrace
 _gettrace = sys.gettrace
 _get_ident = threading.get_ident
+_get_native_id = threading.get_native_id
 # Threads running environment code under a limit now.
 _guarded: set[int] = set()
 
@@ -75,10 +83,14 @@ def can_preempt() -> bool:
 
 
 def call_with_limit(fn: Callable[..., T], limit_s: float, *args: Any, **kwargs: Any) -> T:
-    """Run ``fn(*args, **kwargs)``; raise TimeLimitExceeded if it runs longer than ``limit_s``."""
+    """Run ``fn(*args, **kwargs)``; raise TimeLimitExceeded once it has run ``limit_s`` of its own time
+    (time its thread waited for a CPU does not count)."""
+    native_id = _get_native_id()
     if can_preempt():
-        return _run_with_alarm(_Alarm(TimeLimitExceeded), fn, limit_s, args, kwargs)
-    return _WATCHDOG.call(fn, limit_s, args, kwargs)
+        # Its waits are read now (a few microseconds): a signal to read them later would cost more.
+        limit = OwnTimeLimit(limit_s, functools.partial(thread_waits, native_id), mark=thread_waits(native_id))
+        return _run_with_alarm(_Alarm(TimeLimitExceeded, limit), fn, limit_s, args, kwargs)
+    return _WATCHDOG.call(fn, OwnTimeLimit(limit_s, functools.partial(thread_waits, native_id)), args, kwargs)
 
 
 def _drop_half_imported(error: BaseException) -> None:
@@ -141,12 +153,14 @@ def block_alarm_in_this_thread() -> None:
 
 
 class _Alarm:
-    """One armed SIGALRM timer on the main thread: what it raises, how often it fired."""
+    """One armed SIGALRM timer on the main thread: what it raises, how often it fired, and the limit
+    that decides when it first does (none: the timer's own deadline)."""
 
-    __slots__ = ("error", "fired", "frame", "previous_trace", "tracing")
+    __slots__ = ("error", "limit", "fired", "frame", "previous_trace", "tracing")
 
-    def __init__(self, error: type[BaseException]) -> None:
+    def __init__(self, error: type[BaseException], limit: OwnTimeLimit | None = None) -> None:
         self.error = error
+        self.limit = limit
         self.fired = 0
         self.frame: FrameType | None = None
         self.previous_trace: Any = None
@@ -161,6 +175,8 @@ def _on_alarm(signum: int, frame: FrameType | None) -> None:
     alarm = _current
     if alarm is None:
         return  # a late tick after the call ended
+    if not alarm.fired and alarm.limit is not None and not alarm.limit.reached():
+        return  # it waited for a CPU: its own time is not up yet (the timer ticks again in _REPEAT_S)
     alarm.fired += 1
     if alarm.fired > 1 and not alarm.tracing:
         _trace_to_stop(alarm, frame)
@@ -228,11 +244,12 @@ def _run_with_alarm(alarm: _Alarm, fn: Callable[..., T], seconds: float, args: t
 
 
 class _Entry:
-    __slots__ = ("thread_id", "deadline", "fired")
+    __slots__ = ("thread_id", "limit", "repeat_at", "fired")
 
-    def __init__(self, thread_id: int, deadline: float) -> None:
+    def __init__(self, thread_id: int, limit: OwnTimeLimit) -> None:
         self.thread_id = thread_id
-        self.deadline = deadline
+        self.limit = limit
+        self.repeat_at = 0.0
         self.fired = False
 
 
@@ -256,8 +273,8 @@ class _Watchdog:
         self._asleep = True
         self._thread: threading.Thread | None = None
 
-    def call(self, fn: Callable[..., T], limit_s: float, args: tuple, kwargs: dict) -> T:
-        entry = _Entry(threading.get_ident(), time.monotonic() + limit_s)
+    def call(self, fn: Callable[..., T], limit: OwnTimeLimit, args: tuple, kwargs: dict) -> T:
+        entry = _Entry(threading.get_ident(), limit)
         key = id(entry)
         try:
             with self._lock:
@@ -305,9 +322,9 @@ class _Watchdog:
             now = time.monotonic()
             with self._lock:
                 for entry in self._entries.values():
-                    if entry.deadline <= now:
+                    if entry.repeat_at <= now if entry.fired else entry.limit.reached(now):
                         entry.fired = True
-                        entry.deadline = now + _REPEAT_S
+                        entry.repeat_at = now + _REPEAT_S
                         _set_async_exc(entry.thread_id, ctypes.py_object(TimeLimitExceeded))
                 if self._entries:
                     quiet_since = None

@@ -11,8 +11,9 @@ hand-over serves many calls.
 A call that runs longer than ``handover_after_s`` retires its worker (it finishes that call, reports
 it, and exits) and a fresh worker takes the queue, so a slow or stuck call only holds up its own
 caller. A call's limit runs from when a thread starts it, never from when it was queued: a call that
-waited behind others (every thread busy with slow but legitimate calls, a machine short of CPU) gets
-its whole limit. A call still running at its deadline is abandoned: its caller gets
+waited behind others (every thread busy with slow but legitimate calls) gets its whole limit. It
+counts the call's own time (``envscaler.own_time``): what its thread waited for a CPU on a machine
+short of them is added to its deadline. A call still running at its deadline is abandoned: its caller gets
 :class:`CallAbandoned` at once. The thread cannot be killed; it stays retired until the call returns,
 if ever, and at most ``max_threads`` threads exist, so a flood of stuck calls cannot exhaust the
 process. A call that waits longer than ``wait_s`` for a thread is refused with :class:`Overloaded`,
@@ -22,6 +23,7 @@ and never runs: nothing of it happened, so it can be asked again.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import queue
@@ -32,6 +34,7 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from envscaler.guard import block_alarm_in_this_thread
+from envscaler.own_time import OwnTimeLimit, thread_waits
 from servers.errors import CallAbandoned, Overloaded
 
 T = TypeVar("T")
@@ -40,15 +43,18 @@ log = logging.getLogger("envscaler.server")
 
 
 class _Job(Generic[T]):
-    __slots__ = ("fn", "future", "limit_s", "queued", "started", "abandoned")
+    __slots__ = ("fn", "future", "limit_s", "queued", "thread_id", "started", "limit", "abandoned")
 
     def __init__(self, fn: Callable[[], T], future: asyncio.Future[T], limit_s: float, queued: float) -> None:
         self.fn = fn
         self.future = future
         self.limit_s = limit_s
         self.queued = queued
-        # When a thread took it (``CallRunner._claims`` held): from then on its limit runs.
+        # The thread that took it, and when (``CallRunner._claims`` held): from then on its limit runs.
+        self.thread_id = 0
         self.started: float | None = None
+        # Made by the supervisor once it sees the job started.
+        self.limit: OwnTimeLimit | None = None
         self.abandoned = False
 
 
@@ -182,7 +188,9 @@ class CallRunner:
                 continue
             started = job.started
             if started is not None:
-                if now - started > job.limit_s:
+                if job.limit is None:
+                    job.limit = OwnTimeLimit(job.limit_s, functools.partial(thread_waits, job.thread_id), start=started)
+                if job.limit.reached(now):
                     job.abandoned = True
                     self.abandoned += 1
                     job.future.set_exception(CallAbandoned())
@@ -232,6 +240,7 @@ class CallRunner:
 
     def _work(self, worker: _Worker) -> None:
         block_alarm_in_this_thread()
+        thread_id = threading.get_native_id()
         done: list[tuple[_Job[Any], bool, Any]] = []
         get, get_nowait = self._queue.get, self._queue.get_nowait
         while not worker.retired:
@@ -249,6 +258,7 @@ class CallRunner:
             with self._claims:
                 if job.abandoned:
                     continue
+                job.thread_id = thread_id
                 job.started = worker.started = time.monotonic()  # before job: the supervisor reads job, then started
             worker.job = job
             try:

@@ -17,7 +17,8 @@ process is undumpable, so no child can reach its memory either. Several children
 server sends one request per environment at a time), each answered as it ends: one that runs past
 the checks' limit is killed here (its request gets CallAbandoned), one that ends before it answers
 costs its validation only (ChecklistError). The server kills this process only when an answer is
-overdue all the same.
+overdue all the same. Limits count the checks' own time (``envscaler.own_time``): what a child waited
+for a CPU on a busy machine does not count.
 
 A child is forked when its request comes, with the request in memory, not ahead of it: a child kept
 ready holds the pages its start copied (about 2 MB), and a check worker runs the whole
@@ -32,6 +33,7 @@ child loads it with two system calls.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import select
@@ -47,6 +49,7 @@ from envscaler.checks import check_states, compile_checks_ahead
 from envscaler.data_files import DataFiles
 from envscaler.errors import BundleError, ChecklistError
 from envscaler.guard import keep_alarm_handler, protect_time_limits
+from envscaler.own_time import OwnTimeLimit, process_waits
 from envscaler.sandbox import check_libc, die_with_parent, libc, make_undumpable
 from envscaler.seccomp import LoadableProgram, seccomp_bpf
 from envscaler.state import apply_changes
@@ -114,15 +117,14 @@ class _Env:
 
 
 class _Child:
-    """A forked process that runs one request's checks: its pid, the request it answers, when it is
-    overdue, and the pipe it writes its answer to (what came of it so far)."""
+    """A forked process that runs one request's checks: its pid, the request it answers, its limit (its
+    own time: what it waited for a CPU does not count), and the pipe it writes its answer to (what came of it so far)."""
 
-    def __init__(self, pid: int, answers: int, request_id: int, deadline: float, limit_s: float) -> None:
+    def __init__(self, pid: int, answers: int, request_id: int, limit: OwnTimeLimit) -> None:
         self.pid = pid
         self.answers = answers
         self.request_id = request_id
-        self.deadline = deadline
-        self.limit_s = limit_s
+        self.limit = limit
         self.received: list[bytes] = []
         self.size = 0
         self.status: int | None = None
@@ -166,7 +168,7 @@ class Checker:
             self.reap_killed()
             wait_ms = None
             if self.running:
-                soonest = min(child.deadline for child in self.running.values())
+                soonest = min(child.limit.next_check() for child in self.running.values())
                 wait_ms = max(0, int((soonest - time.monotonic()) * 1000) + 1)
             if self.killed:
                 wait_ms = min(wait_ms if wait_ms is not None else _REAP_EVERY_MS, _REAP_EVERY_MS)  # no killed child waits for a request to be reaped
@@ -177,7 +179,7 @@ class Checker:
                 elif fd in self.running:
                     self._receive(self.running[fd])
             now = time.monotonic()
-            for child in [child for child in self.running.values() if child.deadline <= now]:
+            for child in [child for child in self.running.values() if child.limit.reached(now)]:
                 self._abandon(child)
 
     def reap_killed(self) -> None:
@@ -223,7 +225,8 @@ class Checker:
             finally:
                 exit_now(_EXIT_UNANSWERED)
         os.close(answer_out)
-        child = _Child(pid, answer_in, request_id, time.monotonic() + limit_s, limit_s)
+        # A forked process starts with no waits counted: its limit needs no mark.
+        child = _Child(pid, answer_in, request_id, OwnTimeLimit(limit_s, functools.partial(process_waits, pid), mark={}))
         self.running[answer_in] = child
         self.poller.register(answer_in, select.POLLIN)
         return None
@@ -246,7 +249,7 @@ class Checker:
         """Kill ``child``, past its limit, and answer its request with CallAbandoned."""
         self._stop(child)
         self.reply(child.request_id, FAILED,
-                   _failure("CallAbandoned", f"the checks did not finish within {child.limit_s:g} s; their process was killed"))
+                   _failure("CallAbandoned", f"the checks did not finish within {child.limit.limit_s:g} s; their process was killed"))
 
     def reply(self, request_id: int, status: int, payload: bytes) -> None:
         """Send the server the answer to request ``request_id``: ``payload``, JSON already (a child's, passed on as it is)."""

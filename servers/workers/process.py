@@ -15,7 +15,9 @@ past ``OUTPUT_BYTES`` in one child's life the rest is counted and dropped. Where
 one (``envscaler.cgroups``), the child starts in its environment's control group.
 
 Every request has a deadline: its own limit plus ``GRACE_S``, counted from when it was sent or from
-the child's last answer, whichever is later. A child that keeps answering is not frozen: a request
+the child's last answer, whichever is later, and moved later by what the child's threads waited for a
+CPU (``envscaler.own_time``, read from ``/proc`` once the request has waited ``MARK_AFTER_S``): a machine
+short of CPU slows the child, it does not make it late. A child that keeps answering is not frozen: a request
 that waits in it behind others (all its call threads busy with slow but legitimate calls, a machine
 short of CPU) is the child's to refuse (``Overloaded``, after ``queue_wait_s``), or to run under its
 own limit, which runs from when it starts there. Its deadline moves at most ``GRACE_S`` (or
@@ -46,7 +48,7 @@ So a request that is blamed has brought a child down with nothing else in flight
 
 The one rule of time: when the owner replaces a child that still answers, because a request's code
 runs on past its limit on a thread that cannot be stopped (:meth:`WorkerProcess.restart`), every
-request already past its own limit by the server's clock is blamed, at once, and the others are asked
+request already past its own limit by the server's clock (less what the child waited for a CPU) is blamed, at once, and the others are asked
 again together: a flood of such calls costs no more than one of them.
 """
 
@@ -55,6 +57,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import json
 import logging
 import os
@@ -71,6 +74,7 @@ from pydantic import BaseModel
 from envscaler import EnvCodeError
 from envscaler.cgroups import ChildGroup
 from envscaler.errors import BundleError, ChecklistError
+from envscaler.own_time import MARK_AFTER_S, CpuWaitCredit, process_waits
 from envscaler.sandbox import CHILD_TASKS, SANDBOX_ENVIRONMENT, clean_environment, make_undumpable, process_uid, sandbox_plan
 from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, Overloaded, UnknownEpisode, UnknownScenario
 from servers.memory import oom_kills
@@ -589,13 +593,15 @@ class WorkerProcess:
                 self._end(pending.holding)  # its request fell: what it was asked again for is over
         shared = blame and len(in_flight) > 1
         turns = self._turns_after(falling) if shared else {}
+        now = time.monotonic()
+        # Read while the child lives: what it waited for a CPU is not its requests' own time.
+        late = {pending for pending in falling if late_blamed and now - pending.sent - self._waited(pending) > pending.limit_s}
         child.kill()
         self.on_lost(reason)
-        now = time.monotonic()
         for pending in falling:
             if blame and not shared:
                 gone = WorkerGone(reason, hung=hung, blamed=True, out_of_memory=out_of_memory)
-            elif late_blamed and now - pending.sent > pending.limit_s:
+            elif pending in late:
                 # Caught up, but already past its own limit by this server's clock: it would have timed out anyway.
                 gone = WorkerGone(f"{reason}; {pending.what} had run past its own limit of {pending.limit_s:g} s", hung=True, blamed=True)
             else:
@@ -646,9 +652,21 @@ class WorkerProcess:
 
     def _supervise(self) -> None:
         now = time.monotonic()
-        deadlines = {pending: self._deadline(pending) for pending in self._pending.values()}
+        child = self._child
+        deadlines: dict[_Pending, float] = {}
+        for pending in self._pending.values():
+            deadline = deadlines[pending] = self._deadline(pending)
+            if child is None:
+                continue
+            if pending.credit is None:
+                if now - pending.sent >= min(MARK_AFTER_S, pending.wait_s / 4):
+                    pending.credit = CpuWaitCredit(functools.partial(process_waits, child.process.pid))
+                    pending.credit.take_mark()
+            elif deadline <= now:
+                pending.credit.update()
+                deadlines[pending] = self._deadline(pending)
         overdue = [pending for pending, deadline in deadlines.items() if deadline <= now]
-        if overdue and self._child is not None:
+        if overdue and child is not None:
             late = min(overdue, key=deadlines.__getitem__)
             self.lose(self._child, f"the {self.role} did not answer {late.what} within {late.limit_s:g} s and was restarted", hung=True)
         if self._pending:
@@ -660,8 +678,15 @@ class WorkerProcess:
         """When ``pending`` counts as missed: its wait from when it was sent or from the child's last
         answer, whichever is later, and at most ``GRACE_S`` past its wait from when it was sent (a child
         that answers others while one request outlives its wait by more is stuck on it: a thread that holds
-        the GIL in C, say, and its other episodes must not wait on it for ``queue_wait_s``)."""
-        return min(max(pending.sent, self._heard) + pending.wait_s, pending.sent + pending.wait_s + min(self.queue_wait_s, GRACE_S))
+        the GIL in C, say, and its other episodes must not wait on it for ``queue_wait_s``); both moved later
+        by what the child waited for a CPU since the request's mark."""
+        waited = 0.0 if pending.credit is None else pending.credit.seconds
+        return min(max(pending.sent, self._heard) + pending.wait_s, pending.sent + pending.wait_s + min(self.queue_wait_s, GRACE_S)) + waited
+
+    @staticmethod
+    def _waited(pending: _Pending) -> float:
+        """What the child has waited for a CPU since ``pending``'s mark, read now (0 before the mark)."""
+        return 0.0 if pending.credit is None else pending.credit.update()
 
     async def _wait(self, request_id: int, wait_s: float, limit_s: float, what: str, subject: str, again: bool = False,
                     holding: Turn | None = None) -> tuple[int, bytes]:
@@ -696,7 +721,7 @@ class _Pending:
     """A request the child has not answered yet (``again``: as :meth:`WorkerProcess.ask` was told; ``holding``:
     the turn its task was in when it was sent, if any)."""
 
-    __slots__ = ("future", "sent", "wait_s", "limit_s", "what", "subject", "again", "holding")
+    __slots__ = ("future", "sent", "wait_s", "limit_s", "what", "subject", "again", "holding", "credit")
 
     def __init__(self, future: asyncio.Future[tuple[int, bytes]], sent: float, wait_s: float, limit_s: float, what: str,
                  subject: str, again: bool, holding: Turn | None) -> None:
@@ -708,3 +733,5 @@ class _Pending:
         self.subject = subject
         self.again = again
         self.holding = holding
+        # Taken by the supervisor once it has waited MARK_AFTER_S (most requests are answered long before).
+        self.credit: CpuWaitCredit | None = None
