@@ -17,7 +17,7 @@ from urllib.parse import quote
 import anyio
 
 from agent_client.agents import CommandAgent, OpenAIAgent, RandomAgent, ReplayAgent
-from agent_client.export import export, read_records, read_scores, rewarded
+from agent_client.export import export, read_records, rewarded
 from agent_client.inspect_log import write_inspect_log
 from agent_client.interrupt import run_interruptible
 from agent_client.llm import LlmEndpoint
@@ -75,8 +75,7 @@ def _run(args: argparse.Namespace) -> int:
                          rerun_infra_errors=not args.keep_infra_errors, lease_s=args.lease, procs=args.procs or default_procs())
     make_agent = _agent_factory(args)
     catalog = load_farm_catalog(args.farm)
-    run_interruptible(partial(run, catalog, make_agent, out, patterns=args.scenario, options=options))
-    records = read_scores(out)
+    records = run_interruptible(partial(run, catalog, make_agent, out, patterns=args.scenario, options=options))
     print(render(summarize(records, args.repeats), f"agent {args.agent}, {len(records)} episode(s) in {out}"))
     if args.repeats > 1:
         print(render_spread(records, args.repeats))
@@ -241,8 +240,7 @@ def _demo_on_farm(args: argparse.Namespace, out_dir: Path, catalog: str) -> int:
         path.unlink(missing_ok=True)
         print(f"demo: running the {name} agent over MCP on every scenario", file=sys.stderr)
         options = RunOptions(concurrency=args.concurrency)
-        run_interruptible(partial(run, farm, make_agent, path, options=options))
-        results[name] = read_scores(path)
+        results[name] = run_interruptible(partial(run, farm, make_agent, path, options=options))
         print()
         print(render(summarize(results[name], 1), f"{name} agent ({path})"))
     replay = results["replay"]

@@ -4,32 +4,22 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
 from agent_client.errors import HarnessError
-from agent_client.models import Record, RecordScore
+from agent_client.models import Record
 from envscaler.bundle import describe_validation_error
 from envscaler.jsonl import dumps, iter_lines, validate_json
 
 ExportFormat = Literal["openai", "sharegpt"]
-_Read = TypeVar("_Read", Record, RecordScore)
 
 _SHAREGPT_ROLE = {"system": "system", "user": "human", "assistant": "gpt", "tool": "observation"}
 
 
 def read_records(path: Path) -> list[Record]:
     """Every record in a run file (lines split on ``"\\n"`` only); a malformed line is an error naming the line."""
-    return _read(path, Record)
-
-
-def read_scores(path: Path) -> list[RecordScore]:
-    """What the score table reads of every record in a run file, as :func:`read_records` reads them."""
-    return _read(path, RecordScore)
-
-
-def _read(path: Path, model: type[_Read]) -> list[_Read]:
     if not path.exists():
         raise HarnessError(f"{path}: no such run file")
     records = []
@@ -37,7 +27,7 @@ def _read(path: Path, model: type[_Read]) -> list[_Read]:
         if not line.strip():
             continue
         try:
-            records.append(validate_json(model, line))
+            records.append(validate_json(Record, line))
         except ValidationError as e:
             # The whole reason, with its position: the first line of pydantic's text is only a count.
             raise HarnessError(f"{path}:{number}: not a run record: {describe_validation_error(e)}") from None

@@ -5,18 +5,22 @@ from __future__ import annotations
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import anyio
 
+T = TypeVar("T")
 
-async def interruptible(work: Callable[[], Awaitable[object]]) -> None:
-    """Run ``work``; on SIGINT cancel it through anyio (its live episodes are ended, shielded) and raise
-    KeyboardInterrupt once it has stopped.
+
+async def interruptible(work: Callable[[], Awaitable[T]]) -> T:
+    """Run ``work`` and return what it returns; on SIGINT cancel it through anyio (its live episodes are
+    ended, shielded) and raise KeyboardInterrupt once it has stopped.
 
     asyncio's own Ctrl-C handling cancels the main task natively, and a cancel scope inside the work can
     take that cancellation for its own: the run then goes on as if nothing happened.
     """
     interrupted = False
+    result: list[T] = []
     try:
         async with anyio.create_task_group() as tasks:
 
@@ -29,18 +33,19 @@ async def interruptible(work: Callable[[], Awaitable[object]]) -> None:
                         return
 
             tasks.start_soon(watch)
-            await work()
+            result.append(await work())
             tasks.cancel_scope.cancel()  # done: stop watching
     except BaseExceptionGroup as group:
         # The work's own error (a usage error, say) is the caller's to see, not a group around it.
         if len(group.exceptions) == 1:
             raise group.exceptions[0] from None
         raise
-    if interrupted:
+    if interrupted or not result:
         raise KeyboardInterrupt
+    return result[0]
 
 
-def run_interruptible(work: Callable[[], Awaitable[object]]) -> None:
+def run_interruptible(work: Callable[[], Awaitable[T]]) -> T:
     """:func:`interruptible` ``work`` in a new event loop: uvloop's (a third less CPU per request than
     asyncio's own), except on Windows, which it does not support."""
-    anyio.run(interruptible, work, backend_options={"use_uvloop": sys.platform != "win32"})
+    return anyio.run(interruptible, work, backend_options={"use_uvloop": sys.platform != "win32"})

@@ -91,17 +91,21 @@ class Record(BaseModel):
         """The episode was judged and has a reward: it counts in success rates and reward statistics."""
         return not self.infra_failed and self.reward is not None
 
-    def head(self) -> RecordHead:
+    def score(self) -> RecordScore:
         """What a run keeps of this record once it is written."""
-        return RecordHead(env_id=self.env_id, task_id=self.task_id, repeat=self.repeat, termination=self.termination,
-                          reward=self.reward, steps=self.steps)
+        return RecordScore(env_id=self.env_id, task_id=self.task_id, repeat=self.repeat, termination=self.termination,
+                           reward=self.reward, steps=self.steps, env_errors=self.env_errors, tool_errors=self.tool_errors,
+                           error=self.error, turns=self.turns, usage=self.usage, user_usage=self.user_usage)
 
 
-class RecordHead(BaseModel):
-    """What a run keeps of each of its records once written: which episode, how it ended, its reward and
-    steps. The whole record (messages, tools, trajectory) is in the output file only, so that a long run
-    holds no more in memory than a short one, and worker processes send their records as bytes that
-    nobody parses again."""
+class RecordScore(BaseModel):
+    """What the score table (``agent_client.summary``) reads of a record: which episode, how it ended,
+    its reward, steps, errors, turns and tokens. It is all a run keeps of each record it writes or finds
+    in its output file: the whole record (messages, tools, trajectory) is in the file only, so that a long
+    run holds no more in memory than a short one, worker processes send their records as bytes that
+    nobody parses again, and the table at the end reads no file. Resuming reads the file's records as
+    these: the fields left unparsed are most of a record's bytes (13,000 records of 22 KB: 20 s read whole,
+    1.5 s read as these)."""
 
     env_id: str
     task_id: str
@@ -109,6 +113,12 @@ class RecordHead(BaseModel):
     termination: Termination
     reward: float | None = None
     steps: int = 0
+    env_errors: int = 0
+    tool_errors: int = 0
+    error: str | None = None
+    turns: list[TurnEnded] = Field(default_factory=list)
+    usage: Usage = Field(default_factory=Usage)
+    user_usage: Usage = Field(default_factory=Usage)
 
     @property
     def infra_failed(self) -> bool:
@@ -119,19 +129,6 @@ class RecordHead(BaseModel):
     def judged(self) -> bool:
         """The episode was judged and has a reward (as :attr:`Record.judged`)."""
         return not self.infra_failed and self.reward is not None
-
-
-class RecordScore(RecordHead):
-    """What a run's score table (``agent_client.summary``) reads of a record. A run file is read as these
-    when only the table is wanted: the messages, tools and trajectory left unparsed are most of a record's
-    bytes (13,000 records of 22 KB: 20 s read whole, 1.5 s read as these)."""
-
-    env_errors: int = 0
-    tool_errors: int = 0
-    error: str | None = None
-    turns: list[TurnEnded] = Field(default_factory=list)
-    usage: Usage = Field(default_factory=Usage)
-    user_usage: Usage = Field(default_factory=Usage)
 
 
 ScoredRecord = Record | RecordScore

@@ -4,7 +4,7 @@ One harness process spends its CPU on HTTP, JSON and pydantic for every tool ste
 or two steps per second a run is limited by that one core. Here each worker (``agent_client.worker``)
 runs a share of the episodes, and this process stays the only writer of the output file, the one
 progress display and the one summary: workers send every record back as a line, written here whole
-(with its head beside it, so that it is never parsed here).
+(with its score beside it, so that it is never parsed here).
 
 Jobs are handed out one at a time: each worker starts with its part of ``concurrency`` and gets the
 next job when an episode of its own ends, so a slow worker takes fewer and the run's concurrency holds.
@@ -34,7 +34,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 import agent_client
 from agent_client.agents import Agent
 from agent_client.errors import HarnessError, WorkersLost
-from agent_client.models import Record, RecordHead
+from agent_client.models import Record, RecordScore
 from agent_client.runner import RecordSink, RunOptions, record_entry
 from agent_client.worker import WorkerSetup, job_line
 from envscaler.wire import FarmCatalog, ScenarioSummary
@@ -88,17 +88,17 @@ class _Worker:
             self.closed = True
             await self.process.stdin.aclose()  # type: ignore[union-attr]
 
-    async def next_record(self) -> tuple[RecordHead, bytes] | None:
-        """The head and line of the next record it sends back; None once it has ended (or sent something else)."""
+    async def next_record(self) -> tuple[RecordScore, bytes] | None:
+        """The score and line of the next record it sends back; None once it has ended (or sent something else)."""
         try:
             head = await self.lines.receive_until(b"\n", _MAX_RECORD_BYTES)
             line = await self.lines.receive_until(b"\n", _MAX_RECORD_BYTES)
         except (anyio.IncompleteRead, anyio.EndOfStream, anyio.DelimiterNotFound, anyio.BrokenResourceError):
             return None
         try:
-            parsed = RecordHead.model_validate_json(head)
+            parsed = RecordScore.model_validate_json(head)
         except ValueError as e:
-            print(f"envscaler run: {self.name} sent a line that is no record head ({e}); it is stopped", file=sys.stderr)
+            print(f"envscaler run: {self.name} sent a line that is no record score ({e}); it is stopped", file=sys.stderr)
             self.kill()
             return None
         self.in_flight.pop((parsed.env_id, parsed.task_id, parsed.repeat), None)
@@ -187,7 +187,7 @@ async def run_in_processes(catalog: FarmCatalog, make_agent: Callable[[], Agent]
             await _stop(workers, sink)
     if waiting and not sink.unwritable:
         raise WorkersLost(f"every worker process died; {len(waiting)} episode(s) were not run and "
-                          f"{len(sink.heads)} record(s) of this run are written, whole: run the same command again "
+                          f"{len(sink.scores)} record(s) of this run are written, whole: run the same command again "
                           "to run the rest (or with --procs 1)")
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import TextIO
 
-from agent_client.models import Record, RecordHead
+from agent_client.models import Record, RecordScore
 
 _LOG_EVERY = 25
 _LOG_PERIOD_S = 30.0
@@ -34,7 +34,7 @@ class Progress:
         self.last_line = self.started
         self.interactive = stream.isatty()
 
-    def add(self, record: Record | RecordHead) -> None:
+    def add(self, record: Record | RecordScore) -> None:
         """Count ``record``'s episode and show the new totals when it is time to."""
         self.done += 1
         if record.infra_failed:

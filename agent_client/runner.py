@@ -10,24 +10,26 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
 import anyio
+from pydantic import ValidationError
 
 from agent_client.agents import Agent, EpisodeContext
 from agent_client.llm import LlmEndpoint
 from agent_client.http import LeanHttp
 from agent_client.errors import HarnessError, RecordsUnwritable
-from agent_client.models import AgentResult, Record, RecordHead
+from agent_client.models import AgentResult, Record, RecordScore
 from agent_client.progress import Progress
 from agent_client.remote import EnvControl, McpTools, new_http_client
 from envscaler.errors import InfraError
-from envscaler.jsonl import drop_lines, dumps, iter_lines
+from envscaler.bundle import describe_validation_error
+from envscaler.jsonl import drop_lines, dumps, iter_lines, validate_json
 from envscaler.wire import EpisodeValidation, FarmCatalog, ScenarioSummary, Trajectory
 from agent_client.user import SimulatedUser
 
@@ -57,19 +59,44 @@ class RunIdentity:
     model: str | None
     env_ids: frozenset[str]
 
-    def mismatch(self, item: dict) -> str | None:
-        """Why the record ``item`` cannot belong to this run, or None."""
-        if item.get("agent") != self.agent:
-            return f"agent {item.get('agent')!r}, not {self.agent!r}"
-        if item.get("model") and self.model and item["model"] != self.model:
-            return f"model {item['model']!r}, not {self.model!r}"
-        if item.get("env_id") not in self.env_ids:
-            return f"environment {item.get('env_id')!r}, which this farm does not serve"
+    def mismatch(self, record: _KeptRecord) -> str | None:
+        """Why ``record`` cannot belong to this run, or None."""
+        if record.agent != self.agent:
+            return f"agent {record.agent!r}, not {self.agent!r}"
+        if record.model and self.model and record.model != self.model:
+            return f"model {record.model!r}, not {self.model!r}"
+        if record.env_id not in self.env_ids:
+            return f"environment {record.env_id!r}, which this farm does not serve"
         return None
 
 
-def read_done(path: Path, identity: RunIdentity, *, rerun_infra_errors: bool = True) -> set[tuple[str, str, int]]:
-    """Keys of the records already in ``path``, rewriting it without what will run again.
+class _KeptRecord(RecordScore):
+    """What resuming reads of a record already in the output file: its score, and who made it."""
+
+    agent: str | None = None
+    model: str | None = None
+
+
+class DoneRecords:
+    """The records already in a run's output file that it keeps: their keys (env, task, repeat), and their scores."""
+
+    def __init__(self) -> None:
+        self.keys: set[tuple[str, str, int]] = set()
+        self.scores: list[RecordScore] = []
+
+    def __contains__(self, key: tuple[str, str, int]) -> bool:
+        return key in self.keys
+
+    def __len__(self) -> int:
+        return len(self.scores)
+
+    def add(self, record: RecordScore) -> None:
+        self.keys.add((record.env_id, record.task_id, record.repeat))
+        self.scores.append(record)
+
+
+def read_done(path: Path, identity: RunIdentity, *, rerun_infra_errors: bool = True) -> DoneRecords:
+    """The records already in ``path`` that stay, rewriting it without what will run again.
 
     Dropped: a torn last line (a killed run's last write: the only line without its ``"\\n"``) and,
     with ``rerun_infra_errors``, the records of episodes that could not be judged (a server or
@@ -77,7 +104,7 @@ def read_done(path: Path, identity: RunIdentity, *, rerun_infra_errors: bool = T
     HarnessError when a record was made by another agent, model or farm than ``identity``, or when a
     whole line is not a record: it is reported, never deleted.
     """
-    done: set[tuple[str, str, int]] = set()
+    done = DoneRecords()
     if not path.exists():
         return done
     dropped: set[int] = set()
@@ -89,21 +116,18 @@ def read_done(path: Path, identity: RunIdentity, *, rerun_infra_errors: bool = T
             dropped.add(number)
             continue
         try:
-            item = json.loads(raw)
-            key = (item["env_id"], item["task_id"], item["repeat"])
-            hash(key)
-        except (ValueError, KeyError, TypeError) as e:
-            reason = f"no field {e}" if isinstance(e, KeyError) else str(e) or type(e).__name__
-            raise HarnessError(f"{path}:{number} is not a run record ({reason}): remove that line, "
+            record = validate_json(_KeptRecord, raw)
+        except ValidationError as e:
+            raise HarnessError(f"{path}:{number} is not a run record ({describe_validation_error(e)}): remove that line, "
                                "or write this run to another --out") from None
-        problem = identity.mismatch(item)
+        problem = identity.mismatch(record)
         if problem is not None:
             raise HarnessError(f"{path}:{number} is a record of {problem}: write this run to another --out, "
                                "or remove the file to start over")
-        if rerun_infra_errors and item.get("termination") == "infra_error":
+        if rerun_infra_errors and record.infra_failed:
             dropped.add(number)
             continue
-        done.add(key)
+        done.add(record)
     if dropped:
         drop_lines(path, dropped)
     return done
@@ -218,10 +242,10 @@ def record_line(record: Record) -> str:
     return _written(record)[0]
 
 
-def record_entry(record: Record) -> tuple[RecordHead, bytes]:
-    """``record``'s JSONL line (with its ``"\\n"``, see :func:`record_line`) and the head of what that line holds."""
+def record_entry(record: Record) -> tuple[RecordScore, bytes]:
+    """``record``'s JSONL line (with its ``"\\n"``, see :func:`record_line`) and the score of what that line holds."""
     line, written = _written(record)
-    return written.head(), (line + "\n").encode()
+    return written.score(), (line + "\n").encode()
 
 
 def _written(record: Record) -> tuple[str, Record]:
@@ -238,9 +262,9 @@ def _written(record: Record) -> tuple[str, Record]:
 
 
 async def run(catalog: FarmCatalog, make_agent: Callable[[], Agent], out: Path, *, patterns: list[str] | None = None,
-              options: RunOptions | None = None) -> list[RecordHead]:
-    """Run every selected scenario ``repeats`` times; append records to ``out``; return the heads of this run's
-    records (the whole records are in ``out``)."""
+              options: RunOptions | None = None) -> list[RecordScore]:
+    """Run every selected scenario ``repeats`` times; append records to ``out``; return the scores of every
+    record in ``out`` once it has ended, those it resumed from first (the whole records are in ``out``)."""
     options = options or RunOptions()
     out.parent.mkdir(parents=True, exist_ok=True)
     with _only_writer(out):
@@ -271,7 +295,7 @@ def _only_writer(out: Path) -> Iterator[None]:
 
 
 async def _run(catalog: FarmCatalog, make_agent: Callable[[], Agent], out: Path, patterns: list[str] | None,
-               options: RunOptions) -> list[RecordHead]:
+               options: RunOptions) -> list[RecordScore]:
     agent = make_agent()
     identity = RunIdentity(agent.name, agent.model, frozenset(catalog.envs))
     done = read_done(out, identity, rerun_infra_errors=options.rerun_infra_errors)
@@ -296,9 +320,9 @@ async def _run(catalog: FarmCatalog, make_agent: Callable[[], Agent], out: Path,
         finally:
             os.close(fd)
     if sink.unwritable:
-        raise RecordsUnwritable(f"cannot write {out}: {sink.unwritable}; {len(sink.heads)} record(s) of this run are in it, "
+        raise RecordsUnwritable(f"cannot write {out}: {sink.unwritable}; {len(sink.scores)} record(s) of this run are in it, "
                                 "whole. Make room and run the same command again to finish")
-    return sink.heads
+    return [*done.scores, *sink.scores]
 
 
 async def _list_scenarios(controls: dict[str, EnvControl], concurrency: int) -> list[ScenarioSummary]:
@@ -345,18 +369,18 @@ class RecordSink:
 
     def __init__(self, fd: int, progress: Progress) -> None:
         self.fd, self.progress = fd, progress
-        self.heads: list[RecordHead] = []
+        self.scores: list[RecordScore] = []
         # Why a record could not be written (a full disk), once one could not: the run then stops.
         self.unwritable: str | None = None
 
-    def write(self, head: RecordHead, line: bytes) -> bool:
-        """Append ``line``, the record whose head is ``head``; False when it could not be written."""
+    def write(self, score: RecordScore, line: bytes) -> bool:
+        """Append ``line``, the record whose score is ``score``; False when it could not be written."""
         problem = _append(self.fd, line)
         if problem is not None:
             self.unwritable = self.unwritable or problem
             return False
-        self.heads.append(head)
-        self.progress.add(head)
+        self.scores.append(score)
+        self.progress.add(score)
         return True
 
 

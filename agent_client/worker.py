@@ -4,7 +4,7 @@ The parent (``agent_client.pool``) starts ``python -m agent_client.worker`` and 
 :class:`WorkerSetup` (length-prefixed pickle: the agent factory is code, not data), then one job per
 line (``INDEX REPEAT``: the scenario's place in ``WorkerSetup.scenarios`` and the repeat). The worker
 runs every job as it arrives (the parent keeps the number in flight to the run's concurrency), and
-writes each episode on stdout as two lines: its ``RecordHead`` as JSON, then its JSONL record, whole (the
+writes each episode on stdout as two lines: its ``RecordScore`` as JSON, then its JSONL record, whole (the
 parent writes those bytes to the output file without parsing them again). Closing stdin means "no more jobs":
 the worker finishes those in flight and exits 0. SIGINT (the parent's Ctrl-C, forwarded: the worker
 runs in a session of its own, out of the terminal's reach) ends the episodes in flight without a
@@ -64,9 +64,9 @@ async def _serve(jobs: asyncio.StreamReader, records_fd: int) -> None:
 
             async def one(scenario: ScenarioSummary, repeat: int) -> None:
                 record = await run_episode(http, controls[scenario.env_id], scenario, repeat, agent, setup.options)
-                head, line = record_entry(record)
+                score, line = record_entry(record)
                 try:
-                    _write_all(records_fd, head.model_dump_json().encode() + b"\n" + line)
+                    _write_all(records_fd, score.model_dump_json().encode() + b"\n" + line)
                 except BrokenPipeError:
                     # The parent is gone: nobody will write these records; end the episodes in flight.
                     tasks.cancel_scope.cancel()

@@ -58,7 +58,7 @@ import httpx
 from common import (BusiestProcesses, Memory, Verdict, argument_parser, cpu_seconds, describe_memory, envscaler, memory, report,
                     tree_cpu_by_name, tree_memory)
 
-from agent_client.models import Record, RecordHead
+from agent_client.models import Record, RecordScore
 from envscaler import load_bundle
 from servers.farm.backends.images import docker_answers
 from tests.support.farm import catalog_copies
@@ -207,11 +207,11 @@ def replay_all(catalog: Path, scratch: Path) -> Replay:
     busy = busiest.stop()
     by_name = {name: used - by_name_before.get(name, 0.0) for name, used in tree_cpu_by_name(daemon).items()}
     farm_cpu_s, harness_cpu_s = sum(by_name.values()), children_cpu_seconds() - harness_before
-    records = [RecordHead.model_validate_json(line) for line in out.read_text().splitlines()] if out.exists() else []
+    records = [RecordScore.model_validate_json(line) for line in out.read_text().splitlines()] if out.exists() else []
     if run.returncode not in (0, 1) or not records:
         print(f"replay: run exited {run.returncode}: {stderr[-2000:]}")
     for line in out.read_text().splitlines() if out.exists() else []:
-        record = RecordHead.model_validate_json(line)
+        record = RecordScore.model_validate_json(line)
         if record.reward != 1.0:  # named, with why: a replay that scores less is a bug to find
             whole = Record.model_validate_json(line)
             failed = [check.check_item + (f" ({check.error})" if check.error else "") for check in whole.checks if not check.passed]

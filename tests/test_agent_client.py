@@ -151,7 +151,7 @@ def test_resume_after_an_interrupted_run_writes_no_duplicates(farm, tmp_path):
     assert resumed.returncode == 0 and "resuming: 2 record(s)" in resumed.stderr
     keys = [(r["env_id"], r["task_id"], r["repeat"]) for r in records(out)]
     assert len(keys) == 4 and len(set(keys)) == 4
-    assert "pass^2" in resumed.stdout
+    assert "pass^2" in resumed.stdout and "4 episode(s)" in resumed.stdout, resumed.stdout
 
 
 def test_resume_runs_infra_errors_again_in_their_place(farm, tmp_path):

@@ -85,6 +85,8 @@ def test_an_interrupted_two_process_run_ends_its_episodes_and_resumes_without_du
     after = keys(out)
     assert len(after) == 120 and len(set(after)) == 120
     assert after[:len(first)] == first
+    # The summary counts what it resumed from as well as what it ran (without reading the file again).
+    assert "120 episode(s)" in resumed.stdout, resumed.stdout
 
 
 def test_a_worker_that_dies_is_reported_and_its_episode_recorded_as_an_infra_error(farm, tmp_path):
