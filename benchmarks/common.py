@@ -108,11 +108,15 @@ def process_tree(pid: int) -> list[int]:
     found, queue = [], [pid]
     while queue:
         current = queue.pop()
+        try:
+            threads = os.listdir(f"/proc/{current}/task")
+        except OSError:
+            continue  # it ended meanwhile
         found.append(current)
         # Every thread's children: a process started from a thread (a Ray actor's servers) is that thread's.
-        for children in Path(f"/proc/{current}/task").glob("*/children"):
+        for thread in threads:
             try:
-                queue += [int(child) for child in children.read_text().split()]
+                queue += [int(child) for child in Path(f"/proc/{current}/task/{thread}/children").read_text().split()]
             except OSError:
                 continue  # a thread that ended meanwhile
     return found

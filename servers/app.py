@@ -83,6 +83,16 @@ def _is_control_path(parts: list[str]) -> bool:
     return False
 
 
+def _query_flag(scope: Scope, name: str) -> bool:
+    """Whether the query sets flag ``name`` (``name=1``; absent or ``name=0``: not); ErrorReply 400 for any other value."""
+    values = parse_qs((scope.get("query_string") or b"").decode("latin-1"), keep_blank_values=True).get(name)
+    if values is None or values == ["0"]:
+        return False
+    if values == ["1"]:
+        return True
+    raise ErrorReply(400, f"?{name}= takes 0 or 1 (once), not {', '.join(map(repr, values))}")
+
+
 class ServerConfig(BaseModel):
     """Limits and addresses of one environment server; all of them are reported by ``GET /info``."""
 
@@ -276,10 +286,11 @@ class EnvServerApp:
             # ``_live`` has renewed it: what the harness asks for while its agent works.
             return EpisodeLease(episode_id=live.episode_id, lease_s=min(live.lease_s or self.config.idle_ttl_s, self.config.idle_ttl_s))
         if action == "validate" and method == "POST":
+            end = _query_flag(scope, "end")  # read first: a malformed query runs no checks
             body = await self._body(receive, ValidationRequest)
             result = await self._checking(self.store.validate(live, body.checklist, body.agent_replies))
             validation = EpisodeValidation(**dict(result), **live.counts())
-            if parse_qs((scope.get("query_string") or b"").decode("latin-1")).get("end") == ["1"]:
+            if end:
                 # The harness's last two requests of an episode (its trajectory, its end) folded into this one.
                 validation.calls, validation.ended = live.calls, True
                 self.store.end(live.episode_id)

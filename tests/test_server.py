@@ -527,6 +527,10 @@ def test_the_last_validation_can_end_the_episode_and_bring_its_trajectory(counte
                                                  "params": {"name": "add", "arguments": {"item_id": "a"}}})
         plain = http.post(f"{path}/validate").json()
         trajectory = http.get(f"{path}/trajectory").json()
+        assert http.post(f"{path}/validate?end=0").json()["ended"] is False
+        for wrong in ("end=yes", "end=", "end=1&end=1"):
+            refused = http.post(f"{path}/validate?{wrong}")
+            assert refused.status_code == 400 and "takes 0 or 1" in refused.json()["error"], refused.text
         final = http.post(f"{path}/validate?end=1").json()
         assert http.get(f"{path}/trajectory").status_code == 404
         assert created["episode_id"] not in http.get("/episodes").json()["episodes"]
