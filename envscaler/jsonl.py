@@ -34,6 +34,8 @@ def _escape(match: re.Match[str]) -> str:
 
 def escape_unsafe(json_text: str) -> str:
     """``json_text`` with line-break characters and lone surrogates written as ``\\u`` escapes."""
+    if json_text.isascii():  # every one of them is outside ASCII, and Python knows a text is ASCII without reading it
+        return json_text
     return _UNSAFE.sub(_escape, json_text)
 
 
