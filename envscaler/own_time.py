@@ -30,7 +30,7 @@ from collections.abc import Callable
 _open, _read, _close, _listdir, _monotonic = os.open, os.read, os.close, os.listdir, time.monotonic
 
 MARK_AFTER_S = 0.5
-"""How long a task runs before its waits are first read (at most a quarter of its limit)."""
+"""How long a task runs before its waits are first read (at most a quarter of its limit: :func:`mark_delay_s`)."""
 
 CpuWaits = dict[int, float]
 """Seconds each thread (by the operating system's id) has waited for a CPU since it started."""
@@ -70,6 +70,11 @@ def process_waits(pid: int) -> CpuWaits:
         if waited is not None:
             waits[int(thread)] = waited
     return waits
+
+
+def mark_delay_s(limit_s: float) -> float:
+    """How long into a task with limit ``limit_s`` its waits are first read."""
+    return min(MARK_AFTER_S, limit_s / 4)
 
 
 def waited_since(mark: CpuWaits, now: CpuWaits) -> float:
@@ -118,7 +123,7 @@ class OwnTimeLimit:
         self.start = _monotonic() if start is None else start
         self.limit_s = limit_s
         self.credit = CpuWaitCredit(read, mark)
-        self.mark_at = self.start + min(MARK_AFTER_S, limit_s / 4)
+        self.mark_at = self.start + mark_delay_s(limit_s)
 
     @property
     def deadline(self) -> float:
@@ -138,7 +143,3 @@ class OwnTimeLimit:
     def next_check(self) -> float:
         """When :meth:`reached` may next answer otherwise, or take the mark."""
         return self.mark_at if self.credit.mark is None and self.mark_at < self.deadline else self.deadline
-
-    def own_time(self, now: float | None = None) -> float:
-        """The task's own time so far, as of the last reading of its waits."""
-        return (_monotonic() if now is None else now) - self.start - self.credit.seconds
