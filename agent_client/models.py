@@ -93,9 +93,7 @@ class Record(BaseModel):
 
     def score(self) -> RecordScore:
         """What a run keeps of this record once it is written."""
-        return RecordScore(env_id=self.env_id, task_id=self.task_id, repeat=self.repeat, termination=self.termination,
-                           reward=self.reward, steps=self.steps, env_errors=self.env_errors, tool_errors=self.tool_errors,
-                           error=self.error, turns=self.turns, usage=self.usage, user_usage=self.user_usage)
+        return RecordScore.model_validate(self, from_attributes=True)
 
 
 class RecordScore(BaseModel):
