@@ -13,6 +13,14 @@ For a process, the wait is that of its thread that waited most since the mark (a
 the thread that runs it, which the process cannot be trusted to name). A sum over threads would count
 one starved second once per thread, and let a stuck process outlive any limit on a busy machine.
 
+The kernel adds a wait to that count only once it ends, when the thread gets a CPU: a thread kept
+waiting the whole while (a server a busy machine has not let run since a probe reached it) shows none.
+So a reading also notes, for each thread, whether it is ready to run (state ``R``) and how much it has
+run: a thread that is ready and has not run since the previous reading waits for a CPU now, and a limit
+is not reached while one does (it is looked at again ``RECHECK_S`` later). A thread that is ready but
+ran since the previous reading may be running or waiting: once per decision, a limit looks again
+``RECHECK_S`` later to tell.
+
 Reading ``/proc`` costs a few microseconds, so a limit is a wall-clock deadline first. The waits are
 read once the task has run ``MARK_AFTER_S`` (the mark: waits before it count as the task's own time,
 which only makes the limit stricter), and again each time the deadline, moved later by the waits
@@ -23,52 +31,80 @@ limit is wall-clock time.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 # Bound now: environment code that runs in this process may replace the module attributes.
 _open, _read, _close, _listdir, _monotonic = os.open, os.read, os.close, os.listdir, time.monotonic
+_native_id = threading.get_native_id
 
 MARK_AFTER_S = 0.5
 """How long a task runs before its waits are first read (at most a quarter of its limit: :func:`mark_delay_s`)."""
 
-CpuWaits = dict[int, float]
-"""Seconds each thread (by the operating system's id) has waited for a CPU since it started."""
+RECHECK_S = 0.1
+"""How soon a limit looks again at a task that waits for a CPU now, or may."""
 
 
-def _waited_s(path: str) -> float | None:
+class ThreadCpu(NamedTuple):
+    """One thread at one reading of ``/proc``."""
+
+    waited_s: float
+    """Its waits for a CPU that have ended, in seconds since it started."""
+    ran: tuple[int, int]
+    """Its time on a CPU (ns) and how many times it got one: both change whenever it runs."""
+    ready: bool
+    """Running or ready to run: not asleep, blocked or stopped."""
+
+
+CpuWaits = dict[int, ThreadCpu]
+"""Each thread of a task (by the operating system's id) at one reading."""
+
+
+def _read_small(path: str) -> bytes | None:
     try:
         fd = _open(path, os.O_RDONLY)
     except OSError:
         return None
     try:
-        fields = _read(fd, 128).split()
+        return _read(fd, 512)
     except OSError:
         return None
     finally:
         _close(fd)
-    return int(fields[1]) / 1e9 if len(fields) >= 2 else None
+
+
+def _thread_cpu(task: str) -> ThreadCpu | None:
+    """The thread whose ``/proc`` folder is ``task``, read now; None once it has ended, or where the kernel does not say."""
+    schedstat, stat = _read_small(f"{task}/schedstat"), _read_small(f"{task}/stat")
+    if schedstat is None or stat is None:
+        return None
+    fields = schedstat.split()
+    if len(fields) < 3:
+        return None
+    # "tid (name) S ...": the name may hold spaces and parentheses, the state follows its last ")".
+    state = stat.rpartition(b")")[2][1:2]
+    return ThreadCpu(int(fields[1]) / 1e9, (int(fields[0]), int(fields[2])), state == b"R")
 
 
 def thread_waits(native_id: int) -> CpuWaits:
-    """How long thread ``native_id`` of this process has waited for a CPU (empty once it has ended, or
-    where the kernel does not say)."""
-    waited = _waited_s(f"/proc/self/task/{native_id}/schedstat")
-    return {} if waited is None else {native_id: waited}
+    """Thread ``native_id`` of this process, read now (empty once it has ended, or where the kernel does not say)."""
+    reading = _thread_cpu(f"/proc/self/task/{native_id}")
+    return {} if reading is None else {native_id: reading}
 
 
 def process_waits(pid: int) -> CpuWaits:
-    """How long each thread of process ``pid`` has waited for a CPU (empty once it has ended, or where
-    the kernel does not say)."""
+    """Each thread of process ``pid``, read now (empty once it has ended, or where the kernel does not say)."""
     try:
         threads = _listdir(f"/proc/{pid}/task")
     except OSError:
         return {}
     waits: CpuWaits = {}
     for thread in threads:
-        waited = _waited_s(f"/proc/{pid}/task/{thread}/schedstat")
-        if waited is not None:
-            waits[int(thread)] = waited
+        reading = _thread_cpu(f"/proc/{pid}/task/{thread}")
+        if reading is not None:
+            waits[int(thread)] = reading
     return waits
 
 
@@ -78,34 +114,63 @@ def mark_delay_s(limit_s: float) -> float:
 
 
 def waited_since(mark: CpuWaits, now: CpuWaits) -> float:
-    """How long the thread that waited most between two readings waited (one that started since the
-    mark counts whole)."""
-    return max((waited - mark.get(thread, 0.0) for thread, waited in now.items()), default=0.0)
+    """How long the thread that waited most between two readings waited, in waits that have ended (one
+    that started since the mark counts whole)."""
+    return max((thread.waited_s - (mark[tid].waited_s if tid in mark else 0.0) for tid, thread in now.items()), default=0.0)
+
+
+def waits_now(before: CpuWaits, now: CpuWaits) -> bool:
+    """Whether a thread waits for a CPU now: ready at the reading ``now`` without having run since ``before``."""
+    return any(thread.ready and tid in before and before[tid].ran == thread.ran for tid, thread in now.items())
 
 
 class CpuWaitCredit:
     """The time a task has waited for a CPU since its mark: what a limit on it adds to its wall-clock deadline.
 
-    ``read`` gives the task's waits (:func:`thread_waits` or :func:`process_waits` bound to it). Until
-    :meth:`take_mark`, the credit is 0; ``seconds`` is its value at the last :meth:`update`.
+    ``read`` gives the task's threads (:func:`thread_waits` or :func:`process_waits` bound to it). Until
+    :meth:`take_mark`, the credit is 0; ``seconds`` is its value at the last :meth:`update`. Once the
+    deadline it moves has come, :meth:`holds_off` says whether to look again before deciding.
     """
 
-    __slots__ = ("read", "mark", "seconds")
+    __slots__ = ("read", "mark", "seconds", "last", "waiting", "unsure", "_looked_again")
 
     def __init__(self, read: Callable[[], CpuWaits], mark: CpuWaits | None = None) -> None:
         self.read = read
         self.mark = mark
         self.seconds = 0.0
+        # The last reading; whether a thread waited for a CPU at it, and whether one was ready that may have.
+        self.last = mark
+        self.waiting = False
+        self.unsure = False
+        self._looked_again = False
 
     def take_mark(self) -> None:
         """Count the waits from now on."""
-        self.mark = self.read()
+        self.mark = self.last = self.read()
 
     def update(self) -> float:
         """Read the waits again: the credit now."""
-        if self.mark is not None:
-            self.seconds = max(self.seconds, waited_since(self.mark, self.read()))
+        if self.mark is not None and self.last is not None:
+            now = self.read()
+            self.seconds = max(self.seconds, waited_since(self.mark, now))
+            self.waiting = waits_now(self.last, now)
+            reader = _native_id()  # the thread reading is running, not waiting
+            self.unsure = not self.waiting and any(thread.ready and tid != reader for tid, thread in now.items())
+            self.last = now
         return self.seconds
+
+    def holds_off(self) -> bool:
+        """Whether, with the deadline come at the last :meth:`update`, the task must be looked at again in
+        ``RECHECK_S`` rather than found past its limit: a thread waits for a CPU now; or one is ready but
+        ran since the reading before, which a reading ``RECHECK_S`` later tells apart (once: after it, a
+        thread that ran again is running)."""
+        if self.waiting:
+            self._looked_again = False
+            return True
+        if self.unsure and not self._looked_again:
+            self._looked_again = True
+            return True
+        return False
 
 
 class OwnTimeLimit:
@@ -117,13 +182,15 @@ class OwnTimeLimit:
     ``start``: ``{}``); otherwise they are read ``MARK_AFTER_S`` into it.
     """
 
-    __slots__ = ("start", "limit_s", "credit", "mark_at")
+    __slots__ = ("start", "limit_s", "credit", "mark_at", "recheck_at")
 
     def __init__(self, limit_s: float, read: Callable[[], CpuWaits], start: float | None = None, mark: CpuWaits | None = None) -> None:
         self.start = _monotonic() if start is None else start
         self.limit_s = limit_s
         self.credit = CpuWaitCredit(read, mark)
         self.mark_at = self.start + mark_delay_s(limit_s)
+        # When to look again at a task found at its deadline waiting for a CPU (or perhaps): None otherwise.
+        self.recheck_at: float | None = None
 
     @property
     def deadline(self) -> float:
@@ -133,13 +200,24 @@ class OwnTimeLimit:
     def reached(self, now: float | None = None) -> bool:
         """Whether the task has had ``limit_s`` of its own time by ``now``."""
         now = _monotonic() if now is None else now
-        if now < self.deadline:
+        if self.recheck_at is not None:
+            if now < self.recheck_at:
+                return False
+        elif now < self.deadline:
             if self.credit.mark is None and now >= self.mark_at:
                 self.credit.take_mark()
             return False
+        self.recheck_at = None
         self.credit.update()
-        return now >= self.deadline
+        if now < self.deadline:
+            return False
+        if self.credit.holds_off():
+            self.recheck_at = now + RECHECK_S
+            return False
+        return True
 
     def next_check(self) -> float:
         """When :meth:`reached` may next answer otherwise, or take the mark."""
+        if self.recheck_at is not None:
+            return self.recheck_at
         return self.mark_at if self.credit.mark is None and self.mark_at < self.deadline else self.deadline

@@ -7,6 +7,9 @@ The crowd is real: busy processes pinned to the CPU the test's own thread is pin
 
 from __future__ import annotations
 
+import functools
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -15,8 +18,8 @@ import time
 import pytest
 
 from envscaler.guard import TimeLimitExceeded, call_with_limit
-from envscaler.own_time import CpuWaitCredit, OwnTimeLimit, process_waits, thread_waits, waited_since
-from tests.support.crowding import BUSY_LOOP, one_crowded_cpu
+from envscaler.own_time import RECHECK_S, CpuWaitCredit, OwnTimeLimit, ThreadCpu, process_waits, thread_waits, waited_since
+from tests.support.crowding import BUSY_LOOP, one_crowded_cpu, starvation_problem, starved
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -110,8 +113,59 @@ def test_the_waits_of_a_crowded_process_are_its_most_waited_threads():
     assert list(thread_waits(mine)) == [mine]
 
 
+def held_to(limit: OwnTimeLimit, seconds: float) -> bool:
+    """Whether ``limit`` stays unreached for ``seconds``, asked whenever it says it may answer otherwise."""
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        if limit.reached():
+            return False
+        time.sleep(max(0.0, min(limit.next_check(), until) - time.monotonic()))
+    return True
+
+
+def seconds_to_reach(limit: OwnTimeLimit) -> float:
+    started = time.monotonic()
+    while not limit.reached():
+        time.sleep(max(0.0, limit.next_check() - time.monotonic()))
+    return time.monotonic() - started
+
+
+@pytest.mark.skipif(starvation_problem() is not None, reason=str(starvation_problem()))
+def test_a_process_kept_waiting_for_a_cpu_the_whole_while_is_not_past_its_limit_until_it_has_run_it():
+    # The kernel counts a wait only once it ends: a process that never gets a CPU shows none.
+    loop = subprocess.Popen([sys.executable, "-c", BUSY_LOOP])
+    try:
+        time.sleep(0.3)
+        with starved(loop.pid):
+            limit = OwnTimeLimit(0.5, functools.partial(process_waits, loop.pid))
+            assert held_to(limit, 3.0)
+        # Let run, it loops, and is past its limit once it has run it.
+        assert seconds_to_reach(limit) < 0.5 + 1.0
+    finally:
+        loop.kill()
+        loop.wait()
+
+
+def test_a_stopped_process_is_past_its_limit_in_time():
+    stopped = subprocess.Popen([sys.executable, "-c", BUSY_LOOP])
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        assert seconds_to_reach(OwnTimeLimit(0.5, functools.partial(process_waits, stopped.pid))) < 0.5 + 2 * RECHECK_S
+    finally:
+        stopped.kill()
+        stopped.wait()
+
+
+def asleep(waited_s: float, ran: int = 0) -> ThreadCpu:
+    return ThreadCpu(waited_s, (ran, ran), ready=False)
+
+
+def ready(waited_s: float, ran: int = 0) -> ThreadCpu:
+    return ThreadCpu(waited_s, (ran, ran), ready=True)
+
+
 def test_a_thread_that_started_since_the_mark_counts_whole_and_one_that_ended_keeps_its_credit():
-    readings = iter([{1: 5.0}, {1: 5.5, 2: 0.75}, {}])
+    readings = iter([{1: asleep(5.0)}, {1: asleep(5.5, 1), 2: asleep(0.75)}, {}])
     credit = CpuWaitCredit(lambda: next(readings))
     assert credit.update() == 0.0  # no mark yet
     credit.take_mark()
@@ -119,9 +173,28 @@ def test_a_thread_that_started_since_the_mark_counts_whole_and_one_that_ended_ke
     assert credit.update() == 0.75
 
 
+def test_a_thread_ready_that_has_not_run_since_the_last_reading_waits_for_a_cpu_now():
+    readings = iter([
+        {1: asleep(0.0), 2: asleep(0.0, 5)},
+        {1: ready(0.0), 2: asleep(0.0, 5)},  # 1 woke since, and has not run: it waits for a CPU now
+        {1: ready(2.0, 1), 2: asleep(0.0, 5)},  # 1 got a CPU (the kernel adds its wait), and may be waiting again
+        {1: ready(2.0, 2), 2: asleep(0.0, 5)},  # 1 ran again: a thread that keeps running is running
+    ])
+    credit = CpuWaitCredit(lambda: next(readings))
+    credit.take_mark()
+    assert credit.update() == 0.0
+    assert credit.waiting and credit.holds_off()
+    assert credit.update() == 2.0
+    assert (credit.waiting, credit.unsure) == (False, True)
+    assert credit.holds_off()  # once, to tell
+    credit.update()
+    assert (credit.waiting, credit.unsure) == (False, True)
+    assert not credit.holds_off()
+
+
 def test_a_limit_reads_the_waits_at_its_mark_and_at_its_deadline_only():
     reads: list[float] = []
-    waits = {7: 0.0}
+    waits = {7: asleep(0.0)}
 
     def read():
         reads.append(time.monotonic())
@@ -132,8 +205,20 @@ def test_a_limit_reads_the_waits_at_its_mark_and_at_its_deadline_only():
     assert not limit.reached(100.4) and reads == []
     assert not limit.reached(100.6) and len(reads) == 1  # the mark
     assert limit.next_check() == 102.0
-    waits[7] = 1.5
+    waits[7] = asleep(1.5, 1)
     assert not limit.reached(101.9) and len(reads) == 1
     assert not limit.reached(102.0) and len(reads) == 2
     assert limit.deadline == 103.5 and limit.next_check() == 103.5
     assert limit.reached(103.5)
+
+
+def test_a_limit_is_not_reached_while_its_task_waits_for_a_cpu():
+    waits = {7: ready(0.0)}
+    limit = OwnTimeLimit(2.0, lambda: dict(waits), start=100.0)
+    assert not limit.reached(100.5)  # the mark: ready, and it has not run since
+    assert not limit.reached(102.0)
+    assert limit.next_check() == 102.0 + RECHECK_S
+    assert not limit.reached(102.0 + RECHECK_S) and not limit.reached(105.0)
+    waits[7] = asleep(4.0, 1)  # it ran at last: the kernel counts the wait, and moves the limit by it
+    assert not limit.reached(105.5) and limit.deadline == 106.0
+    assert limit.reached(106.0)

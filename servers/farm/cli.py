@@ -147,6 +147,9 @@ def farm_up(args: argparse.Namespace) -> int:
     if args.probe_period is not None and args.probe_period <= 0:
         raise FarmError(f"--probe-period must be more than 0 seconds, not {args.probe_period:g}")
     plan.probes.period_s = args.probe_period
+    if args.probe_timeout <= 0:
+        raise FarmError(f"--probe-timeout must be more than 0 seconds, not {args.probe_timeout:g}")
+    plan.probes.timeout_s = args.probe_timeout
     plan.envs_per_server = args.envs_per_server
     if backend == "ray":
         plan.sandbox = args.sandbox  # each node checks its own, and refuses to run environment code unsandboxed
@@ -321,6 +324,10 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--probe-period", type=float, metavar="SECONDS",
                     help="each server is asked for /healthz once per this many seconds, the farm's probes spread over it; "
                          "one that misses 3 in a row is hung and is restarted (default: 10, or environments/20 when more)")
+    up.add_argument("--probe-timeout", type=float, default=2.0, metavar="SECONDS",
+                    help="how long a server has to answer a probe; with the process backend this counts the server's own time: "
+                         "what it waited for a CPU on a busy machine does not count, so a slow machine does not restart it "
+                         "(default: 2)")
     up.add_argument("--no-sandbox", dest="sandbox", action="store_false",
                     help="process backend: run environment code without the sandbox (by default each server's "
                     "environment and check workers confine themselves where user namespaces and libseccomp work: no "

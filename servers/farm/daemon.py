@@ -41,6 +41,10 @@ _HEARTBEAT_S = 3.0
 class FarmBackend(Protocol):
     """What the daemon needs from a backend."""
 
+    # Whether the servers' pids (``EnvStatus.pid``) are processes of this machine: their health probes then
+    # leave out what the servers waited for a CPU (``servers.farm.health``).
+    servers_here: bool
+
     async def run(self) -> None:
         """Start every environment and keep them running until cancelled."""
 
@@ -175,7 +179,7 @@ async def run_daemon(paths: FarmPaths) -> None:
         tasks.start_soon(backend.run)
         tasks.start_soon(watch_ready, plan, paths, board)
         prober = Prober(board, backend.kill, period_s=plan.probes.period_s, timeout_s=plan.probes.timeout_s,
-                        misses_allowed=plan.probes.misses_allowed)
+                        misses_allowed=plan.probes.misses_allowed, servers_here=backend.servers_here)
         tasks.start_soon(prober.run)
         if front is not None:
             tasks.start_soon(front.run, paths.dir / "haproxy.log")

@@ -8,19 +8,29 @@ asks the servers for ``/healthz`` a few at a time, once a second, so each one is
 A probe is a bare request on a non-blocking socket (no name lookup, no thread hop). A server that
 misses ``misses_allowed`` probes in a row is killed through its backend, which restarts it and
 reports why.
+
+A probe's timeout counts the server's own time (``envscaler.own_time``) where its process is on this
+machine: what it, or the daemon, waited for a CPU does not count. A server starved of CPU by a busy
+machine is slow, not hung, and a restart would lose its episodes for nothing; a server stopped, or stuck
+in a loop or a system call, still misses its probes in time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
+import threading
+import time
 from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
 
 import anyio
 
+from envscaler.own_time import CpuWaits, OwnTimeLimit, process_waits, thread_waits
 from servers.farm.board import Board
+from servers.farm.models import EnvStatus
 
 log = logging.getLogger("envscaler.farm")
 
@@ -35,8 +45,32 @@ _MAX_IN_FLIGHT = 32
 _PROBE_STATUSES = ("healthy", "unhealthy")
 
 
-async def answers_healthz(url: str, timeout_s: float) -> bool:
-    """Whether the server at ``url`` answers ``GET /healthz`` with 200 within ``timeout_s``.
+def _no_waits() -> CpuWaits:
+    return {}
+
+
+class _Cutoff:
+    """Cancels ``scope`` once ``limit`` is reached, looking only when it may be (a timer on the running loop)."""
+
+    def __init__(self, limit: OwnTimeLimit, scope: anyio.CancelScope) -> None:
+        self.limit = limit
+        self.scope = scope
+        self.loop = asyncio.get_running_loop()
+        self.timer = self._arm()
+
+    def _arm(self) -> asyncio.TimerHandle:
+        return self.loop.call_later(max(0.0, self.limit.next_check() - time.monotonic()), self._check)
+
+    def _check(self) -> None:
+        if self.limit.reached():
+            self.scope.cancel()
+        else:
+            self.timer = self._arm()
+
+
+async def answers_healthz(url: str, timeout_s: float, waits: Callable[[], CpuWaits] = _no_waits) -> bool:
+    """Whether the server at ``url`` answers ``GET /healthz`` with 200 within ``timeout_s``: wall-clock
+    time less what the threads ``waits`` reads (the server's, the caller's) waited for a CPU meanwhile.
 
     A bare HTTP/1.1 request on a fresh non-blocking socket, straight on the event loop (an address is
     connected to without a name lookup in a thread): a fraction of a full client's cost per probe.
@@ -45,7 +79,8 @@ async def answers_healthz(url: str, timeout_s: float) -> bool:
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     request = f"GET /healthz HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode()
     loop = asyncio.get_running_loop()
-    with anyio.move_on_after(timeout_s), socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+    with anyio.CancelScope() as scope, socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        cutoff = _Cutoff(OwnTimeLimit(timeout_s, waits), scope)
         sock.setblocking(False)
         try:
             await loop.sock_connect(sock, (host, port))
@@ -59,6 +94,8 @@ async def answers_healthz(url: str, timeout_s: float) -> bool:
             return status_line.split(b" ", 2)[1:2] == [b"200"]
         except OSError:
             return False
+        finally:
+            cutoff.timer.cancel()
     return False
 
 
@@ -74,14 +111,21 @@ Kill = Callable[[str, str], Awaitable[None]]
 
 
 class Prober:
-    """Probes the farm's listening servers one at a time; kills the ones that stopped answering."""
+    """Probes the farm's listening servers one at a time; kills the ones that stopped answering.
 
-    def __init__(self, board: Board, kill: Kill, *, period_s: float | None, timeout_s: float, misses_allowed: int) -> None:
+    ``servers_here``: the servers' pids (``EnvStatus.pid``) are processes of this machine, whose waits for
+    a CPU a probe's timeout leaves out; elsewhere only the daemon's own waits are left out."""
+
+    def __init__(self, board: Board, kill: Kill, *, period_s: float | None, timeout_s: float, misses_allowed: int,
+                 servers_here: bool = False) -> None:
         self.board = board
         self.kill = kill
         self.period_s = probe_period(period_s, len(board.state.envs))
         self.timeout_s = timeout_s
         self.misses_allowed = misses_allowed
+        self.servers_here = servers_here
+        # The thread the probes run on: the event loop's.
+        self._thread = threading.get_native_id()
         # env_id -> (its restart count when the misses began, misses in a row): a restart starts over.
         self._misses: dict[str, tuple[int, int]] = {}
         self._in_flight = anyio.CapacityLimiter(_MAX_IN_FLIGHT)
@@ -108,11 +152,18 @@ class Prober:
                     if self.board.env(env_id).status in _PROBE_STATUSES and self._in_flight.available_tokens:
                         tasks.start_soon(self._probe, env_id)
 
+    def _waits(self, record: EnvStatus) -> CpuWaits:
+        """The CPU waits a probe of ``record``'s server leaves out: its threads' (when here), and the daemon's."""
+        waits = thread_waits(self._thread)
+        if self.servers_here and record.pid is not None:
+            waits.update(process_waits(record.pid))
+        return waits
+
     async def _probe(self, env_id: str) -> None:
         async with self._in_flight:
             record = self.board.env(env_id)
             generation = record.restarts
-            healthy = await answers_healthz(record.address or record.url, self.timeout_s)
+            healthy = await answers_healthz(record.address or record.url, self.timeout_s, functools.partial(self._waits, record))
         record = self.board.env(env_id)
         if record.restarts != generation or record.status not in _PROBE_STATUSES:
             return  # it died or restarted meanwhile: this answer is about a server that is gone

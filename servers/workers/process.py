@@ -74,7 +74,7 @@ from pydantic import BaseModel
 from envscaler import EnvCodeError
 from envscaler.cgroups import ChildGroup
 from envscaler.errors import BundleError, ChecklistError
-from envscaler.own_time import CpuWaitCredit, mark_delay_s, process_waits
+from envscaler.own_time import RECHECK_S, CpuWaitCredit, mark_delay_s, process_waits
 from envscaler.sandbox import CHILD_TASKS, SANDBOX_ENVIRONMENT, clean_environment, make_undumpable, process_uid, sandbox_plan
 from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, Overloaded, UnknownEpisode, UnknownScenario
 from servers.memory import oom_kills
@@ -665,6 +665,8 @@ class WorkerProcess:
             elif deadline <= now:
                 pending.credit.update()
                 deadlines[pending] = self._deadline(pending)
+                if deadlines[pending] <= now and pending.credit.holds_off():
+                    deadlines[pending] = now + RECHECK_S  # it waits for a CPU now, or may: looked at again then
         overdue = [pending for pending, deadline in deadlines.items() if deadline <= now]
         if overdue and child is not None:
             late = min(overdue, key=deadlines.__getitem__)

@@ -99,6 +99,8 @@ class DockerBackend:
     oom event wakes the environment's supervisor at once, with no per-container polling.
     """
 
+    servers_here = False  # its servers are containers, named by EnvStatus.container
+
     def __init__(self, plan: FarmPlan, paths: FarmPaths, board: Board) -> None:
         self.plan = plan
         self.paths = paths

@@ -241,6 +241,8 @@ class ProcessBackend:
     the zygote: those start, stop and restart together (each keeps its port, token and workers).
     """
 
+    servers_here = True
+
     def __init__(self, plan: FarmPlan, paths: FarmPaths, board: Board, spawner: Spawner | None = None) -> None:
         self.plan = plan
         self.paths = paths

@@ -139,6 +139,8 @@ class RayBackend:
     """One :class:`EnvGroup` actor per ``envs_per_actor`` environments, each environment followed as it
     starts, ends and starts again."""
 
+    servers_here = False  # EnvStatus.pid is a process of the node the server runs on
+
     def __init__(self, plan: FarmPlan, paths: FarmPaths, board: Board) -> None:
         if plan.ray is None:
             raise FarmError("a ray farm's plan names no cluster (--ray-address)")
