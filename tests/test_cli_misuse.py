@@ -55,7 +55,8 @@ def test_bad_numbers_of_other_commands_are_refused(tmp_path):
                        "--check-idle", "at least 0")
     # Resource limits below what a worker needs: named at parse time, not as a validation error deep in the farm.
     for flags, words in ((["--pids", "2"], ["--pids", "at least 16"]), (["--memory-mb", "10"], ["--memory-mb", "at least 64"]),
-                         (["--cpus", "0"], ["--cpus", "more than 0"])):
+                         (["--cpus", "0"], ["--cpus", "more than 0"]), (["--probe-period", "0"], ["--probe-period", "more than 0"]),
+                         (["--probe-timeout", "-1"], ["--probe-timeout", "more than 0"])):
         assert_usage_error(envscaler("farm", "up", "--backend", "process", "--catalog", str(tmp_path / "f.json"), *flags), *words)
     for flags, words in ((["--worker-tasks", "2"], ["--worker-tasks", "at least 16"]),
                          (["--worker-memory-mb", "10"], ["--worker-memory-mb", "at least 64"]), (["--worker-cpus", "-1"], ["--worker-cpus"])):

@@ -144,11 +144,7 @@ def farm_up(args: argparse.Namespace) -> int:
         bind(plan.gateway_host, plan.gateway_port).close()  # a busy port: one line now, not a daemon's traceback later
     plan.allowed_origins = args.allowed_origin or []
     plan.connections_per_client = args.connections_per_client
-    if args.probe_period is not None and args.probe_period <= 0:
-        raise FarmError(f"--probe-period must be more than 0 seconds, not {args.probe_period:g}")
     plan.probes.period_s = args.probe_period
-    if args.probe_timeout <= 0:
-        raise FarmError(f"--probe-timeout must be more than 0 seconds, not {args.probe_timeout:g}")
     plan.probes.timeout_s = args.probe_timeout
     plan.envs_per_server = args.envs_per_server
     if backend == "ray":
@@ -321,10 +317,10 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--openenv", action="store_true",
                     help="also serve the OpenEnv protocol from every server (process backend, needs the [openenv] extra); "
                     "the catalog gives each environment's openenv_url")
-    up.add_argument("--probe-period", type=float, metavar="SECONDS",
+    up.add_argument("--probe-period", type=positive_float, metavar="SECONDS",
                     help="each server is asked for /healthz once per this many seconds, the farm's probes spread over it; "
                          "one that misses 3 in a row is hung and is restarted (default: 10, or environments/20 when more)")
-    up.add_argument("--probe-timeout", type=float, default=2.0, metavar="SECONDS",
+    up.add_argument("--probe-timeout", type=positive_float, default=2.0, metavar="SECONDS",
                     help="how long a server has to answer a probe; with the process backend this counts the server's own time: "
                          "what it waited for a CPU on a busy machine does not count, so a slow machine does not restart it "
                          "(default: 2)")
