@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any, TypeVar
 
-from envscaler.own_time import OwnTimeLimit, thread_waits
+from envscaler.own_time import OwnTimeLimit, thread_reading
 
 T = TypeVar("T")
 
@@ -88,9 +88,9 @@ def call_with_limit(fn: Callable[..., T], limit_s: float, *args: Any, **kwargs: 
     native_id = _get_native_id()
     if can_preempt():
         # Its waits are read now (a few microseconds): a signal to read them later would cost more.
-        limit = OwnTimeLimit(limit_s, functools.partial(thread_waits, native_id), mark=thread_waits(native_id))
+        limit = OwnTimeLimit(limit_s, functools.partial(thread_reading, native_id), mark=thread_reading(native_id))
         return _run_with_alarm(_Alarm(TimeLimitExceeded, limit), fn, limit_s, args, kwargs)
-    return _WATCHDOG.call(fn, OwnTimeLimit(limit_s, functools.partial(thread_waits, native_id)), args, kwargs)
+    return _WATCHDOG.call(fn, OwnTimeLimit(limit_s, functools.partial(thread_reading, native_id)), args, kwargs)
 
 
 def _drop_half_imported(error: BaseException) -> None:

@@ -9,17 +9,20 @@ here is reached when wall-clock time less that wait reaches it: running counts, 
 sleep, a lock, I/O: the task's own doing); waiting for a CPU does not. So a stuck task is still ended
 (a loop runs whenever it gets a CPU, a sleep blocks), only later on a busy machine.
 
-For a process, the wait is that of its thread that waited most since the mark (a request's limit counts
-the thread that runs it, which the process cannot be trusted to name). A sum over threads would count
-one starved second once per thread, and let a stuck process outlive any limit on a busy machine.
+For a process, the wait is that of its busiest thread since the mark (the one that ran most: the one
+doing the request's work, which the process cannot be trusted to name), less what its other threads
+ran meanwhile. A sum over threads would count one starved second once per thread; the thread that
+waited most could be one kept waiting on purpose (the lowest priority on a CPU the process keeps busy);
+and threads of one process that take the CPU from each other wait on themselves, not on the machine.
+Any of those would let a stuck process outlive its limit.
 
 The kernel adds a wait to that count only once it ends, when the thread gets a CPU: a thread kept
 waiting the whole while (a server a busy machine has not let run since a probe reached it) shows none.
 So a reading also notes, for each thread, whether it is ready to run (state ``R``) and how much it has
-run: a thread that is ready and has not run since the previous reading waits for a CPU now, and a limit
-is not reached while one does (it is looked at again ``RECHECK_S`` later). A thread that is ready but
-ran since the previous reading may be running or waiting: once per decision, a limit looks again
-``RECHECK_S`` later to tell.
+run: a task whose busiest thread is ready, and of which nothing has run since the previous reading,
+waits for a CPU now, and its limit is not reached while it does (it is looked at again ``RECHECK_S``
+later). One that is ready but ran since the previous reading may be running or waiting: once per
+decision, a limit looks again ``RECHECK_S`` later to tell.
 
 Reading ``/proc`` costs a few microseconds, so a limit is a wall-clock deadline first. The waits are
 read once the task has run ``MARK_AFTER_S`` (the mark: waits before it count as the task's own time,
@@ -58,8 +61,20 @@ class ThreadCpu(NamedTuple):
     """Running or ready to run: not asleep, blocked or stopped."""
 
 
-CpuWaits = dict[int, ThreadCpu]
-"""Each thread of a task (by the operating system's id) at one reading."""
+class CpuReading(NamedTuple):
+    """A task (one thread, or a process) at one reading of ``/proc``."""
+
+    threads: dict[int, ThreadCpu]
+    """Its threads now, by the operating system's id."""
+    ran_s: float
+    """Its time on a CPU so far, a process's threads that have ended included."""
+
+
+GONE = CpuReading({}, 0.0)
+"""The reading of a task that has ended, or that the kernel says nothing of; also the mark of a process
+forked at a limit's start (it has waited for nothing yet)."""
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
 def _read_small(path: str) -> bytes | None:
@@ -75,6 +90,11 @@ def _read_small(path: str) -> bytes | None:
         _close(fd)
 
 
+def _after_name(stat: bytes) -> list[bytes]:
+    # "pid (name) S ...": the name may hold spaces and parentheses; the fields follow its last ")".
+    return stat.rpartition(b")")[2].split()
+
+
 def _thread_cpu(task: str) -> ThreadCpu | None:
     """The thread whose ``/proc`` folder is ``task``, read now; None once it has ended, or where the kernel does not say."""
     schedstat, stat = _read_small(f"{task}/schedstat"), _read_small(f"{task}/stat")
@@ -83,29 +103,32 @@ def _thread_cpu(task: str) -> ThreadCpu | None:
     fields = schedstat.split()
     if len(fields) < 3:
         return None
-    # "tid (name) S ...": the name may hold spaces and parentheses, the state follows its last ")".
-    state = stat.rpartition(b")")[2][1:2]
-    return ThreadCpu(int(fields[1]) / 1e9, (int(fields[0]), int(fields[2])), state == b"R")
+    return ThreadCpu(int(fields[1]) / 1e9, (int(fields[0]), int(fields[2])), _after_name(stat)[:1] == [b"R"])
 
 
-def thread_waits(native_id: int) -> CpuWaits:
-    """Thread ``native_id`` of this process, read now (empty once it has ended, or where the kernel does not say)."""
-    reading = _thread_cpu(f"/proc/self/task/{native_id}")
-    return {} if reading is None else {native_id: reading}
+def thread_reading(native_id: int) -> CpuReading:
+    """Thread ``native_id`` of this process, read now."""
+    thread = _thread_cpu(f"/proc/self/task/{native_id}")
+    return GONE if thread is None else CpuReading({native_id: thread}, thread.ran[0] / 1e9)
 
 
-def process_waits(pid: int) -> CpuWaits:
-    """Each thread of process ``pid``, read now (empty once it has ended, or where the kernel does not say)."""
+def process_reading(pid: int) -> CpuReading:
+    """Process ``pid`` and each of its threads, read now."""
+    stat = _read_small(f"/proc/{pid}/stat")
     try:
-        threads = _listdir(f"/proc/{pid}/task")
+        tasks = _listdir(f"/proc/{pid}/task")
     except OSError:
-        return {}
-    waits: CpuWaits = {}
-    for thread in threads:
-        reading = _thread_cpu(f"/proc/{pid}/task/{thread}")
-        if reading is not None:
-            waits[int(thread)] = reading
-    return waits
+        return GONE
+    if stat is None:
+        return GONE
+    threads = {}
+    for task in tasks:
+        thread = _thread_cpu(f"/proc/{pid}/task/{task}")
+        if thread is not None:
+            threads[int(task)] = thread
+    fields = _after_name(stat)
+    # utime and stime, in clock ticks: those of its threads that have ended are in them too.
+    return CpuReading(threads, (int(fields[11]) + int(fields[12])) / _TICKS_PER_S)
 
 
 def mark_delay_s(limit_s: float) -> float:
@@ -113,32 +136,53 @@ def mark_delay_s(limit_s: float) -> float:
     return min(MARK_AFTER_S, limit_s / 4)
 
 
-def waited_since(mark: CpuWaits, now: CpuWaits) -> float:
-    """How long the thread that waited most between two readings waited, in waits that have ended (one
-    that started since the mark counts whole)."""
-    return max((thread.waited_s - (mark[tid].waited_s if tid in mark else 0.0) for tid, thread in now.items()), default=0.0)
+def _ran_ns(mark: CpuReading, tid: int, thread: ThreadCpu) -> int:
+    before = mark.threads.get(tid)
+    return thread.ran[0] - (before.ran[0] if before is not None else 0)
 
 
-def waits_now(before: CpuWaits, now: CpuWaits) -> bool:
-    """Whether a thread waits for a CPU now: ready at the reading ``now`` without having run since ``before``."""
-    return any(thread.ready and tid in before and before[tid].ran == thread.ran for tid, thread in now.items())
+def busiest(mark: CpuReading, now: CpuReading) -> int | None:
+    """The thread that ran most between two readings, a ready one first among equals: the one that does the
+    task's work (a process cannot be trusted to name it). None when the task has ended."""
+    return max(now.threads, key=lambda tid: (_ran_ns(mark, tid, now.threads[tid]), now.threads[tid].ready), default=None)
+
+
+def waited_since(mark: CpuReading, now: CpuReading) -> float:
+    """What the task waited for a CPU between two readings: its busiest thread's waits that have ended
+    (one that started since the mark counts whole), less what its other threads ran meanwhile: threads of
+    one process that take the CPU from each other wait on themselves, not on the machine."""
+    tid = busiest(mark, now)
+    if tid is None:
+        return 0.0
+    thread, before = now.threads[tid], mark.threads.get(tid)
+    waited = thread.waited_s - (before.waited_s if before is not None else 0.0)
+    others_ran = (now.ran_s - mark.ran_s) - _ran_ns(mark, tid, thread) / 1e9
+    return max(0.0, waited - max(0.0, others_ran))
+
+
+def waits_now(mark: CpuReading, before: CpuReading, now: CpuReading) -> bool:
+    """Whether the task waits for a CPU now: its busiest thread since ``mark`` is ready at the reading ``now``
+    and nothing of the task has run since the reading ``before``."""
+    tid = busiest(mark, now)
+    return (tid is not None and now.threads[tid].ready and now.ran_s == before.ran_s and now.threads.keys() <= before.threads.keys()
+            and all(before.threads[other].ran == thread.ran for other, thread in now.threads.items()))
 
 
 class CpuWaitCredit:
     """The time a task has waited for a CPU since its mark: what a limit on it adds to its wall-clock deadline.
 
-    ``read`` gives the task's threads (:func:`thread_waits` or :func:`process_waits` bound to it). Until
+    ``read`` reads the task (:func:`thread_reading` or :func:`process_reading` bound to it). Until
     :meth:`take_mark`, the credit is 0; ``seconds`` is its value at the last :meth:`update`. Once the
     deadline it moves has come, :meth:`holds_off` says whether to look again before deciding.
     """
 
     __slots__ = ("read", "mark", "seconds", "last", "waiting", "unsure", "_looked_again")
 
-    def __init__(self, read: Callable[[], CpuWaits], mark: CpuWaits | None = None) -> None:
+    def __init__(self, read: Callable[[], CpuReading], mark: CpuReading | None = None) -> None:
         self.read = read
         self.mark = mark
         self.seconds = 0.0
-        # The last reading; whether a thread waited for a CPU at it, and whether one was ready that may have.
+        # The last reading; whether the task waited for a CPU at it, and whether it was ready and may have.
         self.last = mark
         self.waiting = False
         self.unsure = False
@@ -153,17 +197,18 @@ class CpuWaitCredit:
         if self.mark is not None and self.last is not None:
             now = self.read()
             self.seconds = max(self.seconds, waited_since(self.mark, now))
-            self.waiting = waits_now(self.last, now)
-            reader = _native_id()  # the thread reading is running, not waiting
-            self.unsure = not self.waiting and any(thread.ready and tid != reader for tid, thread in now.items())
+            self.waiting = waits_now(self.mark, self.last, now)
+            tid = busiest(self.mark, now)
+            # The thread that reads is running, not waiting.
+            self.unsure = not self.waiting and tid is not None and now.threads[tid].ready and tid != _native_id()
             self.last = now
         return self.seconds
 
     def holds_off(self) -> bool:
         """Whether, with the deadline come at the last :meth:`update`, the task must be looked at again in
-        ``RECHECK_S`` rather than found past its limit: a thread waits for a CPU now; or one is ready but
-        ran since the reading before, which a reading ``RECHECK_S`` later tells apart (once: after it, a
-        thread that ran again is running)."""
+        ``RECHECK_S`` rather than found past its limit: it waits for a CPU now; or it is ready but ran
+        since the reading before, which a reading ``RECHECK_S`` later tells apart (once: after it, a task
+        that ran again is running)."""
         if self.waiting:
             self._looked_again = False
             return True
@@ -178,13 +223,13 @@ class OwnTimeLimit:
 
     Ask :meth:`reached` as often as it suits (it reads ``/proc`` only at the mark and once the
     wall-clock deadline, moved by the waits seen so far, has come); :meth:`next_check` says when it is
-    worth asking again. ``mark``: the task's waits at ``start``, where known (a process forked at
-    ``start``: ``{}``); otherwise they are read ``MARK_AFTER_S`` into it.
+    worth asking again. ``mark``: the task read at ``start``, where known (a process forked at
+    ``start``: :data:`GONE`); otherwise it is read ``MARK_AFTER_S`` into it.
     """
 
     __slots__ = ("start", "limit_s", "credit", "mark_at", "recheck_at")
 
-    def __init__(self, limit_s: float, read: Callable[[], CpuWaits], start: float | None = None, mark: CpuWaits | None = None) -> None:
+    def __init__(self, limit_s: float, read: Callable[[], CpuReading], start: float | None = None, mark: CpuReading | None = None) -> None:
         self.start = _monotonic() if start is None else start
         self.limit_s = limit_s
         self.credit = CpuWaitCredit(read, mark)

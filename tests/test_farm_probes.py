@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from envscaler.own_time import process_waits, waited_since
+from envscaler.own_time import process_reading, waited_since
 from tests.support.crowding import starvation_problem, starved
 from tests.support.farm import counter_farm, read_state
 from tests.support.waiting import wait_until
@@ -33,11 +33,11 @@ def test_a_server_kept_waiting_for_a_cpu_is_not_restarted_and_a_stopped_one_is(t
         catalog = tmp_path / "farm.json"
         env_id = next(iter(catalog_json["envs"]))
         server = read_state(catalog)["envs"][env_id]["pid"]
-        before = process_waits(server)
+        before = process_reading(server)
         with starved(server):
             time.sleep(STARVED_S)
         # Its last wait is counted once it runs again.
-        wait_until(lambda: waited_since(before, process_waits(server)) > STARVED_S / 2, 10, "the starved server's waits counted")
+        wait_until(lambda: waited_since(before, process_reading(server)) > STARVED_S / 2, 10, "the starved server's waits counted")
         # About 12 probes came while it waited for a CPU most of the time: counting the clock, 3 missed in a row restart it.
         time.sleep(2 * PROBE_PERIOD_S + PROBE_TIMEOUT_S)
         record = read_state(catalog)["envs"][env_id]

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from envscaler.guard import TimeLimitExceeded, call_with_limit
-from envscaler.own_time import RECHECK_S, CpuWaitCredit, OwnTimeLimit, ThreadCpu, process_waits, thread_waits, waited_since
+from envscaler.own_time import GONE, RECHECK_S, CpuReading, CpuWaitCredit, OwnTimeLimit, ThreadCpu, process_reading, thread_reading, waited_since
 from tests.support.crowding import BUSY_LOOP, one_crowded_cpu, starvation_problem, starved
 
 pytestmark = pytest.mark.timeout(60)
@@ -100,17 +100,17 @@ def test_the_waits_of_a_crowded_process_are_its_most_waited_threads():
         crowded = subprocess.Popen([sys.executable, "-c", BUSY_LOOP])
         try:
             time.sleep(0.2)
-            mark = process_waits(crowded.pid)
-            assert list(mark) == [crowded.pid]
+            mark = process_reading(crowded.pid)
+            assert list(mark.threads) == [crowded.pid]
             time.sleep(1.0)
             # Four runnable on one CPU: it waited about three quarters of that second.
-            assert 0.4 < waited_since(mark, process_waits(crowded.pid)) <= 1.0
+            assert 0.4 < waited_since(mark, process_reading(crowded.pid)) <= 1.0
         finally:
             crowded.kill()
             crowded.wait()
-    assert process_waits(crowded.pid) == {}
+    assert process_reading(crowded.pid) == GONE
     mine = threading.get_native_id()
-    assert list(thread_waits(mine)) == [mine]
+    assert list(thread_reading(mine).threads) == [mine]
 
 
 def held_to(limit: OwnTimeLimit, seconds: float) -> bool:
@@ -137,7 +137,7 @@ def test_a_process_kept_waiting_for_a_cpu_the_whole_while_is_not_past_its_limit_
     try:
         time.sleep(0.3)
         with starved(loop.pid):
-            limit = OwnTimeLimit(0.5, functools.partial(process_waits, loop.pid))
+            limit = OwnTimeLimit(0.5, functools.partial(process_reading, loop.pid))
             assert held_to(limit, 3.0)
         # Let run, it loops, and is past its limit once it has run it.
         assert seconds_to_reach(limit) < 0.5 + 1.0
@@ -146,11 +146,37 @@ def test_a_process_kept_waiting_for_a_cpu_the_whole_while_is_not_past_its_limit_
         loop.wait()
 
 
+STARVED_SIBLING = """
+import os, threading
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+def kept_waiting():
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only
+    while True:
+        pass
+threading.Thread(target=kept_waiting, daemon=True).start()
+while True:
+    pass
+"""
+
+
+def test_a_loop_with_a_sibling_kept_waiting_on_purpose_is_still_past_its_limit_in_time():
+    # The sibling, at the lowest priority, waits nearly all the time behind the loop on their one CPU: counting
+    # the most-waited thread's waits, the loop would never be past its limit.
+    stuck = subprocess.Popen([sys.executable, "-c", STARVED_SIBLING])
+    try:
+        time.sleep(0.5)
+        assert len(os.listdir(f"/proc/{stuck.pid}/task")) == 2
+        assert seconds_to_reach(OwnTimeLimit(0.5, functools.partial(process_reading, stuck.pid))) < 0.5 + 1.0
+    finally:
+        stuck.kill()
+        stuck.wait()
+
+
 def test_a_stopped_process_is_past_its_limit_in_time():
     stopped = subprocess.Popen([sys.executable, "-c", BUSY_LOOP])
     try:
         os.kill(stopped.pid, signal.SIGSTOP)
-        assert seconds_to_reach(OwnTimeLimit(0.5, functools.partial(process_waits, stopped.pid))) < 0.5 + 2 * RECHECK_S
+        assert seconds_to_reach(OwnTimeLimit(0.5, functools.partial(process_reading, stopped.pid))) < 0.5 + 2 * RECHECK_S
     finally:
         stopped.kill()
         stopped.wait()
@@ -164,8 +190,13 @@ def ready(waited_s: float, ran: int = 0) -> ThreadCpu:
     return ThreadCpu(waited_s, (ran, ran), ready=True)
 
 
+def reading(threads: dict[int, ThreadCpu]) -> CpuReading:
+    """A process of these threads, that ran what they ran."""
+    return CpuReading(threads, sum(thread.ran[0] for thread in threads.values()) / 1e9)
+
+
 def test_a_thread_that_started_since_the_mark_counts_whole_and_one_that_ended_keeps_its_credit():
-    readings = iter([{1: asleep(5.0)}, {1: asleep(5.5, 1), 2: asleep(0.75)}, {}])
+    readings = iter([reading({1: asleep(5.0)}), reading({1: asleep(5.5), 2: ready(0.75)}), GONE])
     credit = CpuWaitCredit(lambda: next(readings))
     assert credit.update() == 0.0  # no mark yet
     credit.take_mark()
@@ -174,7 +205,7 @@ def test_a_thread_that_started_since_the_mark_counts_whole_and_one_that_ended_ke
 
 
 def test_a_thread_ready_that_has_not_run_since_the_last_reading_waits_for_a_cpu_now():
-    readings = iter([
+    readings = iter(reading(threads) for threads in [
         {1: asleep(0.0), 2: asleep(0.0, 5)},
         {1: ready(0.0), 2: asleep(0.0, 5)},  # 1 woke since, and has not run: it waits for a CPU now
         {1: ready(2.0, 1), 2: asleep(0.0, 5)},  # 1 got a CPU (the kernel adds its wait), and may be waiting again
@@ -198,7 +229,7 @@ def test_a_limit_reads_the_waits_at_its_mark_and_at_its_deadline_only():
 
     def read():
         reads.append(time.monotonic())
-        return dict(waits)
+        return reading(dict(waits))
 
     limit = OwnTimeLimit(2.0, read, start=100.0)
     assert limit.next_check() == 100.5
@@ -214,7 +245,7 @@ def test_a_limit_reads_the_waits_at_its_mark_and_at_its_deadline_only():
 
 def test_a_limit_is_not_reached_while_its_task_waits_for_a_cpu():
     waits = {7: ready(0.0)}
-    limit = OwnTimeLimit(2.0, lambda: dict(waits), start=100.0)
+    limit = OwnTimeLimit(2.0, lambda: reading(dict(waits)), start=100.0)
     assert not limit.reached(100.5)  # the mark: ready, and it has not run since
     assert not limit.reached(102.0)
     assert limit.next_check() == 102.0 + RECHECK_S

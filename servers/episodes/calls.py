@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from envscaler.guard import block_alarm_in_this_thread
-from envscaler.own_time import OwnTimeLimit, thread_waits
+from envscaler.own_time import OwnTimeLimit, thread_reading
 from servers.errors import CallAbandoned, Overloaded
 
 T = TypeVar("T")
@@ -189,7 +189,7 @@ class CallRunner:
             started = job.started
             if started is not None:
                 if job.limit is None:
-                    job.limit = OwnTimeLimit(job.limit_s, functools.partial(thread_waits, job.thread_id), start=started)
+                    job.limit = OwnTimeLimit(job.limit_s, functools.partial(thread_reading, job.thread_id), start=started)
                 if job.limit.reached(now):
                     job.abandoned = True
                     self.abandoned += 1

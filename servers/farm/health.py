@@ -23,12 +23,12 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from urllib.parse import urlsplit
 
 import anyio
 
-from envscaler.own_time import CpuWaits, OwnTimeLimit, process_waits, thread_waits
+from envscaler.own_time import CpuReading, OwnTimeLimit, process_reading, thread_reading
 from servers.farm.board import Board
 from servers.farm.models import EnvStatus
 
@@ -45,32 +45,32 @@ _MAX_IN_FLIGHT = 32
 _PROBE_STATUSES = ("healthy", "unhealthy")
 
 
-def _no_waits() -> CpuWaits:
-    return {}
-
-
 class _Cutoff:
-    """Cancels ``scope`` once ``limit`` is reached, looking only when it may be (a timer on the running loop)."""
+    """Cancels ``scope`` once every one of ``limits`` is reached, looking only when one may be (a timer on
+    the running loop); with none, at ``timeout_s``."""
 
-    def __init__(self, limit: OwnTimeLimit, scope: anyio.CancelScope) -> None:
-        self.limit = limit
+    def __init__(self, limits: list[OwnTimeLimit], timeout_s: float, scope: anyio.CancelScope) -> None:
+        self.limits = limits
         self.scope = scope
         self.loop = asyncio.get_running_loop()
-        self.timer = self._arm()
+        self.timer = self._arm(limits, time.monotonic() + timeout_s)
 
-    def _arm(self) -> asyncio.TimerHandle:
-        return self.loop.call_later(max(0.0, self.limit.next_check() - time.monotonic()), self._check)
+    def _arm(self, left: list[OwnTimeLimit], otherwise: float) -> asyncio.TimerHandle:
+        when = min((limit.next_check() for limit in left), default=otherwise)
+        return self.loop.call_later(max(0.0, when - time.monotonic()), self._check)
 
     def _check(self) -> None:
-        if self.limit.reached():
+        left = [limit for limit in self.limits if not limit.reached()]
+        if not left:
             self.scope.cancel()
-        else:
-            self.timer = self._arm()
+            return
+        self.timer = self._arm(left, time.monotonic())
 
 
-async def answers_healthz(url: str, timeout_s: float, waits: Callable[[], CpuWaits] = _no_waits) -> bool:
+async def answers_healthz(url: str, timeout_s: float, tasks: Sequence[Callable[[], CpuReading]] = ()) -> bool:
     """Whether the server at ``url`` answers ``GET /healthz`` with 200 within ``timeout_s``: wall-clock
-    time less what the threads ``waits`` reads (the server's, the caller's) waited for a CPU meanwhile.
+    time less what each of ``tasks`` (the server's process, the caller's thread, read by
+    ``envscaler.own_time``) waited for a CPU meanwhile, whichever waited most.
 
     A bare HTTP/1.1 request on a fresh non-blocking socket, straight on the event loop (an address is
     connected to without a name lookup in a thread): a fraction of a full client's cost per probe.
@@ -80,7 +80,7 @@ async def answers_healthz(url: str, timeout_s: float, waits: Callable[[], CpuWai
     request = f"GET /healthz HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode()
     loop = asyncio.get_running_loop()
     with anyio.CancelScope() as scope, socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        cutoff = _Cutoff(OwnTimeLimit(timeout_s, waits), scope)
+        cutoff = _Cutoff([OwnTimeLimit(timeout_s, task) for task in tasks], timeout_s, scope)
         sock.setblocking(False)
         try:
             await loop.sock_connect(sock, (host, port))
@@ -152,18 +152,18 @@ class Prober:
                     if self.board.env(env_id).status in _PROBE_STATUSES and self._in_flight.available_tokens:
                         tasks.start_soon(self._probe, env_id)
 
-    def _waits(self, record: EnvStatus) -> CpuWaits:
-        """The CPU waits a probe of ``record``'s server leaves out: its threads' (when here), and the daemon's."""
-        waits = thread_waits(self._thread)
+    def _tasks(self, record: EnvStatus) -> list[Callable[[], CpuReading]]:
+        """Whose waits for a CPU a probe of ``record``'s server leaves out: the daemon's, and the server's when here."""
+        tasks = [functools.partial(thread_reading, self._thread)]
         if self.servers_here and record.pid is not None:
-            waits.update(process_waits(record.pid))
-        return waits
+            tasks.append(functools.partial(process_reading, record.pid))
+        return tasks
 
     async def _probe(self, env_id: str) -> None:
         async with self._in_flight:
             record = self.board.env(env_id)
             generation = record.restarts
-            healthy = await answers_healthz(record.address or record.url, self.timeout_s, functools.partial(self._waits, record))
+            healthy = await answers_healthz(record.address or record.url, self.timeout_s, self._tasks(record))
         record = self.board.env(env_id)
         if record.restarts != generation or record.status not in _PROBE_STATUSES:
             return  # it died or restarted meanwhile: this answer is about a server that is gone

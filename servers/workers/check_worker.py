@@ -49,7 +49,7 @@ from envscaler.checks import check_states, compile_checks_ahead
 from envscaler.data_files import DataFiles
 from envscaler.errors import BundleError, ChecklistError
 from envscaler.guard import keep_alarm_handler, protect_time_limits
-from envscaler.own_time import OwnTimeLimit, process_waits
+from envscaler.own_time import GONE, OwnTimeLimit, process_reading
 from envscaler.sandbox import check_libc, die_with_parent, libc, make_undumpable
 from envscaler.seccomp import LoadableProgram, seccomp_bpf
 from envscaler.state import apply_changes
@@ -226,7 +226,7 @@ class Checker:
                 exit_now(_EXIT_UNANSWERED)
         os.close(answer_out)
         # A forked process starts with no waits counted: its limit needs no mark.
-        child = _Child(pid, answer_in, request_id, OwnTimeLimit(limit_s, functools.partial(process_waits, pid), mark={}))
+        child = _Child(pid, answer_in, request_id, OwnTimeLimit(limit_s, functools.partial(process_reading, pid), mark=GONE))
         self.running[answer_in] = child
         self.poller.register(answer_in, select.POLLIN)
         return None

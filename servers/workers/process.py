@@ -74,7 +74,7 @@ from pydantic import BaseModel
 from envscaler import EnvCodeError
 from envscaler.cgroups import ChildGroup
 from envscaler.errors import BundleError, ChecklistError
-from envscaler.own_time import RECHECK_S, CpuWaitCredit, mark_delay_s, process_waits
+from envscaler.own_time import RECHECK_S, CpuWaitCredit, mark_delay_s, process_reading
 from envscaler.sandbox import CHILD_TASKS, SANDBOX_ENVIRONMENT, clean_environment, make_undumpable, process_uid, sandbox_plan
 from servers.errors import CallAbandoned, EpisodeLost, OutOfMemory, Overloaded, UnknownEpisode, UnknownScenario
 from servers.memory import oom_kills
@@ -660,7 +660,7 @@ class WorkerProcess:
                 continue
             if pending.credit is None:
                 if now - pending.sent >= mark_delay_s(pending.wait_s):
-                    pending.credit = CpuWaitCredit(functools.partial(process_waits, child.process.pid))
+                    pending.credit = CpuWaitCredit(functools.partial(process_reading, child.process.pid))
                     pending.credit.take_mark()
             elif deadline <= now:
                 pending.credit.update()
