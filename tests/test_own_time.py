@@ -140,7 +140,7 @@ def test_a_process_kept_waiting_for_a_cpu_the_whole_while_is_not_past_its_limit_
             limit = OwnTimeLimit(0.5, functools.partial(process_reading, loop.pid))
             assert held_to(limit, 3.0)
         # Let run, it loops, and is past its limit once it has run it.
-        assert seconds_to_reach(limit) < 0.5 + 1.0
+        assert seconds_to_reach(limit) < 0.5 + 2.0
     finally:
         loop.kill()
         loop.wait()
@@ -166,7 +166,7 @@ def test_a_loop_with_a_sibling_kept_waiting_on_purpose_is_still_past_its_limit_i
     try:
         time.sleep(0.5)
         assert len(os.listdir(f"/proc/{stuck.pid}/task")) == 2
-        assert seconds_to_reach(OwnTimeLimit(0.5, functools.partial(process_reading, stuck.pid))) < 0.5 + 1.0
+        assert seconds_to_reach(OwnTimeLimit(0.5, functools.partial(process_reading, stuck.pid))) < 0.5 + 2.0
     finally:
         stuck.kill()
         stuck.wait()
