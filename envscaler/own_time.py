@@ -115,11 +115,11 @@ def thread_reading(native_id: int) -> CpuReading:
 def process_reading(pid: int) -> CpuReading:
     """Process ``pid`` and each of its threads, read now."""
     stat = _read_small(f"/proc/{pid}/stat")
+    if stat is None:
+        return GONE
     try:
         tasks = _listdir(f"/proc/{pid}/task")
     except OSError:
-        return GONE
-    if stat is None:
         return GONE
     threads = {}
     for task in tasks:
@@ -151,7 +151,10 @@ def waited_since(mark: CpuReading, now: CpuReading) -> float:
     """What the task waited for a CPU between two readings: its busiest thread's waits that have ended
     (one that started since the mark counts whole), less what its other threads ran meanwhile: threads of
     one process that take the CPU from each other wait on themselves, not on the machine."""
-    tid = busiest(mark, now)
+    return _waited_by(mark, now, busiest(mark, now))
+
+
+def _waited_by(mark: CpuReading, now: CpuReading, tid: int | None) -> float:
     if tid is None:
         return 0.0
     thread, before = now.threads[tid], mark.threads.get(tid)
@@ -160,10 +163,9 @@ def waited_since(mark: CpuReading, now: CpuReading) -> float:
     return max(0.0, waited - max(0.0, others_ran))
 
 
-def waits_now(mark: CpuReading, before: CpuReading, now: CpuReading) -> bool:
-    """Whether the task waits for a CPU now: its busiest thread since ``mark`` is ready at the reading ``now``
-    and nothing of the task has run since the reading ``before``."""
-    tid = busiest(mark, now)
+def _waits_now(before: CpuReading, now: CpuReading, tid: int | None) -> bool:
+    """Whether the task waits for a CPU now: its busiest thread ``tid`` is ready at the reading ``now`` and
+    nothing of the task has run since the reading ``before``."""
     return (tid is not None and now.threads[tid].ready and now.ran_s == before.ran_s and now.threads.keys() <= before.threads.keys()
             and all(before.threads[other].ran == thread.ran for other, thread in now.threads.items()))
 
@@ -196,9 +198,9 @@ class CpuWaitCredit:
         """Read the waits again: the credit now."""
         if self.mark is not None and self.last is not None:
             now = self.read()
-            self.seconds = max(self.seconds, waited_since(self.mark, now))
-            self.waiting = waits_now(self.mark, self.last, now)
             tid = busiest(self.mark, now)
+            self.seconds = max(self.seconds, _waited_by(self.mark, now, tid))
+            self.waiting = _waits_now(self.last, now, tid)
             # The thread that reads is running, not waiting.
             self.unsure = not self.waiting and tid is not None and now.threads[tid].ready and tid != _native_id()
             self.last = now
