@@ -18,15 +18,24 @@ def one_crowded_cpu(busy: int) -> Iterator[int]:
     processes share with it; its CPU. Each loop is a session of its own, as is a server a test starts: where
     the kernel shares a CPU between sessions first (its autogroups), each still gets about 1 / (busy + 1) of it."""
     before = os.sched_getaffinity(0)
-    cpu = max(before)
+    with _busy_loops(busy) as cpu:
+        os.sched_setaffinity(0, {cpu})
+        try:
+            yield cpu
+        finally:
+            os.sched_setaffinity(0, before)
+
+
+@contextlib.contextmanager
+def _busy_loops(busy: int) -> Iterator[int]:
+    """``busy`` looping processes, each a session of its own, pinned to one CPU (this thread's last); that CPU."""
+    cpu = max(os.sched_getaffinity(0))
     loops = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP], start_new_session=True) for _ in range(busy)]
     try:
         for loop in loops:
             os.sched_setaffinity(loop.pid, {cpu})
-        os.sched_setaffinity(0, {cpu})
         yield cpu
     finally:
-        os.sched_setaffinity(0, before)
         for loop in loops:
             loop.kill()
             loop.wait()
@@ -52,26 +61,22 @@ def starved(pid: int, busy: int = 7) -> Iterator[None]:
     directory, weight_file, weight = parent
     group = directory / f"envscaler-starved-{pid}"
     group.mkdir()
-    cpu = max(os.sched_getaffinity(0))
-    loops = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP], start_new_session=True) for _ in range(busy)]
     pinned: dict[int, set[int]] = {}
     try:
-        for loop in loops:
-            os.sched_setaffinity(loop.pid, {cpu})
-        (group / weight_file).write_text(weight)
-        (group / "cgroup.procs").write_text(str(pid))
-        for thread in os.listdir(f"/proc/{pid}/task"):
-            pinned[int(thread)] = os.sched_getaffinity(int(thread))
-            os.sched_setaffinity(int(thread), {cpu})
-        yield
+        with _busy_loops(busy) as cpu:
+            (group / weight_file).write_text(weight)
+            (group / "cgroup.procs").write_text(str(pid))
+            try:
+                for thread in os.listdir(f"/proc/{pid}/task"):
+                    pinned[int(thread)] = os.sched_getaffinity(int(thread))
+                    os.sched_setaffinity(int(thread), {cpu})
+                yield
+            finally:
+                with contextlib.suppress(OSError):  # it may have ended meanwhile
+                    (directory / "cgroup.procs").write_text(str(pid))
+                    for thread, cpus in pinned.items():
+                        os.sched_setaffinity(thread, cpus)
     finally:
-        with contextlib.suppress(OSError):  # it may have ended meanwhile
-            (directory / "cgroup.procs").write_text(str(pid))
-            for thread, cpus in pinned.items():
-                os.sched_setaffinity(thread, cpus)
-        for loop in loops:
-            loop.kill()
-            loop.wait()
         group.rmdir()
 
 
