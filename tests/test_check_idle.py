@@ -16,7 +16,7 @@ import pytest
 
 from servers.workers.spawner import worker_name
 from tests.support.bundles import counter_bundle
-from tests.support.farm import counter_farm, parent_of, read_state
+from tests.support.farm import ancestors_of, counter_farm, parent_of, read_state
 from tests.support.hostile import call
 from tests.support.server import RunningServer, serve
 
@@ -54,12 +54,10 @@ def server_check_workers(server: int) -> list[int]:
         try:
             if (entry / "comm").read_text().strip() != CHECK_WORKER:
                 continue
-            parent = parent_of(pid)
-            while parent > 1 and parent != server:
-                parent = parent_of(parent)
+            under = server in ancestors_of(pid)
         except (OSError, AttributeError):
             continue  # gone meanwhile
-        if parent == server:
+        if under:
             found.append(pid)
     return found
 

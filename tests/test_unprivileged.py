@@ -19,7 +19,7 @@ import pytest
 from envscaler.sandbox import sandbox_problem
 from servers.farm.teardown import farm_processes
 from tests.support.bundles import counter_bundle
-from tests.support.farm import farm_members, parent_of, read_state
+from tests.support.farm import ancestors_of, farm_members, read_state
 from tests.support.hostile import attack, call, common_attacks, hostile_bundle
 from tests.support.unprivileged import NOBODY, unprivileged, unprivileged_problem
 
@@ -95,7 +95,7 @@ def test_a_farm_run_by_an_unprivileged_user_confines_its_workers_and_holds_hosti
                     workers[name].append(pid)
             assert len(workers["env-worker"]) == 2 and len(workers["check-worker"]) == 2, workers
             for pid in workers["env-worker"] + workers["check-worker"]:
-                server = next(server for server in servers if server in ancestors(pid))
+                server = next(server for server in servers if server in ancestors_of(pid))
                 assert_confined(pid, server)
 
             status = nobody.envscaler("farm", "status", "--catalog", str(catalog))
@@ -104,11 +104,3 @@ def test_a_farm_run_by_an_unprivileged_user_confines_its_workers_and_holds_hosti
             down = nobody.envscaler("farm", "down", "--catalog", str(catalog))
         assert down.returncode == 0, down.stderr
         assert not farm_processes(state["farm_id"])
-
-
-def ancestors(pid: int) -> list[int]:
-    found = []
-    while pid > 1:
-        pid = parent_of(pid)
-        found.append(pid)
-    return found

@@ -86,6 +86,15 @@ def parent_of(pid: int) -> int:
     return int(re.search(r"^PPid:\s+(\d+)", status, re.MULTILINE).group(1))
 
 
+def ancestors_of(pid: int) -> list[int]:
+    """``pid``'s parent, its parent's parent, and so on, up to (not with) init."""
+    ancestors, parent = [], parent_of(pid)
+    while parent > 1:
+        ancestors.append(parent)
+        parent = parent_of(parent)
+    return ancestors
+
+
 # Long enough for a process killed with its sandbox to be gone.
 _DYING_S = 1.0
 
@@ -104,10 +113,7 @@ def farm_members(state: dict[str, Any]) -> dict[str, list[int]]:
     for pid in farm_processes(state["farm_id"]):
         try:
             command = Path(f"/proc/{pid}/cmdline").read_bytes()
-            ancestors, parent = [], parent_of(pid)
-            while parent > 1:
-                ancestors.append(parent)
-                parent = parent_of(parent)
+            ancestors = ancestors_of(pid)
         except (OSError, AttributeError):
             continue  # gone meanwhile
         if pid == state["daemon_pid"]:
