@@ -13,7 +13,8 @@ is read from /proc/PID/stat over 10 s, and given per environment too. With ``--r
 of the farm is then replayed N times (``envscaler run --agent replay --procs`` cores / 2 - 1, 128 episodes at once
 each: a farm on the same machine needs about three cores for each the harness uses; N is 2 by default:
 the first replay starts the check workers that stopped while idle, the second finds them running): tool
-steps/s, and the CPU each tool step cost the farm (every process under its daemon) and the harness.
+steps/s, and the CPU each tool step cost the farm (every process under its daemon) and the harness, and where the
+replay's time went: before its first episode, while episodes were ending, after the last.
 
 With ``--load``, a busy process runs on every core from before the validations to the end of the
 measurement (a machine whose CPUs are all taken): the validations must all score, and no server and
@@ -54,6 +55,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import httpx
+from pydantic import BaseModel
 
 from common import (BusiestProcesses, Memory, Verdict, argument_parser, cpu_seconds, describe_memory, envscaler, memory, report,
                     tree_cpu_by_name, tree_memory)
@@ -174,6 +176,37 @@ def restarts(catalog: Path) -> tuple[int, int]:
     return servers, workers
 
 
+class Timeline(NamedTuple):
+    """Where a replay's time went, from its records' start times and durations: the seconds from ``run``'s start
+    to its first episode's, the steps/s while episodes were ending (the middle 80% of their ends: neither the
+    start, when every check worker may still be starting, nor the last episodes, with the cores emptying), and
+    the seconds from the last episode's end to ``run``'s exit."""
+
+    before_first_s: float
+    steady_steps_per_s: float
+    after_last_s: float
+
+
+class _EpisodeTimes(BaseModel):
+    """What a timeline reads of a record."""
+
+    started_at: float
+    duration_s: float
+    steps: int = 0
+
+
+def timeline(lines: list[str], run_started: float, run_ended: float) -> Timeline:
+    """The :class:`Timeline` of the records ``lines`` of a run that started and ended at these times (``time.time()``)."""
+    episodes = [_EpisodeTimes.model_validate_json(line) for line in lines]
+    if not episodes:
+        return Timeline(0.0, 0.0, 0.0)
+    ends = sorted((e.started_at + e.duration_s, e.steps) for e in episodes)
+    low, high = ends[len(ends) // 10][0], ends[len(ends) * 9 // 10][0]
+    middle_steps = sum(steps for end, steps in ends if low <= end <= high)
+    return Timeline(min(e.started_at for e in episodes) - run_started, middle_steps / (high - low) if high > low else 0.0,
+                    run_ended - ends[-1][0])
+
+
 class Replay(NamedTuple):
     """``envscaler run --agent replay`` over every scenario of the farm: how many, how many scored 1.0, tool steps, seconds."""
 
@@ -187,6 +220,7 @@ class Replay(NamedTuple):
     farm_cpu_by_name: dict[str, float]
     # The busiest processes of the farm and of the run: (name, pid, share of a core), busiest first.
     busiest: list[tuple[str, int, float]]
+    timeline: Timeline
 
 
 def replay_all(catalog: Path, scratch: Path) -> Replay:
@@ -196,29 +230,29 @@ def replay_all(catalog: Path, scratch: Path) -> Replay:
     procs = max(1, len(os.sched_getaffinity(0)) // 2 - 1)
     daemon = farm_state(catalog)["daemon_pid"]
     by_name_before, harness_before = tree_cpu_by_name(daemon), children_cpu_seconds()
-    started = time.perf_counter()
+    started, started_at = time.perf_counter(), time.time()
     run = subprocess.Popen([sys.executable, "-m", "envscaler.cli", "run", "--farm", str(catalog), "--agent", "replay", "--out", str(out),
                             "--procs", str(procs), "--concurrency", str(128 * procs), "--quiet"], stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     busiest = BusiestProcesses(lambda: [daemon, run.pid])
     busiest.start()
     _, stderr = run.communicate()
-    seconds = time.perf_counter() - started
+    seconds, ended_at = time.perf_counter() - started, time.time()
     busy = busiest.stop()
     by_name = {name: used - by_name_before.get(name, 0.0) for name, used in tree_cpu_by_name(daemon).items()}
     farm_cpu_s, harness_cpu_s = sum(by_name.values()), children_cpu_seconds() - harness_before
-    records = [RecordScore.model_validate_json(line) for line in out.read_text().splitlines()] if out.exists() else []
+    lines = out.read_text().splitlines() if out.exists() else []
+    records = [RecordScore.model_validate_json(line) for line in lines]
     if run.returncode not in (0, 1) or not records:
         print(f"replay: run exited {run.returncode}: {stderr[-2000:]}")
-    for line in out.read_text().splitlines() if out.exists() else []:
-        record = RecordScore.model_validate_json(line)
+    for line, record in zip(lines, records):
         if record.reward != 1.0:  # named, with why: a replay that scores less is a bug to find
             whole = Record.model_validate_json(line)
             failed = [check.check_item + (f" ({check.error})" if check.error else "") for check in whole.checks if not check.passed]
             print(f"replay: {record.env_id}/{record.task_id} scored {record.reward} ({record.termination}): {whole.error or failed}")
     steps = sum(record.steps for record in records)
     return Replay(len(records), sum(1 for record in records if record.reward == 1.0), steps, seconds, procs, farm_cpu_s, harness_cpu_s,
-                  by_name, busy)
+                  by_name, busy, timeline(lines, started_at, ended_at))
 
 
 def children_cpu_seconds() -> float:
@@ -302,6 +336,10 @@ def describe(backend: str, spawner: str | None, result: Measured, count: int) ->
         shares = sorted(replay.farm_cpu_by_name.items(), key=lambda item: -item[1])
         print(f"{name}: replay {number}, the farm's CPU per step by process: "
               + ", ".join(f"{process} {used * 1000 / replay.steps:.2f} ms" for process, used in shares if used > 0))
+        times = replay.timeline
+        print(f"{name}: replay {number}, its time: the first episode started {times.before_first_s:.1f} s after the run, "
+              f"{times.steady_steps_per_s:.0f} steps/s while episodes were ending (the middle 80% of their ends), the run "
+              f"exited {times.after_last_s:.1f} s after the last episode ended")
         # One process near a whole core while the cores are not all busy: that process is the limit.
         print(f"{name}: replay {number}, the busiest processes (share of a core): "
               + ", ".join(f"{process} {pid} {share * 100:.0f}%" for process, pid, share in replay.busiest))
