@@ -55,7 +55,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import httpx
-from pydantic import BaseModel
 
 from common import (BusiestProcesses, Memory, Verdict, argument_parser, cpu_seconds, describe_memory, envscaler, memory, report,
                     tree_cpu_by_name, tree_memory)
@@ -187,17 +186,15 @@ class Timeline(NamedTuple):
     after_last_s: float
 
 
-class _EpisodeTimes(BaseModel):
-    """What a timeline reads of a record."""
+class TimedScore(RecordScore):
+    """What the benchmark reads of a record: its score, and when its episode started and how long it took."""
 
     started_at: float
     duration_s: float
-    steps: int = 0
 
 
-def timeline(lines: list[str], run_started: float, run_ended: float) -> Timeline:
-    """The :class:`Timeline` of the records ``lines`` of a run that started and ended at these times (``time.time()``)."""
-    episodes = [_EpisodeTimes.model_validate_json(line) for line in lines]
+def timeline(episodes: list[TimedScore], run_started: float, run_ended: float) -> Timeline:
+    """The :class:`Timeline` of the records ``episodes`` of a run that started and ended at these times (``time.time()``)."""
     if not episodes:
         return Timeline(0.0, 0.0, 0.0)
     ends = sorted((e.started_at + e.duration_s, e.steps) for e in episodes)
@@ -242,7 +239,7 @@ def replay_all(catalog: Path, scratch: Path) -> Replay:
     by_name = {name: used - by_name_before.get(name, 0.0) for name, used in tree_cpu_by_name(daemon).items()}
     farm_cpu_s, harness_cpu_s = sum(by_name.values()), children_cpu_seconds() - harness_before
     lines = out.read_text().splitlines() if out.exists() else []
-    records = [RecordScore.model_validate_json(line) for line in lines]
+    records = [TimedScore.model_validate_json(line) for line in lines]
     if run.returncode not in (0, 1) or not records:
         print(f"replay: run exited {run.returncode}: {stderr[-2000:]}")
     for line, record in zip(lines, records):
@@ -252,7 +249,7 @@ def replay_all(catalog: Path, scratch: Path) -> Replay:
             print(f"replay: {record.env_id}/{record.task_id} scored {record.reward} ({record.termination}): {whole.error or failed}")
     steps = sum(record.steps for record in records)
     return Replay(len(records), sum(1 for record in records if record.reward == 1.0), steps, seconds, procs, farm_cpu_s, harness_cpu_s,
-                  by_name, busy, timeline(lines, started_at, ended_at))
+                  by_name, busy, timeline(records, started_at, ended_at))
 
 
 def children_cpu_seconds() -> float:
