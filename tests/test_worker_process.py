@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from envscaler.bundle import load_bundle
+from envscaler.models import CheckItem
 from envscaler.sandbox import sandbox_problem
 from servers.workers.env_worker import THREAD_CHECK_S
 from servers.workers.process import GRACE_S
@@ -215,9 +216,7 @@ GIVE_UP = ["at_the_fall", "waiting_for_its_turn"]
 @pytest.mark.parametrize("when", GIVE_UP)
 def test_a_suspect_whose_caller_gives_up_holds_up_no_one(bundle, when):
     async def scenario() -> None:
-        settings = WorkerSettings(bundle=load_bundle(bundle), call_timeout_s=CALL_TIMEOUT_S, check_timeout_s=CALL_TIMEOUT_S,
-                                  max_result_chars=100_000, worker_threads=4, inline_budget_s=0.02, memory_reserve_mb=0)
-        store = WorkerEpisodeStore(load_bundle(bundle), settings, sandbox=False, max_episodes=8, idle_ttl_s=600)
+        store = worker_store(bundle)
         try:
             victim, attacker = [await store.create("workerhost_001", None) for _ in range(2)]
             assert not (await store.call_tool(victim, "add", {"item_id": "a"})).error
@@ -240,6 +239,81 @@ def test_a_suspect_whose_caller_gives_up_holds_up_no_one(bundle, when):
                 outcome = await asyncio.wait_for(store.call_tool(live, "get_item", {"item_id": "a"}), CALL_TIMEOUT_S + GRACE_S)
                 assert not outcome.error, outcome
             assert store.lost == 0
+        finally:
+            store.close()
+
+    asyncio.run(scenario())
+
+
+def worker_store(bundle: Path) -> WorkerEpisodeStore:
+    """A store whose episodes live in a real worker process (unsandboxed: the store is driven from this test's loop)."""
+    settings = WorkerSettings(bundle=load_bundle(bundle), call_timeout_s=CALL_TIMEOUT_S, check_timeout_s=CALL_TIMEOUT_S,
+                              max_result_chars=100_000, worker_threads=4, inline_budget_s=0.02, memory_reserve_mb=0)
+    return WorkerEpisodeStore(load_bundle(bundle), settings, sandbox=False, max_episodes=8, idle_ttl_s=600)
+
+
+def counts(live) -> list[int | None]:
+    """Item a's count as each call of the episode's record left it (None for a call that failed)."""
+    return [None if outcome.error else outcome.result["data"]["count"] for outcome in live.calls]
+
+
+def test_concurrent_calls_of_one_episode_go_out_together_and_run_in_the_order_recorded(bundle):
+    async def scenario() -> None:
+        store = worker_store(bundle)
+        try:
+            live, bystander = [await store.create("workerhost_001", None) for _ in range(2)]
+            slow = asyncio.create_task(store.call_tool(live, "slow_add", {"item_id": "a", "seconds": 0.3}))
+            await asyncio.sleep(0.05)
+            adds = [asyncio.create_task(store.call_tool(live, "add", {"item_id": "a"})) for _ in range(5)]
+            await asyncio.sleep(0.05)
+            # All six are out to the worker while the first still sleeps there: none waited for another's answer.
+            assert live.gate.in_flight == 6
+            # A validation asked now waits for them all, and a call asked after it waits for it.
+            six = CheckItem(check_item="a counts 6", check_func="def check_func(final_state):\n    return final_state['items']['a']['count'] == 6")
+            validation = asyncio.create_task(store.validate(live, [six]))
+            await asyncio.sleep(0)
+            after = asyncio.create_task(store.call_tool(live, "add", {"item_id": "a"}))
+            await asyncio.sleep(0.05)
+            assert live.gate.in_flight == 6 and not validation.done() and not after.done()
+            outcomes = [await slow, *[await add for add in adds]]
+            assert not any(outcome.error for outcome in outcomes), outcomes
+            assert (await validation).score == 1.0
+            assert (await after).result["data"]["count"] == 7
+            # The worker ran them one at a time, in the order the record holds them.
+            assert counts(live) == [1, 2, 3, 4, 5, 6, 7]
+            # A new worker rebuilds the episode from that record: each call gives the same answer again.
+            assert (await store.call_tool(bystander, "die", {})).error
+            assert (await store.call_tool(live, "get_item", {"item_id": "a"})).result["data"]["count"] == 7
+            assert store.lost == 0 and store.rebuilt >= 1
+        finally:
+            store.close()
+
+    asyncio.run(scenario())
+
+
+def test_calls_of_one_episode_caught_up_in_its_own_calls_fall_are_asked_again_one_at_a_time(bundle):
+    async def scenario() -> None:
+        store = worker_store(bundle)
+        try:
+            live = await store.create("workerhost_001", None)
+            frozen = asyncio.create_task(store.call_tool(live, "c_loop", {}))
+            await asyncio.sleep(0.1)
+            # Sent behind it: the worker's event loop is frozen, so they wait in its socket.
+            adds = [asyncio.create_task(store.call_tool(live, "add", {"item_id": "a"})) for _ in range(3)]
+            await asyncio.sleep(0.05)
+            assert live.gate.in_flight == 4
+            while store.worker.restarts == 0:
+                await asyncio.sleep(0.05)
+            # A call asked after the fall joins none of those asked again: it waits until they have all ended.
+            later = asyncio.create_task(store.call_tool(live, "add", {"item_id": "a"}))
+            outcome = await frozen
+            assert outcome.error_kind == "timeout" and "did not answer tool 'c_loop'" in (outcome.error or ""), outcome
+            assert not any(outcome.error for outcome in [await add for add in adds]), adds
+            assert (await later).result["data"]["count"] == 4
+            # The freezing call was blamed once it ran again alone; the others ran once each, in the order recorded.
+            assert [outcome.error_kind for outcome in live.calls] == ["timeout", None, None, None, None]
+            assert counts(live) == [None, 1, 2, 3, 4]
+            assert store.worker.restarts == 2 and store.lost == 0
         finally:
             store.close()
 

@@ -10,11 +10,12 @@ tried inline again: one call slowed down by a busy machine does not cost a tool 
 Constructors and checks always run on a call thread; an episode of a scenario whose state is
 already built shares that state and is created right here.
 
-Calls on one episode are serialised by its lock; environment state is not thread-safe. A call still
+Calls on one episode take turns at its gate (``servers.episodes.gate``); environment state is not
+thread-safe, so here they run one at a time (a worker's store sends them on in turn). A call still
 running past its limit is abandoned: the agent gets an ``is_error`` result at once, and the episode
 refuses further calls until it is reset or ended, because the stuck call may still change its state.
 
-The locks are asyncio's, not anyio's: the server only runs on asyncio, and anyio's checkpoints
+The gates are asyncio's, not anyio's: the server only runs on asyncio, and anyio's checkpoints
 cost ~25 us on every tool call.
 """
 
@@ -36,6 +37,7 @@ from envscaler.turns import of_turn, unreached, validation
 from envscaler.wire import MemoryStatus, Trajectory, TurnEnded, WorkerResources
 from servers.transport.asgi import find_bad_number, json_bytes
 from servers.episodes.calls import QUEUE_WAIT_S, CallRunner
+from servers.episodes.gate import EpisodeGate
 from servers.episodes.ids import new_episode_id, replica_of
 from servers.errors import (
     CallAbandoned,
@@ -84,7 +86,7 @@ class CallStats(BaseModel):
 
 
 class LiveEpisode:
-    """One episode with its scenario, lock, counters and call record."""
+    """One episode with its scenario, gate, counters and call record."""
 
     def __init__(self, episode_id: str, env_id: str, episode: Episode | None, scenario: Scenario | None,
                  init_config: dict[str, Any] | None) -> None:
@@ -95,7 +97,9 @@ class LiveEpisode:
         self.scenario = scenario
         # A raw episode's state (no scenario): what a reset with no body goes back to.
         self.init_config = init_config
-        self.lock = asyncio.Lock()
+        self.gate = EpisodeGate()
+        # Taken by each call of the episode asked again after a fall, in turn (servers.workers.store), once there is one.
+        self.recovery: asyncio.Lock | None = None
         self.calls: list[ToolOutcome] = []
         self.last_used = time.monotonic()
         # Disuse after which it ends (``EpisodeStart.lease_s``); None: the server's idle timeout.
@@ -194,6 +198,10 @@ class EpisodeRegistry:
     hooks below (building an episode, one call, the checks, letting go of a state).
     """
 
+    pipelines = False
+    """Whether concurrent calls of one episode go out without waiting for each other's answers: the
+    store sends them somewhere that runs them in turn (``servers.episodes.gate``)."""
+
     def __init__(
         self,
         bundle: Bundle,
@@ -253,12 +261,12 @@ class EpisodeRegistry:
         raise NotImplementedError
 
     async def _run_call(self, live: LiveEpisode, name: str, arguments: Any) -> ToolOutcome:
-        """One tool call under its limits (``live.lock`` is held)."""
+        """One tool call under its limits (the episode's gate is held)."""
         raise NotImplementedError
 
     async def _run_checks(self, live: LiveEpisode, checklist: list[CheckItem], context: CheckContext) -> tuple[list[CheckResult], str]:
         """The checklist (possibly empty) run on the episode's state with ``context``'s globals, and the state's
-        hash (``live.lock`` is held)."""
+        hash (the episode's gate is held)."""
         raise NotImplementedError
 
     def _release(self, live: LiveEpisode) -> None:
@@ -337,7 +345,7 @@ class EpisodeRegistry:
     async def reset(self, live: LiveEpisode, scenario_id: str | None, init_config: dict[str, Any] | None) -> None:
         """Put ``live`` back to a scenario's (or a raw) initial state; its id and URL stay."""
         episode, scenario = await self._build(live.episode_id, scenario_id, init_config)
-        async with live.lock:
+        async with live.gate.alone():
             live.reset(episode, scenario, None if scenario else (init_config or {}))
         log.info("episode reset", extra={"env": self.env_id, "episode": live.episode_id, "scenario": scenario_id})
 
@@ -359,7 +367,7 @@ class EpisodeRegistry:
         """End episodes idle for longer than their lease (else the TTL); returns how many."""
         now = time.monotonic()
         stale = [eid for eid, live in self.episodes.items()
-                 if live.last_used < now - min(live.lease_s or self.idle_ttl_s, self.idle_ttl_s) and not live.lock.locked()]
+                 if live.last_used < now - min(live.lease_s or self.idle_ttl_s, self.idle_ttl_s) and not live.gate.busy()]
         for episode_id in stale:
             self._released(self.episodes.pop(episode_id))
             log.info("episode expired", extra={"env": self.env_id, "episode": episode_id})
@@ -377,7 +385,7 @@ class EpisodeRegistry:
         ``trace``: the request's (traceparent, tracestate), kept in the call's record.
         """
         bad_number = _bad_argument(arguments) if check_numbers else None
-        async with live.lock:
+        async with live.gate.call(self.pipelines):
             if live.stuck:
                 message = "This episode is unusable: an earlier tool call is still stuck. It must be reset or ended."
                 return ToolOutcome.failure(name, arguments, "timeout", message)
@@ -423,7 +431,7 @@ class EpisodeRegistry:
         stopped at its own limit first).
         """
         replies = list(agent_replies or [])
-        async with live.lock:
+        async with live.gate.alone():
             self._check_usable(live)
             if checklist is not None or not live.turns:
                 items = checklist if checklist is not None else (live.scenario.checklist_with_func if live.scenario else None)
@@ -447,7 +455,7 @@ class EpisodeRegistry:
         ``turn_results``, and move to the next turn. Raises NoTurnLeft when the scenario has no turns or
         all have ended, EpisodeLost, CallAbandoned as :meth:`validate`."""
         turns = live.turns
-        async with live.lock:
+        async with live.gate.alone():
             self._check_usable(live)
             current = len(live.turn_checks)
             scenario = f"scenario {live.scenario.task_id}" if live.scenario else "a raw episode"
@@ -552,7 +560,7 @@ class EpisodeStore(EpisodeRegistry):
     def call_now(self, live: LiveEpisode, name: str, arguments: Any) -> ToolOutcome | None:
         """The call run to its end right here, without waiting, when it can be: the episode is free and
         the call ends within the inline budget. Else None, and the caller awaits :meth:`call_tool`."""
-        if live.lock.locked() or live.stuck or live.lost is not None:
+        if live.gate.busy() or live.stuck or live.lost is not None:
             return None
         outcome = self._call_inline(live, name, arguments)
         if outcome is not None:

@@ -87,6 +87,9 @@ class WorkerLink(asyncio.Protocol):
         self.watch: asyncio.TimerHandle | None = None
         # Set when this process must end as soon as its current answer is out.
         self.exit_status: int | None = None
+        # Episodes being rebuilt (their replay's frame read, its answer not yet sent) -> set when it is: a call
+        # of the episode that came after the replay waits for it, never runs between two of its calls.
+        self.rebuilding: dict[str, asyncio.Event] = {}
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -106,6 +109,8 @@ class WorkerLink(asyncio.Protocol):
             except Exception as e:  # noqa: BLE001 - a request this worker cannot read costs only its answer
                 self.outbox.append(frame(request_id, WorkerFailure(error="EnvCodeError", message=f"unreadable request: {e}"), FAILED))
                 continue
+            if request.op == "replay":
+                self.rebuilding.setdefault(request.handle, asyncio.Event())
             answer = self.answer_now(request)
             if answer is None:
                 loop.create_task(self.answer(request_id, request))
@@ -120,7 +125,7 @@ class WorkerLink(asyncio.Protocol):
 
     def answer_now(self, request: WorkerRequest) -> WorkerOutcome | None:
         """The answer to a tool call that could run to its end at once, else None."""
-        if request.op != "call":
+        if request.op != "call" or request.handle in self.rebuilding:
             return None
         live = self.store.episodes.get(request.handle)
         if live is None:
@@ -146,6 +151,8 @@ class WorkerLink(asyncio.Protocol):
         """What ``request`` asks for, as a model or plain data."""
         store = self.store
         if request.op == "call":
+            while (rebuilding := self.rebuilding.get(request.handle)) is not None:
+                await rebuilding.wait()
             live = store.get(request.handle)
             outcome = await store.call_tool(live, request.name, request.arguments)
             return _answer(outcome, stuck=live.stuck)
@@ -153,7 +160,12 @@ class WorkerLink(asyncio.Protocol):
             await self.build(request)
             return {}
         if request.op == "replay":
-            await self.replay(request)
+            try:
+                await self.replay(request)
+            finally:
+                rebuilt = self.rebuilding.pop(request.handle, None)
+                if rebuilt is not None:
+                    rebuilt.set()
             return {}
         if request.op == "final":
             return await self.final(store.get(request.handle))
@@ -182,7 +194,7 @@ class WorkerLink(asyncio.Protocol):
                 return EpisodeFinal(state_hash=episode.state_hash(), final=episode.state(), initial=episode.initial_state())
             return EpisodeFinal(state_hash=episode.state_hash(), initial_hash=episode.initial_hash(), changes=changes)
 
-        async with live.lock:
+        async with live.gate.alone():
             return await self.store.runner.run(read, self.store.runtime.call_timeout_s)
 
     async def build(self, request: WorkerRequest) -> LiveEpisode:

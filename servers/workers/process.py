@@ -486,6 +486,10 @@ class WorkerProcess:
         finally:
             self._end(turn)
 
+    def forgo(self, turn: Turn) -> None:
+        """Give up ``turn`` (a WorkerGone's) without entering it: its request is asked again later, with none."""
+        self._end(turn)
+
     def tell(self, request: BaseModel) -> None:
         """Send ``request`` and forget it: its answer, or the child's loss, changes nothing here."""
         # In a context of its own: never sent in its caller's turn alone, which it must not share.

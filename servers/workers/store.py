@@ -23,6 +23,13 @@ error and is undone (it is not replayed); a call that was only caught up in the 
 once the episode is rebuilt. An episode is reported lost (its calls say so, its validation answers
 410, never a score) only when it cannot be rebuilt: a replayed call comes out differently (the
 environment is not deterministic), or a call of it ran past its limit (what it did is unknown).
+
+Concurrent calls of one episode go out to the worker together (``servers.episodes.gate``), which runs
+them one at a time and answers each as it ends: the record, and the calls a rebuild replays, keep them
+in the order their answers come, which is the order they ran. A call that reaches the worker while the
+episode is being rebuilt there waits for the rebuild. When the worker falls with several of one
+episode's calls out, they are asked again one at a time, the first in its turn (the others give theirs
+up: each would wait for the other), and no new call of the episode goes out until they have ended.
 """
 
 from __future__ import annotations
@@ -81,6 +88,9 @@ class _History:
 class WorkerEpisodeStore(EpisodeRegistry):
     """Episodes whose state lives in a worker process (see the module's doc)."""
 
+    # The worker runs one episode's calls one at a time, and answers each as it ends.
+    pipelines = True
+
     def __init__(self, bundle: Bundle, settings: WorkerSettings, *, sandbox: bool, group: GroupLimits | None = None,
                  checks: CheckWorker | None = None, check_idle_s: float | None = CHECK_IDLE_S, **limits: Any) -> None:
         super().__init__(bundle, **limits)
@@ -112,6 +122,8 @@ class WorkerEpisodeStore(EpisodeRegistry):
         self._handle_numbers = itertools.count(1)
         # Episodes whose state went with a lost worker -> why; rebuilt when next used.
         self._stale: dict[str, str] = {}
+        # Episodes being rebuilt -> set once the rebuild has ended, however it ended.
+        self._rebuilding: dict[str, asyncio.Event] = {}
         self.rebuilt = 0
         self.lost = 0
 
@@ -121,6 +133,8 @@ class WorkerEpisodeStore(EpisodeRegistry):
         held = [episode_id for episode_id, live in self.episodes.items() if live.lost is None and episode_id not in self._stale]
         for episode_id in held:
             self._stale[episode_id] = reason
+        for live in self.episodes.values():
+            live.gate.hold_joins()  # the calls that were out are asked again first, one at a time (_ask_about)
         log.error("environment worker lost; its episodes are rebuilt as they are used",
                   extra={"env": self.env_id, "reason": reason, "episodes": len(held)})
 
@@ -142,8 +156,20 @@ class WorkerEpisodeStore(EpisodeRegistry):
         return message
 
     async def _ensure_built(self, live: LiveEpisode) -> None:
-        """Rebuild ``live`` in the current worker if its state went with a lost one (``live.lock`` is held);
-        marks it lost when that cannot be done."""
+        """Rebuild ``live`` in the current worker if its state went with a lost one (the episode's gate is held);
+        marks it lost when that cannot be done. A call of the episode that comes meanwhile waits for the rebuild."""
+        while (rebuilding := self._rebuilding.get(live.episode_id)) is not None:
+            await rebuilding.wait()
+        if live.episode_id not in self._stale:
+            return
+        done = self._rebuilding[live.episode_id] = asyncio.Event()
+        try:
+            await self._rebuild(live)
+        finally:
+            del self._rebuilding[live.episode_id]
+            done.set()
+
+    async def _rebuild(self, live: LiveEpisode) -> None:
         turn: Turn | None = None
         for tries in range(1, CAUGHT_UP_TRIES + 1):
             async with self.worker.alone(turn):
@@ -189,25 +215,46 @@ class WorkerEpisodeStore(EpisodeRegistry):
         blame or the tries run out, EpisodeLost when the episode cannot be rebuilt.
         """
         tries, turn = 1, None
-        while True:
-            async with self.worker.alone(turn):
-                if live is not None:
-                    await self._ensure_usable(live)
-                try:
-                    return await self.worker.ask_child(request, limit_s, what, request.handle, again=tries < CAUGHT_UP_TRIES)
-                except UnknownEpisode:
-                    # The worker it was built in fell before this request went (it waited for another's turn
-                    # alone): the new worker, which has not built it yet, ran nothing. Built there, ask again.
-                    if live is None or live.episode_id not in self._stale or tries == CAUGHT_UP_TRIES:
-                        raise
-                    tries, turn = tries + 1, None
-                except WorkerGone as e:
-                    if e.blamed or tries == CAUGHT_UP_TRIES:
-                        raise
-                    tries, turn = tries + 1, e.turn
+        recovering = False
+        try:
+            while True:
+                if tries > 1 and live is not None and not recovering:
+                    turn = await self._recover(live, turn)
+                    recovering = True
+                async with self.worker.alone(turn):
+                    if live is not None:
+                        await self._ensure_usable(live)
+                    try:
+                        return await self.worker.ask_child(request, limit_s, what, request.handle, again=tries < CAUGHT_UP_TRIES)
+                    except UnknownEpisode:
+                        # The worker it was built in fell before this request went (it waited for another's turn
+                        # alone): the new worker, which has not built it yet, ran nothing. Built there, ask again.
+                        if live is None or live.episode_id not in self._stale or tries == CAUGHT_UP_TRIES:
+                            raise
+                        tries, turn = tries + 1, None
+                    except WorkerGone as e:
+                        if e.blamed or tries == CAUGHT_UP_TRIES:
+                            raise
+                        tries, turn = tries + 1, e.turn
+        finally:
+            if recovering:
+                assert live is not None and live.recovery is not None
+                live.recovery.release()
+
+    async def _recover(self, live: LiveEpisode, turn: Turn | None) -> Turn | None:
+        """Wait until this request, caught up in a fall, is the one of its episode to be asked again (the
+        calls of an episode that fell together are asked again one at a time); its turn, or None when it had
+        to wait for another: then it gives its turn up, which the other's turn could otherwise wait for."""
+        if live.recovery is None:
+            live.recovery = asyncio.Lock()
+        if live.recovery.locked() and turn is not None:
+            self.worker.forgo(turn)
+            turn = None
+        await live.recovery.acquire()
+        return turn
 
     async def _ensure_usable(self, live: LiveEpisode) -> None:
-        """Rebuild ``live`` if it must be (``live.lock`` is held); raises EpisodeLost when it is lost."""
+        """Rebuild ``live`` if it must be (the episode's gate is held); raises EpisodeLost when it is lost."""
         await self._ensure_built(live)
         if live.lost is not None:
             raise EpisodeLost(f"episode {live.episode_id} is lost ({live.lost}); reset it to run its scenario again")
@@ -280,14 +327,14 @@ class WorkerEpisodeStore(EpisodeRegistry):
         return usage.model_copy(update={"uid": self.worker.uid})
 
     async def state(self, live: LiveEpisode) -> dict[str, Any]:
-        async with live.lock:
+        async with live.gate.alone():
             await self._ensure_usable(live)
             return await self._read_object(live, "state", "a state read")
 
     async def state_json(self, live: LiveEpisode) -> bytes:
         # Passed on as the worker wrote it, once checked: parsed here, a state of big data would cost the server
         # several times its size (the objects, then their text again).
-        async with live.lock:
+        async with live.gate.alone():
             await self._ensure_usable(live)
             return await self._read(live, "state", "a state read", checked_object)
 
