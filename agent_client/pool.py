@@ -6,8 +6,11 @@ runs a share of the episodes, and this process stays the only writer of the outp
 progress display and the one summary: workers send every record back as a line, written here whole
 (with its score beside it, so that it is never parsed here).
 
-Jobs are handed out one at a time: each worker starts with its part of ``concurrency`` and gets the
-next job when an episode of its own ends, so a slow worker takes fewer and the run's concurrency holds.
+The workers are started before the run lists its scenarios, so that each imports the harness (most
+of a second) meanwhile; they get their setup once the jobs are known, and those the jobs leave without
+work are stopped. Jobs are handed out one at a time: each worker starts with its part of
+``concurrency`` and gets the next job when an episode of its own ends, so a slow worker takes fewer and
+the run's concurrency holds.
 A worker that dies is reported on stderr, and each episode it had in flight is recorded as an infra
 error (a rerun runs it again); the others take over what was still waiting. On Ctrl-C (or a record
 that cannot be written) every worker is interrupted, ends its live episodes, and the records of the
@@ -114,7 +117,9 @@ class _Worker:
             self.process.kill()
 
 
-async def _start_workers(setup: bytes, procs: int) -> list[_Worker]:
+async def spawn_workers(procs: int) -> list[_Worker]:
+    """Start ``procs`` worker processes, which import the harness and then wait for their setup
+    (:func:`run_in_processes` sends it): started before the run lists its scenarios, they import meanwhile."""
     # The workers import the harness from where this process imported it (a source tree, say), not
     # from wherever their own sys.path would find another copy first.
     root = str(Path(agent_client.__file__).resolve().parent.parent)
@@ -126,31 +131,44 @@ async def _start_workers(setup: bytes, procs: int) -> list[_Worker]:
             process = await anyio.open_process([sys.executable, "-m", "agent_client.worker"], stdin=subprocess.PIPE,
                                                stdout=subprocess.PIPE, stderr=None, env=env, start_new_session=True)
             workers.append(_Worker(number, process))
-        # All at once: a worker reads its setup only once it has imported the harness (most of a second),
-        # and a setup larger than the pipe holds would otherwise make each worker's start wait for the last's.
-        async with anyio.create_task_group() as sending:
-            for worker in workers:
-                sending.start_soon(worker.process.stdin.send, setup)  # type: ignore[union-attr]
     except BaseException:
-        for worker in workers:
-            worker.kill()
+        await dismiss(workers)
         raise
     return workers
 
 
+async def dismiss(workers: list[_Worker]) -> None:
+    """Stop workers that were given no setup (the run failed before, or has fewer jobs than workers)."""
+    with anyio.CancelScope(shield=True):
+        for worker in workers:
+            worker.kill()
+            await worker.process.aclose()
+
+
 async def run_in_processes(catalog: FarmCatalog, make_agent: Callable[[], Agent], agent: Agent,
-                           jobs: list[tuple[ScenarioSummary, int]], options: RunOptions, procs: int, sink: RecordSink) -> None:
-    """Run ``jobs`` in ``procs`` worker processes, ``options.concurrency`` episodes at once in all; every
-    record into ``sink``. WorkersLost when every worker died with jobs still waiting."""
+                           jobs: list[tuple[ScenarioSummary, int]], options: RunOptions, workers: list[_Worker],
+                           sink: RecordSink) -> None:
+    """Run ``jobs`` in ``workers`` (from :func:`spawn_workers`, now this function's to stop), ``options.concurrency``
+    episodes at once in all; every record into ``sink``. WorkersLost when every worker died with jobs still waiting."""
+    procs = len(workers)
     scenarios = list({(s.env_id, s.task_id): s for s, _ in jobs}.values())
     index = {(s.env_id, s.task_id): number for number, s in enumerate(scenarios)}
     try:
         setup = WorkerSetup(catalog, make_agent, options, scenarios).encode()
     except (pickle.PicklingError, AttributeError, TypeError) as e:
+        await dismiss(workers)
         raise HarnessError(f"--procs {procs}: the agent factory cannot be sent to a worker process ({e}); give a "
                            "class or a functools.partial of one defined at module level, or run with --procs 1") from None
     waiting = deque(jobs)
-    workers = await _start_workers(setup, procs)
+    try:
+        # All at once: a worker reads its setup only once it has imported the harness, and a setup larger
+        # than the pipe holds would otherwise make each worker's start wait for the last's.
+        async with anyio.create_task_group() as sending:
+            for worker in workers:
+                sending.start_soon(worker.process.stdin.send, setup)  # type: ignore[union-attr]
+    except BaseException:
+        await dismiss(workers)
+        raise
     stopping = False
 
     async def dispatch(worker: _Worker) -> None:

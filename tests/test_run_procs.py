@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ import httpx
 import pytest
 
 from agent_client.agents import ReplayAgent
-from agent_client.errors import HarnessError
+from agent_client.errors import HarnessError, TransportError
 from agent_client.models import load_farm_catalog
 from agent_client.runner import RunOptions, run
 from tests.support.cli import envscaler
@@ -136,3 +137,34 @@ def test_an_agent_factory_that_cannot_reach_a_worker_process_is_refused_before_a
     with pytest.raises(HarnessError, match="cannot be sent to a worker process"):
         anyio.run(lambda: run(load_farm_catalog(farm), lambda: ReplayAgent(), out, options=options))
     assert out.read_text() == "" and live_episodes(farm) <= before
+    # The worker processes, started before the scenarios were listed, are gone with the run.
+    assert harness_workers() == []
+
+
+def harness_workers() -> list[int]:
+    """This process's children that are harness worker processes (``python -m agent_client.worker``)."""
+    children = [pid for task in Path("/proc/self/task").iterdir() for pid in (task / "children").read_text().split()]
+    return [int(pid) for pid in children if b"agent_client.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+def test_a_run_whose_farm_cannot_be_listed_leaves_no_worker_process(farm, tmp_path):
+    catalog = load_farm_catalog(farm)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, never listening: a connection to it is refused
+    try:
+        endpoint = catalog.envs["counter"].model_copy(update={"url": f"http://127.0.0.1:{closed.getsockname()[1]}"})
+        unreachable = catalog.model_copy(update={"envs": {"counter": endpoint}})
+        options = RunOptions(concurrency=4, progress=False, procs=3)
+        with pytest.raises(TransportError):
+            anyio.run(lambda: run(unreachable, ReplayAgent, tmp_path / "out.jsonl", options=options))
+    finally:
+        closed.close()
+    assert harness_workers() == []
+
+
+def test_a_run_with_fewer_episodes_than_processes_runs_each_once(farm, tmp_path):
+    out = tmp_path / "out.jsonl"
+    scores = anyio.run(lambda: run(load_farm_catalog(farm), ReplayAgent, out, options=RunOptions(concurrency=8, progress=False, procs=6)))
+    assert sorted((s.task_id, s.reward) for s in scores) == [("counter_001", 1.0), ("counter_002", 1.0)]
+    assert sorted(keys(out)) == [("counter", "counter_001", 0), ("counter", "counter_002", 0)]
+    assert harness_workers() == []
