@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pickle
+import signal
 import struct
 import sys
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from agent_client.interrupt import run_interruptible
 from agent_client.remote import EnvControl, new_http_client
 from agent_client.runner import RunOptions, record_entry, run_episode
 from envscaler.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
+from envscaler.sandbox import die_with_parent
 from envscaler.wire import FarmCatalog, ScenarioSummary
 
 _LENGTH = struct.Struct(">Q")
@@ -97,6 +99,9 @@ async def _main() -> None:
 
 def main() -> int:
     """Entry point of ``python -m agent_client.worker``: the exit status (0, 130 when interrupted, 1 on failure)."""
+    # Only the parent writes the records: once it is gone (killed), the episodes in flight are ended at
+    # once, as on Ctrl-C, rather than run to their end for nobody. (A parent gone before this line sent no setup.)
+    die_with_parent(signal.SIGINT)
     try:
         run_interruptible(_main)
     except KeyboardInterrupt:

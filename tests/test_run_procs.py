@@ -90,6 +90,38 @@ def test_an_interrupted_two_process_run_ends_its_episodes_and_resumes_without_du
     assert "120 episode(s)" in resumed.stdout, resumed.stdout
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not ended (a zombie has: only its exit status is left)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_the_workers_of_a_run_that_is_killed_end_their_episodes_at_once(farm, tmp_path):
+    before = live_episodes(farm)
+    args = ("run", "--farm", str(farm), "--agent", "command", "--command", f"{sys.executable} -c 'import time; time.sleep(600)'",
+            "--out", str(tmp_path / "out.jsonl"), "--concurrency", "2", "--procs", "2", "--quiet")
+    run = subprocess.Popen([sys.executable, "-m", "envscaler.cli", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while len(live_episodes(farm) - before) < 2:
+            assert run.poll() is None and time.monotonic() < deadline, "the run started no episodes"
+            time.sleep(0.05)
+        workers = [int(pid) for pid in Path(f"/proc/{run.pid}/task/{run.pid}/children").read_text().split()
+                   if b"agent_client.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(workers) == 2
+    finally:
+        run.kill()
+        run.wait()
+    # Their records could no longer be written: the workers end their episodes on the farm and exit, long
+    # before the agents' 600 s.
+    deadline = time.monotonic() + 30
+    while any(map(running, workers)) or live_episodes(farm) - before:
+        assert time.monotonic() < deadline, (workers, live_episodes(farm) - before)
+        time.sleep(0.1)
+
+
 def test_a_worker_that_dies_is_reported_and_its_episode_recorded_as_an_infra_error(farm, tmp_path):
     out = tmp_path / "out.jsonl"
     # The command agent is a child of the worker running its episode: on counter_002 it kills that worker.
