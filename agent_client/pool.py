@@ -155,20 +155,19 @@ async def run_in_processes(catalog: FarmCatalog, make_agent: Callable[[], Agent]
     index = {(s.env_id, s.task_id): number for number, s in enumerate(scenarios)}
     try:
         setup = WorkerSetup(catalog, make_agent, options, scenarios).encode()
-    except (pickle.PicklingError, AttributeError, TypeError) as e:
-        await dismiss(workers)
-        raise HarnessError(f"--procs {procs}: the agent factory cannot be sent to a worker process ({e}); give a "
-                           "class or a functools.partial of one defined at module level, or run with --procs 1") from None
-    waiting = deque(jobs)
-    try:
         # All at once: a worker reads its setup only once it has imported the harness, and a setup larger
         # than the pipe holds would otherwise make each worker's start wait for the last's.
         async with anyio.create_task_group() as sending:
             for worker in workers:
                 sending.start_soon(worker.process.stdin.send, setup)  # type: ignore[union-attr]
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        await dismiss(workers)
+        raise HarnessError(f"--procs {procs}: the agent factory cannot be sent to a worker process ({e}); give a "
+                           "class or a functools.partial of one defined at module level, or run with --procs 1") from None
     except BaseException:
         await dismiss(workers)
         raise
+    waiting = deque(jobs)
     stopping = False
 
     async def dispatch(worker: _Worker) -> None:

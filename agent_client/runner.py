@@ -301,25 +301,23 @@ async def _run(catalog: FarmCatalog, make_agent: Callable[[], Agent], out: Path,
     done = read_done(out, identity, rerun_infra_errors=options.rerun_infra_errors)
     async with new_http_client() as http:
         controls = {env_id: EnvControl(http, env_id, endpoint) for env_id, endpoint in catalog.envs.items()}
-        workers = []
-        if min(options.procs, options.concurrency) > 1:
-            # Imported here: the pool imports this module (its workers run ``run_episode``).
-            from agent_client.pool import dismiss, run_in_processes, spawn_workers
+        # Imported here: the pool imports this module (its workers run ``run_episode``).
+        from agent_client.pool import dismiss, run_in_processes, spawn_workers
 
-            # Started first: each imports the harness (most of a second) while the scenarios are listed.
-            workers = await spawn_workers(min(options.procs, options.concurrency))
+        procs = min(options.procs, options.concurrency)
+        # Started first: each imports the harness (most of a second) while the scenarios are listed.
+        workers = await spawn_workers(procs) if procs > 1 else []
         try:
             listed = await _list_scenarios(controls, options.concurrency)
             jobs = spread_over_environments(
                 [(s, r) for s in select(listed, patterns) for r in range(options.repeats) if (s.env_id, s.task_id, r) not in done])
         except BaseException:
-            if workers:
-                await dismiss(workers)
+            await dismiss(workers)
             raise
-        if len(workers) > len(jobs):
-            spare, workers = workers[len(jobs):], workers[:len(jobs)]
-            await dismiss(spare if len(workers) > 1 else spare + workers)
-            workers = workers if len(workers) > 1 else []
+        # One job per worker at most, and none for a single job: this process runs it with less start-up.
+        keep = len(jobs) if len(jobs) > 1 else 0
+        await dismiss(workers[keep:])
+        workers = workers[:keep]
         if len(done):
             print(f"resuming: {len(done)} record(s) already in {out}, {len(jobs)} to run", file=sys.stderr)
         fd = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -90,6 +91,13 @@ def test_an_interrupted_two_process_run_ends_its_episodes_and_resumes_without_du
     assert "120 episode(s)" in resumed.stdout, resumed.stdout
 
 
+def harness_workers(parent: int | None = None) -> list[int]:
+    """The children of ``parent`` (this process by default) that are harness worker processes (``python -m agent_client.worker``)."""
+    tasks = Path(f"/proc/{parent or os.getpid()}/task")
+    children = [pid for task in tasks.iterdir() for pid in (task / "children").read_text().split()]
+    return [int(pid) for pid in children if b"agent_client.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
 def running(pid: int) -> bool:
     """Whether process ``pid`` exists and has not ended (a zombie has: only its exit status is left)."""
     try:
@@ -108,8 +116,7 @@ def test_the_workers_of_a_run_that_is_killed_end_their_episodes_at_once(farm, tm
         while len(live_episodes(farm) - before) < 2:
             assert run.poll() is None and time.monotonic() < deadline, "the run started no episodes"
             time.sleep(0.05)
-        workers = [int(pid) for pid in Path(f"/proc/{run.pid}/task/{run.pid}/children").read_text().split()
-                   if b"agent_client.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        workers = harness_workers(run.pid)
         assert len(workers) == 2
     finally:
         run.kill()
@@ -171,12 +178,6 @@ def test_an_agent_factory_that_cannot_reach_a_worker_process_is_refused_before_a
     assert out.read_text() == "" and live_episodes(farm) <= before
     # The worker processes, started before the scenarios were listed, are gone with the run.
     assert harness_workers() == []
-
-
-def harness_workers() -> list[int]:
-    """This process's children that are harness worker processes (``python -m agent_client.worker``)."""
-    children = [pid for task in Path("/proc/self/task").iterdir() for pid in (task / "children").read_text().split()]
-    return [int(pid) for pid in children if b"agent_client.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
 def test_a_run_whose_farm_cannot_be_listed_leaves_no_worker_process(farm, tmp_path):
