@@ -19,7 +19,7 @@ from envscaler import default_catalog, load_bundle
 from servers.farm.backends.images import LABEL_ENV, LABEL_FARM, LABEL_HASH, docker_answers, env_image_tag
 from tests.support.bundles import counter_scenario, counter_spec, write_bundle
 from tests.support.cli import envscaler
-from tests.support.farm import read_state
+from tests.support.farm import farm_with_its_port_taken, read_state
 from tests.support.gateway import replay_through_gateway
 from tests.support.hostile import HOSTILE_CODE, attack, common_attacks
 from tests.support.waiting import wait_until
@@ -221,6 +221,17 @@ def test_a_hung_container_is_restarted_and_reported(farm, engine):
     assert container.status == "running" and container.attrs["State"]["Pid"] != server
     url = json.loads(farm.read_text())["envs"]["it_helpdesk"]["url"]
     assert httpx.get(url + "/healthz", timeout=5).json()["env_id"] == "it_helpdesk"
+
+
+def test_a_port_taken_between_planning_and_publishing_is_replaced(tmp_path, engine):
+    bundle = default_catalog() / "online_retail"
+    with farm_with_its_port_taken(tmp_path, bundle, "docker") as (catalog, planned, thief):
+        endpoint = json.loads(catalog.read_text())["envs"]["online_retail"]
+        assert httpx.URL(endpoint["url"]).port != planned
+        assert read_state(catalog)["envs"]["online_retail"]["url"] == endpoint["url"]
+        info = httpx.get(endpoint["url"] + "/info", headers={"Authorization": f"Bearer {endpoint['token']}"}, timeout=10)
+        assert info.status_code == 200 and info.json()["env_id"] == "online_retail"
+        assert thief.getsockname()[1] == planned
 
 
 def test_down_leaves_nothing_also_after_kill_9(tmp_path, engine):

@@ -6,63 +6,34 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
 
-from envscaler.sandbox import FARM_ID_VARIABLE
-from servers.farm.models import FarmPaths, Limits, write_json
-from servers.farm.plan import plan_farm
 from tests.support.bundles import counter_bundle
-from tests.support.cli import envscaler
-from tests.support.farm import read_state
+from tests.support.farm import farm_with_its_port_taken, read_state
 from tests.support.waiting import wait_until
 
 
-def taken(port: int) -> socket.socket:
-    """Another program's socket listening on ``port``."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", port))
-    sock.listen()
-    return sock
-
-
 def test_a_port_taken_between_planning_and_binding_is_replaced_and_restarts_keep_the_held_one(tmp_path: Path):
-    catalog = tmp_path / "farm.json"
-    plan = plan_farm([str(counter_bundle(tmp_path / "bundles"))], "process", catalog, Limits(), 0)
-    planned = plan.envs[0].port
-    paths = FarmPaths(catalog)
-    paths.dir.mkdir()
-    write_json(paths.plan, plan)
-    with taken(planned) as thief:
-        # What `farm up` does once it has planned, with the planned port already gone.
-        daemon = subprocess.Popen([sys.executable, "-m", "servers.farm.daemon", str(paths.dir)], stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                                  env={**os.environ, FARM_ID_VARIABLE: plan.farm_id})
-        try:
-            wait_until(lambda: paths.state.exists() and read_state(catalog)["ready"])
-            endpoint = json.loads(catalog.read_text())["envs"]["counter"]
-            port = httpx.URL(endpoint["url"]).port
-            assert port != planned
-            assert read_state(catalog)["envs"]["counter"]["url"] == endpoint["url"]
-            info = httpx.get(endpoint["url"] + "/info", headers={"Authorization": f"Bearer {endpoint['token']}"})
-            assert info.status_code == 200
+    with farm_with_its_port_taken(tmp_path, counter_bundle(tmp_path / "bundles"), "process") as (catalog, planned, thief):
+        endpoint = json.loads(catalog.read_text())["envs"]["counter"]
+        port = httpx.URL(endpoint["url"]).port
+        assert port != planned
+        assert read_state(catalog)["envs"]["counter"]["url"] == endpoint["url"]
+        info = httpx.get(endpoint["url"] + "/info", headers={"Authorization": f"Bearer {endpoint['token']}"})
+        assert info.status_code == 200
 
-            # A restart serves the socket the daemon holds: same port, though the thief would like it.
-            first = read_state(catalog)["envs"]["counter"]["pid"]
-            os.kill(first, signal.SIGKILL)
-            wait_until(lambda: read_state(catalog)["envs"]["counter"]["restarts"] == 1
-                       and read_state(catalog)["envs"]["counter"]["status"] == "healthy")
-            assert httpx.get(endpoint["url"] + "/healthz").status_code == 200
-            assert json.loads(catalog.read_text())["envs"]["counter"]["url"] == endpoint["url"]
-            assert thief.getsockname()[1] == planned
-        finally:
-            down = envscaler("farm", "down", "--catalog", str(catalog))
-            daemon.wait(30)
-    assert down.returncode == 0, down.stderr
+        # A restart serves the socket the daemon holds: same port, though the thief would like it.
+        first = read_state(catalog)["envs"]["counter"]["pid"]
+        os.kill(first, signal.SIGKILL)
+        wait_until(lambda: read_state(catalog)["envs"]["counter"]["restarts"] == 1
+                   and read_state(catalog)["envs"]["counter"]["status"] == "healthy")
+        assert httpx.get(endpoint["url"] + "/healthz").status_code == 200
+        assert json.loads(catalog.read_text())["envs"]["counter"]["url"] == endpoint["url"]
+        assert thief.getsockname()[1] == planned
 
 
 def test_serve_refuses_a_descriptor_that_is_not_a_listening_socket(tmp_path: Path):

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from envscaler.sandbox import FARM_ID_VARIABLE
+from servers.farm.models import Backend, FarmPaths, Limits, write_json
+from servers.farm.plan import plan_farm
 from tests.support.bundles import counter_bundle, counter_scenario, counter_spec, write_bundle
 from tests.support.cli import envscaler
+from tests.support.waiting import wait_until
 
 
 @contextmanager
@@ -46,6 +54,32 @@ def process_farm(root: Path, bundles: list[Path], *flags: str) -> Iterator[Path]
         yield catalog
     finally:
         envscaler("farm", "down", "--catalog", str(catalog))
+
+
+@contextmanager
+def farm_with_its_port_taken(root: Path, bundle: Path, backend: Backend) -> Iterator[tuple[Path, int, socket.socket]]:
+    """A farm of ``bundle`` whose daemon starts, as ``farm up`` starts it, after another program took the
+    port it planned: yields, once the farm is ready, its catalog file, the planned port and the other
+    program's listening socket; ``farm down`` after (which must succeed)."""
+    catalog = root / "farm.json"
+    plan = plan_farm([str(bundle)], backend, catalog, Limits(), 0)
+    planned = plan.envs[0].port
+    paths = FarmPaths(catalog)
+    paths.dir.mkdir()
+    write_json(paths.plan, plan)
+    with socket.socket() as thief:
+        thief.bind(("127.0.0.1", planned))
+        thief.listen()
+        daemon = subprocess.Popen([sys.executable, "-m", "servers.farm.daemon", str(paths.dir)], stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                  env={**os.environ, FARM_ID_VARIABLE: plan.farm_id})
+        try:
+            wait_until(lambda: paths.state.exists() and read_state(catalog)["ready"], timeout_s=300)
+            yield catalog, planned, thief
+        finally:
+            down = envscaler("farm", "down", "--catalog", str(catalog), timeout=300)
+            daemon.wait(60)
+    assert down.returncode == 0, down.stderr
 
 
 def read_state(catalog: Path) -> dict[str, Any]:

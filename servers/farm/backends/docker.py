@@ -24,11 +24,13 @@ import anyio
 import anyio.from_thread
 import anyio.to_thread
 import docker.errors
+from anyio.abc import SocketListener
 
 from servers.farm.board import Board
 from servers.farm.health import answers_healthz
 from servers.farm.backends.images import LABEL_ENV, LABEL_FARM, build_env_image, docker_client, current_runtime
 from servers.farm.models import EnvPlan, FarmPaths, FarmPlan
+from servers.farm.backends.ports import hold_ports
 from servers.farm.backends.publish import LoopbackPort
 
 log = logging.getLogger("envscaler.farm")
@@ -121,27 +123,28 @@ class DockerBackend:
 
     async def run(self) -> None:
         """Start and supervise every environment until cancelled."""
-        ports = []
-        for env in self.plan.envs:
-            try:
-                ports.append(await LoopbackPort.open(env.env_id, env.port, lambda env_id=env.env_id: self.targets.get(env_id)))
-            except OSError as e:
-                for port in ports:
-                    await port.listener.aclose()
-                self.board.set(error=f"cannot publish {env.env_id} on 127.0.0.1:{env.port} ({e}); run 'farm up' again")
-                return
+        published: list[tuple[EnvPlan, LoopbackPort]] = []
+        for number, env in enumerate(self.plan.envs):
+            held = hold_ports(env, self.board)
+            if held is None:
+                continue
+            bound, listeners = held
+            self.plan.envs[number] = bound  # the catalog gives the port as bound
+            relay = LoopbackPort(env.env_id, await SocketListener.from_socket(listeners.main),
+                                 lambda env_id=env.env_id: self.targets.get(env_id))
+            published.append((bound, relay))
         self.client = await anyio.to_thread.run_sync(docker_client)
         await anyio.to_thread.run_sync(self._create_network)
         runtime = await anyio.to_thread.run_sync(current_runtime, self.client)
         limiter = anyio.CapacityLimiter(8)
-        for env in self.plan.envs:
+        for env, _ in published:
             self._deaths[env.env_id] = anyio.Event()
         async with anyio.create_task_group() as tasks:
             # Listening before the first container starts: no death can slip by unseen.
             events = await anyio.to_thread.run_sync(self._open_events)
             tasks.start_soon(self._follow_events, events)
-            for env, port in zip(self.plan.envs, ports):
-                tasks.start_soon(port.serve)
+            for env, relay in published:
+                tasks.start_soon(relay.serve)
                 tasks.start_soon(self._start_and_supervise, env, runtime, limiter)
 
     def _create_network(self) -> None:

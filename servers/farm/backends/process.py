@@ -26,11 +26,9 @@ from pathlib import Path
 import anyio
 
 from envscaler.sandbox import FARM_ID_VARIABLE, adopt_orphans, clean_environment, die_with_parent, limit_resources
-from servers.farm.backends.spawning import (
-    ADDRESS_SPACE_FACTOR, Listeners, ServerProcess, Spawner, hold_ports, read_ready_line, server_command,
-)
+from servers.farm.backends.ports import Listeners, hold_ports
+from servers.farm.backends.spawning import ADDRESS_SPACE_FACTOR, ServerProcess, Spawner, read_ready_line, server_command
 from servers.farm.backends.zygote import HOSTED_TOKEN_VARIABLE, ZygoteSpawner, zygote_spawner
-from servers.errors import CannotListen
 from servers.farm.board import Board
 from servers.farm.models import EnvPlan, FarmPaths, FarmPlan
 from servers.serve import READY_FD_VARIABLE
@@ -266,8 +264,9 @@ class ProcessBackend:
                 tasks.start_soon(self._reap_adopted_forever)
                 group: list[EnvPlan] = []
                 for number, env in enumerate(self.plan.envs):
-                    bound = self._hold_ports(env)
-                    if bound is not None:
+                    held = hold_ports(env, self.board)
+                    if held is not None:
+                        bound, self.listeners[env.env_id] = held
                         self.plan.envs[number] = bound  # the catalog gives the ports as bound
                         group.append(bound)
                     if len(group) == self._envs_per_server() or (group and number == len(self.plan.envs) - 1):
@@ -278,19 +277,6 @@ class ProcessBackend:
                 await self.spawner.aclose()
             for listeners in self.listeners.values():
                 listeners.close()
-
-    def _hold_ports(self, env: EnvPlan) -> EnvPlan | None:
-        """Bind ``env``'s ports for as long as the farm runs (see ``hold_ports``); its plan as bound, or
-        None when it cannot listen at all (it is marked failed, with why)."""
-        try:
-            bound, self.listeners[env.env_id] = hold_ports(env)
-        except CannotListen as e:
-            self.board.update(env.env_id, status="failed", last_exit=str(e))
-            log.error("an environment server cannot listen", extra={"env": env.env_id, "error": str(e)})
-            return None
-        if bound.port != env.port:
-            self.board.update(env.env_id, url=bound.url)
-        return bound
 
     async def _reap_adopted_forever(self) -> None:
         """Whoever adopts orphans reaps them (see :func:`reap_adopted`): every few seconds, since the

@@ -40,11 +40,6 @@ class LoopbackPort:
         self.listener = listener
         self.upstream = upstream
 
-    @classmethod
-    async def open(cls, env_id: str, port: int, upstream: Callable[[], tuple[str, int] | None]) -> LoopbackPort:
-        """Bind ``127.0.0.1:port`` now (OSError when it is taken), so a clash shows before any container starts."""
-        return cls(env_id, await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=port), upstream)
-
     async def serve(self) -> None:
         """Relay connections until cancelled, then close the listener."""
         async with self.listener:

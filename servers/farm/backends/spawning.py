@@ -5,21 +5,15 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
-import socket
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import anyio
 
-from servers.errors import PortTaken
+from servers.farm.backends.ports import Listeners
 from servers.farm.models import EnvPlan
-from servers.serve import bind
-
-log = logging.getLogger("envscaler.farm")
 
 # Address space is not resident memory: thread stacks and allocator arenas reserve far more than they use.
 ADDRESS_SPACE_FACTOR = 4
@@ -28,47 +22,6 @@ ADDRESS_SPACE_FACTOR = 4
 def serve_command(bundle_dir: str, host: str, port: int, flags: list[str]) -> list[str]:
     """The command line of one environment server on ``host:port`` (0: a free port), with ``flags``."""
     return [sys.executable, "-m", "servers.cli", bundle_dir, "--host", host, "--port", str(port), "--log-level", "warning", *flags]
-
-
-@dataclass
-class Listeners:
-    """The listening sockets the daemon holds for one server, for as long as the farm runs: the server
-    inherits them at every start, so a restart never binds again, and connections that arrive while it
-    restarts wait in the backlog."""
-
-    main: socket.socket
-    openenv: socket.socket | None = None
-
-    @property
-    def sockets(self) -> list[socket.socket]:
-        """The main socket, then the OpenEnv one when there is one (the order a server inherits them in)."""
-        return [self.main] if self.openenv is None else [self.main, self.openenv]
-
-    def close(self) -> None:
-        """Stop listening (the farm is stopping)."""
-        for sock in self.sockets:
-            sock.close()
-
-
-def hold_ports(env: EnvPlan) -> tuple[EnvPlan, Listeners]:
-    """Bind ``env``'s planned loopback ports for the daemon; a port that another program took since the plan
-    was made is replaced by a free one. The plan as bound (its ports, so its URLs), and the sockets."""
-    main = _bind_or_free(env, env.port, "port")
-    openenv = _bind_or_free(env, env.openenv_port, "OpenEnv port") if env.openenv_port is not None else None
-    bound = env.model_copy(update={"port": main.getsockname()[1],
-                                   "openenv_port": openenv.getsockname()[1] if openenv is not None else None})
-    return bound, Listeners(main, openenv)
-
-
-def _bind_or_free(env: EnvPlan, port: int, what: str) -> socket.socket:
-    try:
-        return bind("127.0.0.1", port)
-    except PortTaken:
-        pass
-    sock = bind("127.0.0.1", 0)
-    log.warning(f"the planned {what} was taken by another program; the server listens on another",
-                extra={"env": env.env_id, "planned": port, "port": sock.getsockname()[1]})
-    return sock
 
 
 def server_command(env: EnvPlan, flags: list[str], listen_fds: list[int] | None = None) -> list[str]:

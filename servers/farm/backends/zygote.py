@@ -47,7 +47,8 @@ from envscaler.confine import confine_problem
 from envscaler.loader import compile_ahead
 from envscaler.sandbox import FARM_ID_VARIABLE, clean_environment, die_with_parent, limit_resources, name_process
 from envscaler.seccomp import seccomp_bpf, seccomp_problem
-from servers.farm.backends.spawning import ADDRESS_SPACE_FACTOR, Listeners, read_ready_line, server_command
+from servers.farm.backends.ports import Listeners
+from servers.farm.backends.spawning import ADDRESS_SPACE_FACTOR, read_ready_line, server_command
 from servers.farm.models import MAX_ENVS_PER_SERVER, EnvPlan, FarmPlan
 from servers.forking import MESSAGE_BYTES, ExitReport, Forked, SpawnReply, exit_with, fork_available, refuse, reply, serve_forks
 from servers.workers.spawner import PRELOAD as WORKER_PRELOAD
