@@ -28,6 +28,9 @@ import pytest
 from envscaler.bundle import load_bundle
 from envscaler.models import CheckItem
 from envscaler.sandbox import sandbox_problem
+from envscaler.runtime import EnvRuntime
+from servers.episodes.store import EpisodeStore
+from servers.errors import UnknownEpisode
 from servers.workers.env_worker import THREAD_CHECK_S
 from servers.workers.process import GRACE_S
 from servers.workers.store import WorkerEpisodeStore
@@ -285,6 +288,45 @@ def test_concurrent_calls_of_one_episode_go_out_together_and_run_in_the_order_re
             assert (await store.call_tool(bystander, "die", {})).error
             assert (await store.call_tool(live, "get_item", {"item_id": "a"})).result["data"]["count"] == 7
             assert store.lost == 0 and store.rebuilt >= 1
+        finally:
+            store.close()
+
+    asyncio.run(scenario())
+
+
+def in_process_store(bundle: Path) -> EpisodeStore:
+    """A store whose episodes live in this process, as a worker process's own store holds them."""
+    loaded = load_bundle(bundle)
+    return EpisodeStore(loaded, EnvRuntime(loaded.spec), worker_threads=4, inline_budget_s=0.02, max_episodes=8, idle_ttl_s=600)
+
+
+@pytest.mark.parametrize("make_store", [worker_store, in_process_store], ids=["in_a_worker", "in_process"])
+def test_requests_waiting_at_an_episode_ended_meanwhile_are_told_so_and_leave_nothing_behind(bundle, make_store):
+    async def scenario() -> None:
+        store = make_store(bundle)
+        try:
+            live = await store.create("workerhost_001", None)
+            slow = asyncio.create_task(store.call_tool(live, "slow_add", {"item_id": "a", "seconds": 0.3}))
+            await asyncio.sleep(0.05)
+            one = CheckItem(check_item="a counts 1", check_func="def check_func(final_state):\n    return final_state['items']['a']['count'] == 1")
+            waiting = [asyncio.create_task(store.validate(live, [one])),
+                       asyncio.create_task(store.call_tool(live, "add", {"item_id": "a"})),
+                       asyncio.create_task(store.reset(live, "workerhost_001", None))]
+            await asyncio.sleep(0.05)
+            assert not any(task.done() for task in waiting)
+            store.end(live.episode_id)
+            # The call already out ran to its end; each request that waited for its turn learns the episode ended.
+            outcome = await slow
+            assert not outcome.error, outcome.error
+            assert outcome.result["data"]["count"] == 1
+            for task in waiting:
+                with pytest.raises(UnknownEpisode, match="ended while this request waited for its turn"):
+                    await task
+            if isinstance(store, WorkerEpisodeStore):
+                # No record to rebuild it from and no name for it in the worker is left behind.
+                assert live.episode_id not in store._histories and live.episode_id not in store._handles
+            other = await store.create("workerhost_001", None)
+            assert (await store.call_tool(other, "add", {"item_id": "a"})).result["data"]["count"] == 1
         finally:
             store.close()
 

@@ -228,6 +228,8 @@ class EpisodeRegistry:
         # False in a worker process: the server in front of it keeps the trajectories and logs the calls.
         self.records = records
         self.expired = 0
+        # Releases waiting for the requests under way at an ended episode's gate (``_released``).
+        self._releasing: set[asyncio.Task[None]] = set()
 
     # -- the hooks -----------------------------------------------------------------------------
 
@@ -346,6 +348,10 @@ class EpisodeRegistry:
         """Put ``live`` back to a scenario's (or a raw) initial state; its id and URL stay."""
         episode, scenario = await self._build(live.episode_id, scenario_id, init_config)
         async with live.gate.alone():
+            if self.episodes.get(live.episode_id) is not live:
+                # It ended while its new state was built: that state goes too.
+                self._release(LiveEpisode(live.episode_id, self.env_id, episode, scenario, init_config))
+                self._check_live(live)
             live.reset(episode, scenario, None if scenario else (init_config or {}))
         log.info("episode reset", extra={"env": self.env_id, "episode": live.episode_id, "scenario": scenario_id})
 
@@ -358,10 +364,21 @@ class EpisodeRegistry:
         return live
 
     def _released(self, live: LiveEpisode) -> None:
-        """Release ``live``, taken out of :attr:`episodes`."""
-        self._release(live)
+        """Release ``live``, taken out of :attr:`episodes`: at once, or once the requests under way at its
+        gate have ended, so that no running call has its state pulled from under it (the requests still
+        waiting are told it ended: ``_check_live``)."""
+        if live.gate.busy():
+            release = asyncio.get_running_loop().create_task(self._release_when_free(live))
+            self._releasing.add(release)
+            release.add_done_callback(self._releasing.discard)
+        else:
+            self._release(live)
         if not self.episodes:
             self.held.clear()
+
+    async def _release_when_free(self, live: LiveEpisode) -> None:
+        async with live.gate.alone():
+            self._release(live)
 
     def expire_idle(self) -> int:
         """End episodes idle for longer than their lease (else the TTL); returns how many."""
@@ -386,6 +403,7 @@ class EpisodeRegistry:
         """
         bad_number = _bad_argument(arguments) if check_numbers else None
         async with live.gate.call(self.pipelines):
+            self._check_live(live)
             if live.stuck:
                 message = "This episode is unusable: an earlier tool call is still stuck. It must be reset or ended."
                 return ToolOutcome.failure(name, arguments, "timeout", message)
@@ -484,8 +502,13 @@ class EpisodeRegistry:
         checks, _ = await self._run_checks(live, checklist, CheckContext.of_calls(live.calls[live.turn_start:], agent_replies))
         return of_turn(checks, index + 1)
 
-    @staticmethod
-    def _check_usable(live: LiveEpisode) -> None:
+    def _check_live(self, live: LiveEpisode) -> None:
+        """Raise UnknownEpisode when ``live`` ended (a DELETE, an expiry) while this request waited for its turn."""
+        if self.episodes.get(live.episode_id) is not live:
+            raise UnknownEpisode(f"episode {live.episode_id} of {self.env_id} ended while this request waited for its turn")
+
+    def _check_usable(self, live: LiveEpisode) -> None:
+        self._check_live(live)
         if live.lost is not None:
             raise EpisodeLost(f"episode {live.episode_id} is lost ({live.lost}); reset it to run its scenario again")
 

@@ -176,11 +176,11 @@ class WorkerEpisodeStore(EpisodeRegistry):
                 reason = self._stale.pop(live.episode_id, None)
                 if reason is None or live.lost is not None:
                     return
+                handle = self._handle(live)
                 history = self._histories.setdefault(live.episode_id, _History())
                 if history.unreplayable is not None:
                     self._mark_lost(live, f"{reason}; it cannot be rebuilt: {history.unreplayable}")
                     return
-                handle = self._handles[live.episode_id]
                 request = WorkerRequest(op="replay", handle=handle, scenario_id=live.scenario.task_id if live.scenario else None,
                                         init_config=None if live.scenario else (live.init_config or {}), calls=history.calls)
                 limit = (len(history.calls) + 1) * (self.settings.call_timeout_s + ABANDON_GRACE_S)
@@ -262,7 +262,7 @@ class WorkerEpisodeStore(EpisodeRegistry):
     async def _read(self, live: LiveEpisode, op: str, what: str, parse: Callable[[bytes], T]) -> T:
         """The worker's answer to a read of ``live`` (``op``), parsed; EnvCodeError when the worker
         goes down for this read's sake or answers what ``parse`` cannot read."""
-        request = WorkerRequest(op=op, handle=self._handles[live.episode_id])
+        request = WorkerRequest(op=op, handle=self._handle(live))
         try:
             payload, _ = await self._ask_about(request, self.settings.call_timeout_s, what, live)
             return parse(payload)
@@ -278,6 +278,13 @@ class WorkerEpisodeStore(EpisodeRegistry):
             raise EnvCodeError(f"{self.env_id}: the environment worker answered {what} with no object")
         return value
 
+    def _handle(self, live: LiveEpisode) -> str:
+        """The worker's name for ``live``; UnknownEpisode when the episode ended while this request was under way."""
+        handle = self._handles.get(live.episode_id)
+        if handle is None:
+            raise UnknownEpisode(f"episode {live.episode_id} of {self.env_id} ended while this request was under way")
+        return handle
+
     def _mark_lost(self, live: LiveEpisode, reason: str) -> None:
         live.lost = reason
         self.lost += 1
@@ -286,9 +293,9 @@ class WorkerEpisodeStore(EpisodeRegistry):
     def _remember(self, live: LiveEpisode, name: str, arguments: Any, reply: WorkerOutcome) -> None:
         """Keep what a rebuild of the episode must replay of this call."""
         outcome = reply.outcome
-        history = self._histories.setdefault(live.episode_id, _History())
-        if outcome.error_kind == "agent":
-            return  # refused before any environment code ran
+        history = self._histories.get(live.episode_id)
+        if history is None or outcome.error_kind == "agent":
+            return  # the episode ended while the call ran, or the call was refused before any environment code ran
         if outcome.error_kind == "timeout":
             history.unreplayable = f"its call {name!r} ran past its limit, so what it did cannot be done again"
             return
@@ -362,7 +369,7 @@ class WorkerEpisodeStore(EpisodeRegistry):
         await self._ensure_built(live)
         if live.lost is not None:
             return self._lost_outcome(live, name, arguments)
-        request = WorkerRequest(op="call", handle=self._handles[live.episode_id], name=name, arguments=arguments)
+        request = WorkerRequest(op="call", handle=self._handle(live), name=name, arguments=arguments)
         try:
             payload, worker = await self._ask_about(request, self.settings.call_timeout_s + ABANDON_GRACE_S, f"tool {name!r}", live)
             reply = decode(WorkerOutcome, payload)
@@ -391,7 +398,7 @@ class WorkerEpisodeStore(EpisodeRegistry):
         final = await self._read(live, "final", "the final state", partial(decode, EpisodeFinal))
         if not checklist:
             return [], final.state_hash
-        request = CheckRequest(env_id=self.env_id, handle=self._handles[live.episode_id], checklist=checklist, initial_key=final.initial_hash,
+        request = CheckRequest(env_id=self.env_id, handle=self._handle(live), checklist=checklist, initial_key=final.initial_hash,
                                changes=final.changes, final=final.final, initial=final.initial, context=context)
         results = await self._check(request, live.episode_id)
         if results.missing_initial:
@@ -422,9 +429,9 @@ class WorkerEpisodeStore(EpisodeRegistry):
 
     def _release(self, live: LiveEpisode) -> None:
         self._histories.pop(live.episode_id, None)
-        handle = self._handles.pop(live.episode_id)
+        handle = self._handles.pop(live.episode_id, None)
         stale = self._stale.pop(live.episode_id, None) is not None
-        if live.lost is None and not stale and self.worker.alive:
+        if handle is not None and live.lost is None and not stale and self.worker.alive:
             self.worker.tell(WorkerRequest(op="end", handle=handle))
 
     def close(self) -> None:
