@@ -20,12 +20,13 @@ import asyncio
 import functools
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-import httpx
-
 from agent_client.errors import TransportError
+
+if TYPE_CHECKING:
+    import httpx
 
 # RFC 9110 9.2.2: sending one of these twice has the effect of sending it once.
 _IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS", "TRACE"})
@@ -157,6 +158,9 @@ class LeanHttp:
         return Response(status, headers, body)
 
     async def _via_httpx(self, method: str, url: str, payload: bytes, headers: dict[str, str] | None) -> Response:
+        # Imported here, by the runs that use it: importing it costs every harness process a tenth of a second at its start.
+        import httpx
+
         if self._tls is None:
             self._tls = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s))
         try:

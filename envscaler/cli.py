@@ -172,8 +172,9 @@ def _import_bfcl(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full parser, including commands that other packages register."""
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser, with the commands that other packages register: only the one ``argv`` names when it names
+    one of theirs (each loads its package, and all of them cost every command a third of a second), else all."""
     from importlib.metadata import entry_points
 
     from envscaler.bundle import default_catalog
@@ -268,7 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seconds the gold calls of one bundle may take to play, in a sandboxed child (default: 300)")
     bfcl.set_defaults(func=_import_bfcl)
 
-    for entry in sorted(entry_points(group="envscaler.commands"), key=lambda e: e.name):
+    registered = sorted(entry_points(group="envscaler.commands"), key=lambda e: e.name)
+    named = next((arg for arg in (sys.argv[1:] if argv is None else argv) if not arg.startswith("-")), None)
+    if any(entry.name == named for entry in registered):
+        registered = [entry for entry in registered if entry.name == named]
+    for entry in registered:
         try:
             register = entry.load()
         except Exception as e:  # noqa: BLE001 - any failure to load, syntax errors included
@@ -291,7 +296,7 @@ def _version() -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``envscaler`` console script."""
     try:
-        parser = build_parser()
+        parser = build_parser(argv)
         args = parser.parse_args(argv)
         if not getattr(args, "func", None):
             parser.print_help()

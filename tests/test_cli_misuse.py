@@ -323,6 +323,16 @@ def test_openenv_without_its_extra_is_one_line(tmp_path):
     assert_usage_error(served, "openenv", "pip install")
 
 
+def test_a_command_loads_only_its_own_package_and_a_misspelt_one_lists_them_all():
+    # What loading every command would import besides: the farm's backends, httpx, the synthesis pipeline.
+    probe = ("import sys; from envscaler.cli import build_parser; build_parser(['run', '--out', 'x.jsonl']); "
+             "print(sorted({'servers.farm.cli', 'httpx', 'synth.cli', 'servers.cli'} & set(sys.modules)))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert loaded.returncode == 0 and loaded.stdout.strip() == "[]", loaded.stdout + loaded.stderr
+    misspelt = envscaler("rnu")
+    assert_usage_error(misspelt, "invalid choice: 'rnu'", "'run'", "'farm'", "'serve'", "'synth'", "'connect'")
+
+
 def test_usage_errors_are_one_line_not_the_whole_usage():
     done = envscaler("run", "--out", "x.jsonl", "--concurrency", "0")
     assert_usage_error(done, "--concurrency", "at least 1", "envscaler run --help")
