@@ -30,7 +30,7 @@ from envscaler.models import CheckItem
 from envscaler.sandbox import sandbox_problem
 from envscaler.runtime import EnvRuntime
 from servers.episodes.store import EpisodeStore
-from servers.errors import UnknownEpisode
+from servers.errors import LimitReached, UnknownEpisode
 from servers.workers.env_worker import THREAD_CHECK_S
 from servers.workers.process import GRACE_S
 from servers.workers.store import WorkerEpisodeStore
@@ -294,10 +294,10 @@ def test_concurrent_calls_of_one_episode_go_out_together_and_run_in_the_order_re
     asyncio.run(scenario())
 
 
-def in_process_store(bundle: Path) -> EpisodeStore:
+def in_process_store(bundle: Path, max_episodes: int = 8) -> EpisodeStore:
     """A store whose episodes live in this process, as a worker process's own store holds them."""
     loaded = load_bundle(bundle)
-    return EpisodeStore(loaded, EnvRuntime(loaded.spec), worker_threads=4, inline_budget_s=0.02, max_episodes=8, idle_ttl_s=600)
+    return EpisodeStore(loaded, EnvRuntime(loaded.spec), worker_threads=4, inline_budget_s=0.02, max_episodes=max_episodes, idle_ttl_s=600)
 
 
 @pytest.mark.parametrize("make_store", [worker_store, in_process_store], ids=["in_a_worker", "in_process"])
@@ -327,6 +327,26 @@ def test_requests_waiting_at_an_episode_ended_meanwhile_are_told_so_and_leave_no
                 assert live.episode_id not in store._histories and live.episode_id not in store._handles
             other = await store.create("workerhost_001", None)
             assert (await store.call_tool(other, "add", {"item_id": "a"})).result["data"]["count"] == 1
+        finally:
+            store.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_ended_episode_whose_call_still_runs_counts_against_the_episode_limit(bundle):
+    async def scenario() -> None:
+        store = in_process_store(bundle, max_episodes=1)
+        try:
+            live = await store.create("workerhost_001", None)
+            slow = asyncio.create_task(store.call_tool(live, "slow_add", {"item_id": "a", "seconds": 0.3}))
+            await asyncio.sleep(0.05)
+            store.end(live.episode_id)
+            # Its state is held until the call ends: a create and delete loop cannot hold more than the limit.
+            with pytest.raises(LimitReached, match="ended ones whose calls still run"):
+                await store.create("workerhost_001", None)
+            assert not (await slow).error
+            await asyncio.sleep(0.05)
+            assert (await store.create("workerhost_001", None)).episode_id != live.episode_id
         finally:
             store.close()
 

@@ -314,7 +314,7 @@ class EpisodeRegistry:
         episode_id = episode_id or new_episode_id(self.replica_id)
         episode, scenario = await self._build(episode_id, scenario_id, init_config)
         live = LiveEpisode(episode_id, self.env_id, episode, scenario, None if scenario else (init_config or {}))
-        if len(self.episodes) >= self.max_episodes:  # others may have been created while this one was built
+        if self._held_count() >= self.max_episodes:  # others may have been created while this one was built
             self._release(live)
             self._check_room()
         self.episodes[live.episode_id] = live
@@ -323,10 +323,15 @@ class EpisodeRegistry:
         return live
 
     def _check_room(self) -> None:
-        if len(self.episodes) >= self.max_episodes:
+        if self._held_count() >= self.max_episodes:
             raise LimitReached(
-                f"{self.env_id} already holds {self.max_episodes} live episodes; end some (DELETE) or raise --max-episodes"
+                f"{self.env_id} already holds {self.max_episodes} live episodes (or ended ones whose calls still run); "
+                "end some (DELETE) or raise --max-episodes"
             )
+
+    def _held_count(self) -> int:
+        """The episodes whose state is held: the live ones, and the ended ones whose calls still run (``_released``)."""
+        return len(self.episodes) + len(self._releasing)
 
     def get(self, episode_id: str) -> LiveEpisode:
         live = self.episodes.get(episode_id)
