@@ -30,7 +30,7 @@ from servers.farm.board import Board
 from servers.farm.health import answers_healthz
 from servers.farm.backends.images import LABEL_ENV, LABEL_FARM, build_env_image, docker_client, current_runtime
 from servers.farm.models import EnvPlan, FarmPaths, FarmPlan
-from servers.farm.backends.ports import hold_ports
+from servers.farm.backends.ports import hold_plan_ports
 from servers.farm.backends.publish import LoopbackPort
 
 log = logging.getLogger("envscaler.farm")
@@ -123,16 +123,13 @@ class DockerBackend:
 
     async def run(self) -> None:
         """Start and supervise every environment until cancelled."""
+        listeners = hold_plan_ports(self.plan, self.board)
         published: list[tuple[EnvPlan, LoopbackPort]] = []
-        for number, env in enumerate(self.plan.envs):
-            held = hold_ports(env, self.board)
-            if held is None:
-                continue
-            bound, listeners = held
-            self.plan.envs[number] = bound  # the catalog gives the port as bound
-            relay = LoopbackPort(env.env_id, await SocketListener.from_socket(listeners.main),
-                                 lambda env_id=env.env_id: self.targets.get(env_id))
-            published.append((bound, relay))
+        for env in self.plan.envs:
+            if env.env_id in listeners:
+                relay = LoopbackPort(env.env_id, await SocketListener.from_socket(listeners[env.env_id].main),
+                                     lambda env_id=env.env_id: self.targets.get(env_id))
+                published.append((env, relay))
         self.client = await anyio.to_thread.run_sync(docker_client)
         await anyio.to_thread.run_sync(self._create_network)
         runtime = await anyio.to_thread.run_sync(current_runtime, self.client)

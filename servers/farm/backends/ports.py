@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from servers.errors import CannotListen, PortTaken
 from servers.farm.board import Board
-from servers.farm.models import EnvPlan
+from servers.farm.models import EnvPlan, FarmPlan
 from servers.serve import bind
 
 log = logging.getLogger("envscaler.farm")
@@ -37,6 +37,17 @@ class Listeners:
         """Stop listening (the farm is stopping)."""
         for sock in self.sockets:
             sock.close()
+
+
+def hold_plan_ports(plan: FarmPlan, board: Board) -> dict[str, Listeners]:
+    """Hold every environment's ports (:func:`hold_ports`): ``plan.envs`` become the plans as bound, so that the
+    catalog gives the ports held. The listeners of the environments that listen, by env_id."""
+    held: dict[str, Listeners] = {}
+    for number, env in enumerate(plan.envs):
+        holding = hold_ports(env, board)
+        if holding is not None:
+            plan.envs[number], held[env.env_id] = holding
+    return held
 
 
 def hold_ports(env: EnvPlan, board: Board) -> tuple[EnvPlan, Listeners] | None:

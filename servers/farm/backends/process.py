@@ -26,7 +26,7 @@ from pathlib import Path
 import anyio
 
 from envscaler.sandbox import FARM_ID_VARIABLE, adopt_orphans, clean_environment, die_with_parent, limit_resources
-from servers.farm.backends.ports import Listeners, hold_ports
+from servers.farm.backends.ports import Listeners, hold_plan_ports
 from servers.farm.backends.spawning import ADDRESS_SPACE_FACTOR, ServerProcess, Spawner, read_ready_line, server_command
 from servers.farm.backends.zygote import HOSTED_TOKEN_VARIABLE, ZygoteSpawner, zygote_spawner
 from servers.farm.board import Board
@@ -262,16 +262,11 @@ class ProcessBackend:
         try:
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(self._reap_adopted_forever)
-                group: list[EnvPlan] = []
-                for number, env in enumerate(self.plan.envs):
-                    held = hold_ports(env, self.board)
-                    if held is not None:
-                        bound, self.listeners[env.env_id] = held
-                        self.plan.envs[number] = bound  # the catalog gives the ports as bound
-                        group.append(bound)
-                    if len(group) == self._envs_per_server() or (group and number == len(self.plan.envs) - 1):
-                        tasks.start_soon(self._supervise, group)
-                        group = []
+                self.listeners = hold_plan_ports(self.plan, self.board)
+                listening = [env for env in self.plan.envs if env.env_id in self.listeners]
+                size = self._envs_per_server()
+                for first in range(0, len(listening), size):
+                    tasks.start_soon(self._supervise, listening[first:first + size])
         finally:
             with anyio.CancelScope(shield=True):
                 await self.spawner.aclose()
