@@ -28,22 +28,11 @@ from pathlib import Path
 from common import argument_parser, envscaler, percentile, read_only_call
 
 from agent_client.remote import EnvControl, McpTools, new_http_client
-from envscaler import default_catalog, load_bundle, save_bundle
 from envscaler.wire import EnvEndpoint
+from tests.support.farm import catalog_copies
 
 ENVS = 8
-
-
-def copies(root: Path) -> list[Path]:
-    """``ENVS`` copies of library_circulation, each under its own env_id."""
-    written = []
-    for number in range(ENVS):
-        bundle = load_bundle(default_catalog() / "library_circulation")
-        bundle.spec.env_id = f"library_{number}"
-        for scenario in bundle.scenarios:
-            scenario.env_id = bundle.spec.env_id
-        written.append(save_bundle(bundle, root))
-    return written
+BYSTANDER, FLOODED = "library_circulation_001", "library_circulation_000"
 
 
 async def call_loop(endpoint: EnvEndpoint, env_id: str, scenario_id: str, tool: str, arguments: dict, until: float,
@@ -92,11 +81,11 @@ def measure(root: Path, bundles: list[Path], per_server: int, connections: int, 
     try:
         envs = {env_id: EnvEndpoint.model_validate(e) for env_id, e in json.loads(catalog.read_text())["envs"].items()}
         call = read_only_call(bundles[0])
-        alone = bystander_phase(envs["library_1"], "library_1", call, seconds)
-        flooder = subprocess.Popen([sys.executable, __file__, "--flood-worker", envs["library_0"].model_dump_json(), json.dumps(call),
+        alone = bystander_phase(envs[BYSTANDER], BYSTANDER, call, seconds)
+        flooder = subprocess.Popen([sys.executable, __file__, "--flood-worker", envs[FLOODED].model_dump_json(), json.dumps(call),
                                     str(connections), str(seconds + 1.0)], stdout=subprocess.PIPE, text=True)
         time.sleep(0.5)  # its episodes are made and its calls under way
-        flooded = bystander_phase(envs["library_1"], "library_1", call, seconds)
+        flooded = bystander_phase(envs[BYSTANDER], BYSTANDER, call, seconds)
         out, _ = flooder.communicate(timeout=seconds + 120)
         if flooder.returncode != 0:
             raise SystemExit(f"the flooding agent failed ({flooder.returncode})")
@@ -113,7 +102,7 @@ def main() -> int:
     if sys.argv[1:2] == ["--flood-worker"]:
         endpoint, call, connections, seconds = sys.argv[2:]
         scenario_id, tool, arguments = json.loads(call)
-        print(asyncio.run(flood(EnvEndpoint.model_validate_json(endpoint), "library_0", scenario_id, tool, arguments,
+        print(asyncio.run(flood(EnvEndpoint.model_validate_json(endpoint), FLOODED, scenario_id, tool, arguments,
                                 int(connections), float(seconds))))
         return 0
     parser = argument_parser(__doc__)
@@ -121,7 +110,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=5.0, help="seconds of each phase (default: 5)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="envscaler-neighbours-") as tmp:
-        bundles = copies(Path(tmp) / "bundles")
+        bundles = catalog_copies(Path(tmp) / "bundles", ENVS, of="library_circulation")
         for per_server in (1, ENVS):
             measure(Path(tmp), bundles, per_server, args.flood, args.seconds)
     return 0

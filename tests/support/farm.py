@@ -87,12 +87,12 @@ def read_state(catalog: Path) -> dict[str, Any]:
     return json.loads((catalog.parent / (catalog.name + ".farm") / "state.json").read_text())
 
 
-def catalog_copies(root: Path, count: int, scenarios_per_env: int | None = None) -> list[Path]:
-    """``count`` bundles cycling through the bundled catalog, each under its own env_id (``<env>_NNN``),
-    with its first ``scenarios_per_env`` scenarios (all when None)."""
+def catalog_copies(root: Path, count: int, scenarios_per_env: int | None = None, of: str | None = None) -> list[Path]:
+    """``count`` bundles cycling through the bundled catalog (or copies of its environment ``of`` alone), each
+    under its own env_id (``<env>_NNN``), with its first ``scenarios_per_env`` scenarios (all when None)."""
     from envscaler import default_catalog, load_bundles, save_bundle
 
-    bundles = load_bundles(default_catalog())
+    bundles = load_bundles(default_catalog() / of if of is not None else default_catalog())
     written = []
     for number in range(count):
         bundle = bundles[number % len(bundles)].model_copy(deep=True)
