@@ -35,6 +35,7 @@ from servers.errors import CannotListen, PortTaken
 from servers.memory import release_free_memory
 from servers.transport.event_loop import loop_factory
 from servers.transport.http_server import Bounds, HttpServer, descriptor_room
+from servers.transport.fair_share import FairShare
 from servers.workers.checks import CheckWorker
 
 log = logging.getLogger("envscaler.server")
@@ -154,9 +155,10 @@ def serve_all(servings: list[Serving], *, heartbeat: str | None = None, unserved
 
     Several environments share this process's event loop, descriptors and address space: each gets
     an equal share of the connections and buffered bodies one server may hold, so that clients of one
-    cannot take what the others need. One whose code fails to load is not served, and the others are:
-    the supervisor's line names it under ``unserved``, with why (alone, it ends the process with its
-    error, as ``envscaler serve`` does). ``unserved``: environments of this process already found
+    cannot take what the others need, and a fair share of the event loop (``servers.transport.fair_share``),
+    so that a flood of one's requests does not hold up the others' calls. One whose code fails to load
+    is not served, and the others are: the supervisor's line names it under ``unserved``, with why
+    (alone, it ends the process with its error, as ``envscaler serve`` does). ``unserved``: environments of this process already found
     unservable (env_id: why), named with them. ``heartbeat``: as for :func:`serve`.
     """
     protect_time_limits()
@@ -166,9 +168,10 @@ def serve_all(servings: list[Serving], *, heartbeat: str | None = None, unserved
     served: list[_Served] = []
     unserved = dict(unserved or {})
     several = len(servings) + len(unserved) > 1
+    fair_share = FairShare() if len(servings) > 1 else None
     for serving, checks in zip(servings, _check_workers(servings)):
         try:
-            served.append(_Served(serving, share=len(servings), checks=checks))
+            served.append(_Served(serving, share=len(servings), checks=checks, fair_share=fair_share))
         except EnvScalerError as e:
             if not several:
                 raise
@@ -235,7 +238,7 @@ def _check_workers(servings: list[Serving]) -> list[CheckWorker | None]:
 class _Served:
     """One environment of a server process: its application, HTTP server, OpenEnv listener and ready line."""
 
-    def __init__(self, serving: Serving, share: int, checks: CheckWorker | None) -> None:
+    def __init__(self, serving: Serving, share: int, checks: CheckWorker | None, fair_share: FairShare | None) -> None:
         config = serving.config
         listener_class = openenv_listener() if config.openenv is not None else None
         self.sock = serving.listening if serving.listening is not None else bind(serving.host, serving.port)
@@ -248,7 +251,7 @@ class _Served:
             self.ready["token"] = config.token
         bounds = None if share == 1 else Bounds(max_connections=max(16, descriptor_room() // share),
                                                 max_buffered_bytes=Bounds().max_buffered_bytes // share)
-        self.server = HttpServer(self.app, max_body_bytes=config.max_body_bytes, bounds=bounds)
+        self.server = HttpServer(self.app, max_body_bytes=config.max_body_bytes, bounds=bounds, fair_share=fair_share)
         self.listener = None
         if listener_class is not None and config.openenv is not None:
             openenv_sock = serving.openenv_listening

@@ -47,6 +47,7 @@ import httptools
 from pydantic import BaseModel, Field
 
 from servers.transport.asgi import json_bytes
+from servers.transport.fair_share import FairShare, Slot
 from servers.memory import release_free_memory
 
 log = logging.getLogger("envscaler.http")
@@ -101,6 +102,7 @@ class HttpServer:
         max_headers: int = 100,
         max_header_bytes: int = 65536,
         bounds: Bounds | None = None,
+        fair_share: FairShare | None = None,
     ) -> None:
         self.app = app
         self.bounds = bounds = bounds or Bounds()
@@ -114,6 +116,8 @@ class HttpServer:
         self.keep_alive_s = keep_alive_s
         self.graceful_s = graceful_s
         self.max_pipelined = max_pipelined
+        # This environment's part of an event loop it shares with other environments' servers, or None.
+        self.seat = fair_share.seat() if fair_share is not None else None
         self.connections: set[_Connection] = set()
         self.per_client: dict[str, int] = {}
         self.buffered_bytes = 0
@@ -206,13 +210,14 @@ class HttpServer:
 
 
 class _Request:
-    __slots__ = ("scope", "body", "keep_alive", "too_large")
+    __slots__ = ("scope", "body", "keep_alive", "too_large", "slot")
 
     def __init__(self, scope: dict[str, Any], body: bytes, keep_alive: bool, too_large: bool) -> None:
         self.scope = scope
         self.body = body
         self.keep_alive = keep_alive
         self.too_large = too_large
+        self.slot: Slot | None = None  # its place at an event loop shared with other environments (:mod:`.fair_share`)
 
 
 class _Connection(asyncio.Protocol):
@@ -226,6 +231,7 @@ class _Connection(asyncio.Protocol):
         self.local: tuple[str, int] | None = None
         self.queue: deque[_Request] = deque()
         self.running: asyncio.Task[None] | None = None
+        self.awaiting_slot = False  # its next request waits for a slot of its environment's (:mod:`.fair_share`)
         self.closed = False
         self.last_active = time.monotonic()
         self.disconnected: asyncio.Future[None] | None = None
@@ -469,12 +475,25 @@ class _Connection(asyncio.Protocol):
             self.refuse(*self._head_refusal)
         if not self.queue or self.closed or self._write_blocked:
             return  # blocked: the next request runs once the client has read this answer (resume_writing)
-        request = self.queue.popleft()
+        request = self.queue[0]
+        seat = self.server.seat
+        if seat is not None and not request.too_large and request.scope["path"] != "/healthz":
+            if self.awaiting_slot:
+                return
+            request.slot = seat.take(self._slot_came)
+            if request.slot is None:
+                self.awaiting_slot = True  # its environment's neighbours are busy and it has its share running
+                return
+        self.queue.popleft()
         self._update_reading()
         if request.too_large:
             self.refuse(413, f"request body is larger than the limit of {self.server.max_body_bytes} bytes")
             return
         self.running = asyncio.get_running_loop().create_task(self._run(request))
+
+    def _slot_came(self) -> None:
+        self.awaiting_slot = False
+        self._next()
 
     async def _run(self, request: _Request) -> None:
         exchange = _Exchange(self, request)
@@ -482,6 +501,9 @@ class _Connection(asyncio.Protocol):
             await self.server.app(request.scope, exchange.receive, exchange.send)
         except Exception:
             log.exception("request failed", extra={"method": request.scope["method"], "path": request.scope["path"]})
+        finally:
+            if request.slot is not None:
+                self.server.seat.give_back(request.slot)  # type: ignore[union-attr]
         if not exchange.started:
             exchange.write_whole(500, [(b"content-type", b"text/plain")], b"Internal Server Error")
         elif not exchange.finished:
