@@ -159,6 +159,23 @@ def test_a_neighbour_between_two_calls_still_counts_as_busy() -> None:
         assert all(answer(client).startswith(b"HTTP/1.1 200") for client in flood)
 
 
+def test_a_waiting_request_whose_client_leaves_is_forgotten() -> None:
+    fair_share = FairShare(while_shared=WHILE_SHARED, slot_s=60)
+    with two_environments(fair_share) as shared:
+        neighbour = send(shared.b, "/hold")
+        wait_for(lambda: shared.b.inside == 1)
+        flood = [send(shared.a, "/hold") for _ in range(8)]
+        waiting = fair_share.seats[0].waiting  # the first server's: shared.a's
+        wait_for(lambda: shared.a.inside == WHILE_SHARED and len(waiting) == 8 - WHILE_SHARED)
+        for client in flood[WHILE_SHARED:]:
+            client.close()
+        wait_for(lambda: not waiting)
+        shared.let_go()
+        assert answer(neighbour).startswith(b"HTTP/1.1 200")
+        assert all(answer(client).startswith(b"HTTP/1.1 200") for client in flood[:WHILE_SHARED])
+        assert shared.a.most == WHILE_SHARED
+
+
 def test_a_request_that_runs_past_its_slot_holds_up_none_of_its_environments_others() -> None:
     # Requests that wait (on their worker, their checks) past slot_s are not running on the loop: the others start.
     with two_environments(FairShare(while_shared=WHILE_SHARED, slot_s=0.05)) as shared:

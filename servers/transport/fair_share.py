@@ -72,6 +72,10 @@ class Seat:
             self._timer = asyncio.get_running_loop().call_later(max(delay, 0.0), self._on_timer)
         return None
 
+    def withdraw(self, start_later: Callable[[], None]) -> None:
+        """The request ``start_later`` was to start is gone (its connection closed): forget it."""
+        self.waiting.remove(start_later)
+
     def give_back(self, slot: Slot) -> None:
         """``slot``'s request ended."""
         if slot.counted:

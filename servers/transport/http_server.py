@@ -302,6 +302,9 @@ class _Connection(asyncio.Protocol):
         self._body = []
         self.queue.clear()
         self._release_buffered()
+        if self.awaiting_slot:
+            self.awaiting_slot = False
+            self.server.seat.withdraw(self._slot_came)  # type: ignore[union-attr]
         if self in self.server.connections:
             self.server.connections.discard(self)
             host = self.client[0] if self.client is not None else ""
