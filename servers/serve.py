@@ -34,8 +34,8 @@ from servers.episodes.calls import share_the_interpreter
 from servers.errors import CannotListen, PortTaken
 from servers.memory import release_free_memory
 from servers.transport.event_loop import loop_factory
-from servers.transport.http_server import Bounds, HttpServer, descriptor_room
 from servers.transport.fair_share import FairShare
+from servers.transport.http_server import Bounds, HttpServer, descriptor_room
 from servers.workers.checks import CheckWorker
 
 log = logging.getLogger("envscaler.server")
@@ -158,8 +158,9 @@ def serve_all(servings: list[Serving], *, heartbeat: str | None = None, unserved
     cannot take what the others need, and a fair share of the event loop (``servers.transport.fair_share``),
     so that a flood of one's requests does not hold up the others' calls. One whose code fails to load
     is not served, and the others are: the supervisor's line names it under ``unserved``, with why
-    (alone, it ends the process with its error, as ``envscaler serve`` does). ``unserved``: environments of this process already found
-    unservable (env_id: why), named with them. ``heartbeat``: as for :func:`serve`.
+    (alone, it ends the process with its error, as ``envscaler serve`` does). ``unserved``:
+    environments of this process already found unservable (env_id: why), named with them.
+    ``heartbeat``: as for :func:`serve`.
     """
     protect_time_limits()
     share_the_interpreter()  # for environment code run in this process (--in-process)

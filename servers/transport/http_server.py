@@ -46,9 +46,9 @@ from urllib.parse import unquote_to_bytes
 import httptools
 from pydantic import BaseModel, Field
 
+from servers.memory import release_free_memory
 from servers.transport.asgi import json_bytes
 from servers.transport.fair_share import FairShare, Slot
-from servers.memory import release_free_memory
 
 log = logging.getLogger("envscaler.http")
 
