@@ -9,8 +9,9 @@ from ``--flood`` connections at once (an episode each), as fast as it is answere
 
 It prints, for each layout, the bystander's calls/s and p50/p99 latency alone and during the flood, and
 the flood's calls/s. No target: it measures the price of ``--envs-per-server`` that the README states (one
-agent's flood slows the other environments of its server), on this machine's cores (with 2 cores, the
-flood's client and servers also take CPU from the bystander in both layouts).
+agent's flood slows the other environments of its server, each of which keeps its fair share of the event
+loop: ``servers/transport/fair_share.py``), on this machine's cores (with 2 cores, the flood's client and
+servers also take CPU from the bystander in both layouts).
 
     python benchmarks/neighbours.py [--flood 64] [--seconds 5]
 """
