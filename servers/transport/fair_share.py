@@ -66,11 +66,15 @@ class Seat:
             self.running += 1
             return slot
         self.waiting.append(start_later)
+        self.look_again(now)
+        return None
+
+    def look_again(self, now: float) -> None:
+        """Requests wait, and nothing may end for a while (slow calls): start them when the oldest slot stops
+        counting, at ``slot_s``."""
         if self._timer is None and self._held:
-            # Nothing may end for a while (slow calls): the oldest slot stops counting at slot_s.
             delay = self._held[0].taken + self.share.slot_s - now
             self._timer = asyncio.get_running_loop().call_later(max(delay, 0.0), self._on_timer)
-        return None
 
     def withdraw(self, start_later: Callable[[], None]) -> None:
         """The request ``start_later`` was to start is gone (its connection closed): forget it."""
@@ -128,3 +132,5 @@ class FairShare:
         for seat in self.seats:
             while seat.waiting and self.may_start(seat, now):
                 seat.waiting.popleft()()
+            if seat.waiting:
+                seat.look_again(now)
