@@ -19,6 +19,8 @@ import pytest
 from servers.serve import bind
 from servers.transport.http_server import HttpServer
 from servers.transport.fair_share import FairShare
+from tests.support.http_responses import read_response
+from tests.support.waiting import wait_until
 
 WHILE_SHARED = 2
 
@@ -100,26 +102,15 @@ def send(env: Environment, path: str) -> socket.socket:
     return client
 
 
-def answer(client: socket.socket) -> bytes:
-    """The whole response (head and body) to the request sent on ``client``; closes it."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = client.recv(4096)
-        assert chunk, f"the connection closed before a whole answer: {data!r}"
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:")))
-    while len(body) < length:
-        body += client.recv(4096)
+def answer(client: socket.socket) -> tuple[bytes, bytes]:
+    """The status line and body answering the request sent on ``client``; closes it."""
+    status, _, body = read_response(client, bytearray())
     client.close()
-    return head + b"\r\n\r\n" + body
+    return status, body
 
 
-def wait_for(condition, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
+def wait_for(condition) -> None:
+    wait_until(condition, timeout_s=10.0, poll_s=0.01)
 
 
 def test_alone_an_environment_runs_all_its_requests_at_once() -> None:
@@ -127,7 +118,7 @@ def test_alone_an_environment_runs_all_its_requests_at_once() -> None:
         clients = [send(shared.a, "/hold") for _ in range(8)]
         wait_for(lambda: shared.a.inside == 8)
         shared.let_go()
-        assert all(answer(client).startswith(b"HTTP/1.1 200") for client in clients)
+        assert all(answer(client)[0] == b"HTTP/1.1 200 OK" for client in clients)
 
 
 def test_while_a_neighbour_is_busy_a_flood_runs_its_share_and_the_rest_wait_unlost() -> None:
@@ -139,24 +130,24 @@ def test_while_a_neighbour_is_busy_a_flood_runs_its_share_and_the_rest_wait_unlo
         time.sleep(0.5)  # time enough for all 8 to be in, were they let in
         assert shared.a.most == WHILE_SHARED
         # Health probes never wait for a slot, nor does a neighbour's next call.
-        assert answer(send(shared.a, "/healthz")).startswith(b"HTTP/1.1 200")
-        assert answer(send(shared.b, "/quick")).endswith(b"/quick")
+        assert answer(send(shared.a, "/healthz"))[0] == b"HTTP/1.1 200 OK"
+        assert answer(send(shared.b, "/quick"))[1] == b"/quick"
         assert shared.a.inside == WHILE_SHARED
         shared.let_go()
-        assert answer(neighbour).startswith(b"HTTP/1.1 200")
-        assert all(answer(client).startswith(b"HTTP/1.1 200") for client in flood)
+        assert answer(neighbour)[0] == b"HTTP/1.1 200 OK"
+        assert all(answer(client)[0] == b"HTTP/1.1 200 OK" for client in flood)
 
 
 def test_a_neighbour_between_two_calls_still_counts_as_busy() -> None:
     # An agent that calls one step at a time has nothing running between its calls: the flood stays held back.
     with two_environments(FairShare(while_shared=WHILE_SHARED, slot_s=60, recent_s=60)) as shared:
-        assert answer(send(shared.b, "/quick")).endswith(b"/quick")
+        assert answer(send(shared.b, "/quick"))[1] == b"/quick"
         flood = [send(shared.a, "/hold") for _ in range(8)]
         wait_for(lambda: shared.a.inside == WHILE_SHARED)
         time.sleep(0.5)
         assert shared.a.most == WHILE_SHARED
         shared.let_go()
-        assert all(answer(client).startswith(b"HTTP/1.1 200") for client in flood)
+        assert all(answer(client)[0] == b"HTTP/1.1 200 OK" for client in flood)
 
 
 def test_a_waiting_request_whose_client_leaves_is_forgotten() -> None:
@@ -171,8 +162,8 @@ def test_a_waiting_request_whose_client_leaves_is_forgotten() -> None:
             client.close()
         wait_for(lambda: not waiting)
         shared.let_go()
-        assert answer(neighbour).startswith(b"HTTP/1.1 200")
-        assert all(answer(client).startswith(b"HTTP/1.1 200") for client in flood[:WHILE_SHARED])
+        assert answer(neighbour)[0] == b"HTTP/1.1 200 OK"
+        assert all(answer(client)[0] == b"HTTP/1.1 200 OK" for client in flood[:WHILE_SHARED])
         assert shared.a.most == WHILE_SHARED
 
 
@@ -180,11 +171,11 @@ def test_a_request_that_runs_past_its_slot_holds_up_none_of_its_environments_oth
     # Requests that wait (on their worker, their checks) past slot_s are not running on the loop: the others start,
     # a share at a time, though nothing ends and nothing new arrives. The neighbour stays busy throughout (recent_s).
     with two_environments(FairShare(while_shared=WHILE_SHARED, slot_s=0.05, recent_s=60)) as shared:
-        assert answer(send(shared.b, "/quick")).endswith(b"/quick")
+        assert answer(send(shared.b, "/quick"))[1] == b"/quick"
         flood = [send(shared.a, "/hold") for _ in range(8)]
         wait_for(lambda: shared.a.inside == 8)
         shared.let_go()
-        assert all(answer(client).startswith(b"HTTP/1.1 200") for client in flood)
+        assert all(answer(client)[0] == b"HTTP/1.1 200 OK" for client in flood)
 
 
 def test_a_fair_share_refuses_a_share_below_one() -> None:

@@ -333,9 +333,9 @@ def register_farm(commands: argparse._SubParsersAction) -> None:
     process.add_argument("--envs-per-server", type=positive_int, default=1, metavar="N",
                          help=f"environments one server process serves (at most {MAX_ENVS_PER_SERVER}): each keeps its own "
                               "port, token and sandboxed workers, and the server's memory (about 10 MB) is shared among "
-                              "them; but they share its event loop (each a fair share of it while another is busy) and its limits "
-                              "(--memory-mb times N), and a server that "
-                              "crashes or hangs is restarted with all of them (default: 1, a server per environment)")
+                              "them; but they share its event loop (each a fair share of it while another is busy) and its "
+                              "limits (--memory-mb times N), and a server that crashes or hangs is restarted with all of "
+                              "them (default: 1, a server per environment)")
     swarm = up.add_argument_group("swarm backend")
     swarm.add_argument("--registry", metavar="HOST:PORT", help="registry the farm's images are pushed to and every node pulls from (required)")
     swarm.add_argument("--replicas", type=int, default=1, help="servers per environment, spread over the nodes (default: 1)")

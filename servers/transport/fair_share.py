@@ -82,9 +82,7 @@ class Seat:
 
     def give_back(self, slot: Slot) -> None:
         """``slot``'s request ended."""
-        if slot.counted:
-            slot.counted = False
-            self.running -= 1
+        self._uncount(slot)
         self.last_ended = time.monotonic()
         self.share.start_waiting()
 
@@ -92,10 +90,12 @@ class Seat:
         """Slots taken ``slot_s`` ago or more stop counting."""
         held, limit = self._held, self.share.slot_s
         while held and (not held[0].counted or now - held[0].taken >= limit):
-            slot = held.popleft()
-            if slot.counted:
-                slot.counted = False
-                self.running -= 1
+            self._uncount(held.popleft())
+
+    def _uncount(self, slot: Slot) -> None:
+        if slot.counted:
+            slot.counted = False
+            self.running -= 1
 
     def _on_timer(self) -> None:
         self._timer = None
