@@ -6,7 +6,7 @@ id, in any order. The server never unpickles or evaluates what the worker sends:
 untrusted code, so its frames are parsed as JSON into the models below, with a size cap, and
 anything else is a broken worker.
 
-Any text an agent sends crosses, a lone surrogate (``"\udfff"``) included: it is written as its JSON
+Any text an agent sends crosses, a lone surrogate (``"\\udfff"``) included: it is written as its JSON
 escape (``servers.transport.asgi.json_bytes``) and read back by :func:`decode`.
 """
 
