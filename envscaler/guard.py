@@ -357,8 +357,10 @@ _REFUSED: tuple[tuple[str, str, str], ...] = (
     *(("sys", name, "change the interpreter's tracing, switching or recursion limits: they keep its time limits and its stack safe")
       for name in ("settrace", "setprofile", "setswitchinterval", "setrecursionlimit")),
     *(("threading", name, "change how threads are traced") for name in ("settrace", "setprofile")),
-    *(("_thread", name, "start threads: one would run on after its call") for name in ("start_new_thread", "start_new")),
-    ("threading", "_start_new_thread", "start threads: one would run on after its call"),
+    # threading.Thread.start calls _start_new_thread up to Python 3.12, _start_joinable_thread from 3.13 on.
+    *(("_thread", name, "start threads: one would run on after its call")
+      for name in ("start_new_thread", "start_new", "start_joinable_thread")),
+    *(("threading", name, "start threads: one would run on after its call") for name in ("_start_new_thread", "_start_joinable_thread")),
     *(("os", name, "start processes") for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system")),
     ("_posixsubprocess", "fork_exec", "start processes"),
 )
