@@ -22,12 +22,13 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import pytest
 
 from servers.episodes.store import ABANDON_GRACE_S
-from servers.workers.process import GRACE_S
+from servers.workers.process import GRACE_S, START_TIMEOUT_S
 from tests.support.bundles import counter_bundle, counter_scenario
 from tests.support.cli import envscaler
 from tests.support.hostile import wall_bundle
@@ -97,6 +98,7 @@ class Farm:
     victim: Endpoint
     same: Bystander
     other: Bystander
+    logs: Path  # the servers' logs, one file per environment
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +115,7 @@ def farm(tmp_path_factory) -> Iterator[Farm]:
         with endpoints["wall"].control() as wall_http, endpoints["counter"].control() as victim_http:
             same = Bystander(endpoints["wall"], endpoints["wall"].new_episode(wall_http, "wall_001"))
             other = Bystander(endpoints["counter"], endpoints["counter"].new_episode(victim_http, "counter_001"))
-        yield Farm(endpoints["wall"], endpoints["counter"], same, other)
+        yield Farm(endpoints["wall"], endpoints["counter"], same, other, root / "farm.json.farm" / "logs")
     finally:
         # The servers' logs stay in the test's folder for whoever reads a failure.
         shutil.copytree(root / "farm.json.farm" / "logs", root / "logs", dirs_exist_ok=True)
@@ -256,6 +258,13 @@ def test_nothing_else_was_lost(farm):
             assert http.post(f"/episodes/{episode_id}/validate").status_code == 200
     info = farm.wall.control().get("/info").json()
     assert info["episodes_lost"] == 1 and info["worker_restarts"] >= 10, info  # the lingering thread's episode only
+    # Each replacement is in the wall's log, naming its environment and how long the new worker took to start.
+    lines = (farm.logs / "wall.log").read_text().splitlines()
+    restarts = [record for record in map(json.loads, filter(lambda line: line.startswith("{"), lines))
+                if record.get("event") == "environment worker restarted"]
+    assert len(restarts) == info["worker_restarts"], restarts
+    assert all(r["env"] == "wall" and 0 < r["start_s"] < START_TIMEOUT_S for r in restarts), restarts
+    assert "restarted" not in (farm.logs / "counter.log").read_text()
     assert httpx.get(f"{farm.victim.url}/info", headers={"Authorization": f"Bearer {farm.victim.token}"}).json()["worker_restarts"] == 0
 
 

@@ -556,6 +556,7 @@ class WorkerProcess:
     async def _attach(self) -> _Child:
         loop = asyncio.get_running_loop()
         fresh = self._child is None or self._child.gone
+        started = time.monotonic()
         if fresh:
             if self._child is not None:
                 self.restarts += 1
@@ -574,7 +575,8 @@ class WorkerProcess:
             if status == FAILED:
                 raise EnvCodeError(decode(WorkerFailure, payload).message)
             if self.restarts:
-                log.warning(f"{self.role} restarted", extra={"restarts": self.restarts})
+                log.warning(f"{self.role} restarted", extra={"env": self.env_id, "restarts": self.restarts,
+                                                              "start_s": round(time.monotonic() - started, 3)})
         return child
 
     def lose(self, child: _Child, reason: str, hung: bool = False, blame: bool = True, late_blamed: bool = False,
