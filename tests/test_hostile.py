@@ -6,7 +6,9 @@ a crash, a result nested a million deep). A process farm (sandboxed where worker
 a plain counter environment, with a call and check limit of 1 s. For each attack:
 
 - the bad call gets an error within its limit plus the grace, twice over when other calls were in
-  flight on its worker (it is run again alone before it is blamed);
+  flight on its worker (it is run again alone before it is blamed); on a machine short of CPU, later by
+  what the server says the machine cost it (its deadlines moved by the worker's waits for a CPU, its
+  worker's replacements slower than the bound allows);
 - an episode of the same environment and one of the other keep calling while it happens, and answer
   every call correctly, each within a bound tied to the limits (the other environment's within one
   bad call's time, the same environment's, caught up in a fall and run again, within two);
@@ -149,6 +151,17 @@ def while_bystanders_call(farm: Farm, attack) -> tuple[object, float]:
     return result, took
 
 
+def machine_delays(logs: Path, env_id: str, since: float) -> float:
+    """What the machine added since ``since`` (``time.time()``) to the bad calls of ``env_id``, by its
+    server's log: the waits for a CPU its worker's missed deadlines were moved by, and each replacement's
+    start past ``RESTART_S``. Nothing on a machine with CPU to spare."""
+    records = [json.loads(line) for line in (logs / f"{env_id}.log").read_text().splitlines() if line.startswith("{")]
+    mine = [record for record in records if record.get("env") == env_id and record.get("ts", 0) >= since]
+    waits = sum(record["cpu_wait_s"] for record in mine if record["event"] == "environment worker missed a deadline")
+    starts = sum(max(0.0, record["start_s"] - RESTART_S) for record in mine if record["event"] == "environment worker restarted")
+    return waits + starts
+
+
 # (tool, arguments, text of the error the bad call gets, the error's kind); a list of texts and kinds
 # where the attack ends one way or the other by the machine's speed.
 FREEZES = [
@@ -175,10 +188,11 @@ FREEZES = [
 def test_a_bad_call_gets_an_error_in_time_and_costs_nobody_else(farm, tool, arguments, text, kind):
     with farm.wall.control() as http:
         bad = farm.wall.new_episode(http, "wall_001")
+        since = time.time()
         result, took = while_bystanders_call(farm, lambda: call(http, bad["mcp_url"], tool, arguments))
         texts, kinds = (text, kind) if isinstance(text, list) else ([text], [kind])
         assert result["isError"] and any(t in result["content"][0]["text"] for t in texts), result
-        assert took < SHARED_WITHIN_S, took
+        assert took < SHARED_WITHIN_S + machine_delays(farm.logs, "wall", since), took
         calls = http.get(f"/episodes/{bad['episode_id']}/trajectory").json()["calls"]
         assert len(calls) == 1 and calls[0]["error_kind"] in kinds, calls
         # The bad episode goes on from before its call (or was never touched by it).
@@ -194,9 +208,10 @@ def test_parallel_calls_that_fill_every_call_thread_cost_nobody_else(farm):
             with ThreadPoolExecutor(len(bad)) as pool:
                 return list(pool.map(lambda episode: call(http, episode["mcp_url"], "nap", {"seconds": 90}), bad))
 
+        since = time.time()
         results, took = while_bystanders_call(farm, flood)
     assert all(r["isError"] for r in results), results
-    assert took < WITHIN_S + 2.0, took
+    assert took < WITHIN_S + 2.0 + machine_delays(farm.logs, "wall", since), took
     assert httpx.get(f"{farm.wall.url}/healthz").json()["status"] == "ok"
 
 

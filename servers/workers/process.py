@@ -676,6 +676,9 @@ class WorkerProcess:
         overdue = [pending for pending, deadline in deadlines.items() if deadline <= now]
         if overdue and child is not None:
             late = min(overdue, key=deadlines.__getitem__)
+            # What the deadline was moved by: on a machine short of CPU, why the loss came that much past the limit.
+            log.warning(f"{self.role} missed a deadline", extra={"env": self.env_id, "serial": child.serial, "request": late.what,
+                                                                "limit_s": late.limit_s, "cpu_wait_s": round(late.credit.seconds if late.credit else 0.0, 3)})
             self.lose(self._child, f"the {self.role} did not answer {late.what} within {late.limit_s:g} s and was restarted", hung=True)
         if self._pending:
             asyncio.get_running_loop().call_later(_TICK_S, self._supervise)
