@@ -244,7 +244,7 @@ def test_down_leaves_nothing_also_after_kill_9(tmp_path, engine):
     assert engine.containers.list(filters={"label": label}) and engine.networks.list(filters={"label": label})
     os.kill(read_state(catalog)["daemon_pid"], signal.SIGKILL)
     # Its servers notice that the daemon's heartbeat stopped and stop themselves.
-    wait_until(lambda: engine.containers.list(filters={"label": label}) == [], timeout_s=30)
+    wait_until(lambda: engine.containers.list(filters={"label": label}, ignore_removed=True) == [], timeout_s=30)
     down = envscaler("farm", "down", "--catalog", str(catalog), timeout=DOCKER_TIMEOUT_S)
     assert down.returncode == 0, down.stderr
     assert engine.containers.list(all=True, filters={"label": label}) == []

@@ -280,7 +280,8 @@ def test_down_leaves_nothing_on_any_node_or_the_manager(farm, swarm):
     def nodes_clean() -> bool:
         for name in swarm.nodes:
             engine = swarm.client(name)
-            if engine.containers.list(all=True, filters={"label": farm_label}):
+            # ignore_removed: a container the node removes between the list and its inspection is gone, as wanted.
+            if engine.containers.list(all=True, filters={"label": farm_label}, ignore_removed=True):
                 return False
             if any(network.name.startswith(f"envscaler-{farm_ident}") for network in engine.networks.list()):
                 return False

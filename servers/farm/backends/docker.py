@@ -83,8 +83,12 @@ def remove_farm_resources(farm_id: str) -> int:
     """Remove every container and network labelled with this farm, and the host rule; how many."""
     client = docker_client()
     removed = 0
-    for container in client.containers.list(all=True, filters={"label": f"{LABEL_FARM}={farm_id}"}):
-        container.remove(force=True)
+    # A container may go while this runs (its engine removing it, another 'farm down'): gone is what we want.
+    for container in client.containers.list(all=True, filters={"label": f"{LABEL_FARM}={farm_id}"}, ignore_removed=True):
+        try:
+            container.remove(force=True)
+        except docker.errors.NotFound:
+            continue
         removed += 1
     while _iptables("-D", _input_rule(farm_id)):
         continue
