@@ -151,12 +151,16 @@ def while_bystanders_call(farm: Farm, attack) -> tuple[object, float]:
     return result, took
 
 
+def log_records(logs: Path, env_id: str) -> list[dict]:
+    """The JSON records of ``env_id``'s server log, in order."""
+    return [json.loads(line) for line in (logs / f"{env_id}.log").read_text().splitlines() if line.startswith("{")]
+
+
 def machine_delays(logs: Path, env_id: str, since: float) -> float:
     """What the machine added since ``since`` (``time.time()``) to the bad calls of ``env_id``, by its
     server's log: the waits for a CPU its worker's missed deadlines were moved by, and each replacement's
     start past ``RESTART_S``. Nothing on a machine with CPU to spare."""
-    records = [json.loads(line) for line in (logs / f"{env_id}.log").read_text().splitlines() if line.startswith("{")]
-    mine = [record for record in records if record.get("env") == env_id and record.get("ts", 0) >= since]
+    mine = [record for record in log_records(logs, env_id) if record.get("env") == env_id and record.get("ts", 0) >= since]
     waits = sum(record["cpu_wait_s"] for record in mine if record["event"] == "environment worker missed a deadline")
     starts = sum(max(0.0, record["start_s"] - RESTART_S) for record in mine if record["event"] == "environment worker restarted")
     return waits + starts
@@ -274,9 +278,7 @@ def test_nothing_else_was_lost(farm):
     info = farm.wall.control().get("/info").json()
     assert info["episodes_lost"] == 1 and info["worker_restarts"] >= 10, info  # the lingering thread's episode only
     # Each replacement is in the wall's log, naming its environment and how long the new worker took to start.
-    lines = (farm.logs / "wall.log").read_text().splitlines()
-    restarts = [record for record in map(json.loads, filter(lambda line: line.startswith("{"), lines))
-                if record.get("event") == "environment worker restarted"]
+    restarts = [record for record in log_records(farm.logs, "wall") if record.get("event") == "environment worker restarted"]
     assert len(restarts) == info["worker_restarts"], restarts
     assert all(r["env"] == "wall" and 0 < r["start_s"] < START_TIMEOUT_S for r in restarts), restarts
     assert "restarted" not in (farm.logs / "counter.log").read_text()

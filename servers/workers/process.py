@@ -678,7 +678,7 @@ class WorkerProcess:
             late = min(overdue, key=deadlines.__getitem__)
             # What the deadline was moved by: on a machine short of CPU, why the loss came that much past the limit.
             log.warning(f"{self.role} missed a deadline", extra={"env": self.env_id, "serial": child.serial, "request": late.what,
-                                                                "limit_s": late.limit_s, "cpu_wait_s": round(late.credit.seconds if late.credit else 0.0, 3)})
+                                                                "limit_s": late.limit_s, "cpu_wait_s": round(late.credited_s, 3)})
             self.lose(self._child, f"the {self.role} did not answer {late.what} within {late.limit_s:g} s and was restarted", hung=True)
         if self._pending:
             asyncio.get_running_loop().call_later(_TICK_S, self._supervise)
@@ -691,8 +691,8 @@ class WorkerProcess:
         that answers others while one request outlives its wait by more is stuck on it: a thread that holds
         the GIL in C, say, and its other episodes must not wait on it for ``queue_wait_s``); both moved later
         by what the child waited for a CPU since the request's mark."""
-        waited = 0.0 if pending.credit is None else pending.credit.seconds
-        return min(max(pending.sent, self._heard) + pending.wait_s, pending.sent + pending.wait_s + min(self.queue_wait_s, GRACE_S)) + waited
+        return (min(max(pending.sent, self._heard) + pending.wait_s, pending.sent + pending.wait_s + min(self.queue_wait_s, GRACE_S))
+                + pending.credited_s)
 
     @staticmethod
     def _waited(pending: _Pending) -> float:
@@ -746,3 +746,8 @@ class _Pending:
         self.holding = holding
         # Taken by the supervisor once it has waited MARK_AFTER_S (most requests are answered long before).
         self.credit: CpuWaitCredit | None = None
+
+    @property
+    def credited_s(self) -> float:
+        """What the child waited for a CPU since this request's mark, at the last reading: what its deadline is moved by."""
+        return 0.0 if self.credit is None else self.credit.seconds
